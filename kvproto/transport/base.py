@@ -1,0 +1,170 @@
+"""The Transport protocol: what a data-plane adapter must do, and nothing more.
+
+Theory of operation
+-------------------
+An adapter moves bytes from this process's registered memory into a peer's registered memory
+and carries short notification *tags* alongside. It posts and polls; it never retries, sleeps,
+times out or decides anything about rooms (house rule 6): rooms decide.
+
+Every call is non-blocking and must be made from the adapter's one owner (the endpoint's
+progress task); adapters are not thread-safe.
+
+Descriptors are ``(address, length, device_id)`` rows. A caller prepares a *descriptor list*
+once (its own memory: ``peer=None``; a peer's memory: ``peer=name``) and then posts writes that
+pick rows of two prepared lists by index. Consecutive indices whose memory is contiguous are
+merged by the adapter where it can. ``post_descs`` posts rows built for one write only, for
+irregular patterns that were not worth preparing.
+
+A write's tag reaches the peer's ``drain_notifications`` only after all of the write's bytes
+are visible in the peer's memory. ``notify`` sends a tag with no bytes.
+
+Failures raise ``TransportError``; a write that fails after posting polls as ``XferState.ERROR``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+
+class MemKind(enum.IntEnum):
+    """Memory kinds. Values are wire numbers: never renumber."""
+
+    DRAM = 0
+    VRAM = 1
+
+
+class XferState(enum.IntEnum):
+    PENDING = 0
+    DONE = 1
+    ERROR = 2
+
+
+class TransportError(RuntimeError):
+    """An adapter call failed (bad descriptor, unknown peer, backend error)."""
+
+
+class TransportClosed(TransportError):
+    """The adapter was closed; no call but ``close`` is allowed."""
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryRegion:
+    """A range of this process's memory to register."""
+
+    address: int
+    length: int
+    device_id: int = 0
+    kind: MemKind = MemKind.DRAM
+
+
+@dataclass(frozen=True, slots=True)
+class Notification:
+    peer: str
+    tag: bytes
+
+
+class Registration(Protocol):
+    """Opaque handle of registered memory."""
+
+
+class DescList(Protocol):
+    """Opaque handle of a prepared descriptor list. ``len()`` is its row count."""
+
+    def __len__(self) -> int: ...
+
+
+class Xfer(Protocol):
+    """Opaque handle of one posted write."""
+
+
+def as_descs(rows: np.ndarray | Sequence[tuple[int, int, int]]) -> np.ndarray:
+    """Rows as an ``(N, 3)`` int64 array of (address, length, device_id)."""
+    arr = np.asarray(rows, dtype=np.int64)
+    if arr.size == 0:
+        return np.zeros((0, 3), dtype=np.int64)
+    if arr.ndim != 2 or arr.shape[1] != 3:
+        raise TransportError(f"descriptor rows must be (N, 3), got shape {arr.shape}")
+    if (arr[:, 1] <= 0).any():
+        raise TransportError("descriptor lengths must be positive")
+    return arr
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """A data-plane adapter. See the module docstring for the contract."""
+
+    name: str
+    """This agent's name, unique among the agents that talk to each other."""
+
+    def memory_kinds(self) -> frozenset[MemKind]:
+        """Memory kinds this adapter can register."""
+        ...
+
+    def register(self, regions: Sequence[MemoryRegion]) -> Registration:
+        """Register memory for local and remote access."""
+        ...
+
+    def deregister(self, registration: Registration) -> None: ...
+
+    def metadata(self) -> bytes:
+        """Opaque bytes a peer passes to ``add_peer`` to reach this agent's registered memory."""
+        ...
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Load a peer's metadata; returns the peer's agent name."""
+        ...
+
+    def remove_peer(self, peer: str) -> None: ...
+
+    def prepare(self, peer: str | None, rows: np.ndarray, kind: MemKind) -> DescList:
+        """Prepare descriptor rows (``peer=None``: local memory) for later ``post_prepared``."""
+        ...
+
+    def release_prepared(self, dlist: DescList) -> None: ...
+
+    def post_prepared(
+        self,
+        peer: str,
+        local: DescList,
+        local_idx: np.ndarray,
+        remote: DescList,
+        remote_idx: np.ndarray,
+        tag: bytes,
+    ) -> Xfer:
+        """Post a WRITE of ``local[local_idx[i]]`` into ``remote[remote_idx[i]]`` for every i."""
+        ...
+
+    def post_descs(
+        self,
+        peer: str,
+        local_rows: np.ndarray,
+        local_kind: MemKind,
+        remote_rows: np.ndarray,
+        remote_kind: MemKind,
+        tag: bytes,
+    ) -> Xfer:
+        """Post a WRITE from rows built for this write only."""
+        ...
+
+    def poll(self, xfer: Xfer) -> XferState: ...
+
+    def release(self, xfer: Xfer) -> None:
+        """Free a write's handle. Releasing a PENDING write is allowed only when its peer is gone."""
+        ...
+
+    def notify(self, peer: str, tag: bytes) -> None:
+        """Send a tag with no bytes."""
+        ...
+
+    def drain_notifications(self) -> list[Notification]:
+        """Tags that arrived since the last call, in arrival order. Also drives progress."""
+        ...
+
+    def close(self) -> None:
+        """Release everything. Idempotent."""
+        ...
