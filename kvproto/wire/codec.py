@@ -1,0 +1,220 @@
+"""Fixed-width binary codec: the frame header and a tiny field grammar for message bodies.
+
+Theory of operation
+-------------------
+Every control frame is a 24-byte little-endian header followed by a body::
+
+    offset size field
+    0      2    magic        b"KV"
+    2      1    major        1
+    3      1    minor        0..255 (additions only)
+    4      1    msg_type     MsgType
+    5      1    flags        bit set; unknown bits are ignored
+    6      2    reserved     sent as 0, ignored on receipt
+    8      8    room_id      u64, 0 for messages that concern no room
+    16     4    generation   u32, the receiver-chosen incarnation of the room (0: none)
+    20     4    body_len     u32, must equal the bytes that follow
+
+A body is a sequence of fields, each of a fixed kind (``u8 u16 u32 u64 str bytes u32[] T[]``).
+Strings carry a u16 byte length then UTF-8; byte strings a u32 length; arrays a u32 count.
+A decoder reads the fields it knows in order. Fields appended by a later minor version are
+*optional*: a body that ends before one decodes it as its default, and bytes after the last
+known field are ignored. That is the whole compatibility rule for minor versions.
+
+Invariant: every input either decodes or raises a ``RemoteProtocolError`` subclass
+(``MalformedFrame``, ``UnsupportedVersion``, ``FrameTooLarge``); nothing else escapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from array import array
+from typing import Any, ClassVar
+
+from kvproto.wire.errors import FrameTooLarge, MalformedFrame, UnsupportedVersion
+
+MAGIC = b"KV"
+MAJOR = 1
+MINOR = 0
+HEADER = struct.Struct("<2sBBBBHQII")
+HEADER_SIZE = HEADER.size  # 24
+MAX_FRAME = 16 * 1024 * 1024
+"""Frames larger than this are refused before decoding."""
+
+_U = {"u8": struct.Struct("<B"), "u16": struct.Struct("<H"), "u32": struct.Struct("<I"), "u64": struct.Struct("<Q")}
+_MAX = {"u8": 0xFF, "u16": 0xFFFF, "u32": 0xFFFFFFFF, "u64": 0xFFFFFFFFFFFFFFFF}
+_LITTLE = struct.pack("=H", 1) == struct.pack("<H", 1)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Header:
+    msg_type: int
+    room_id: int = 0
+    generation: int = 0
+    flags: int = 0
+    major: int = MAJOR
+    minor: int = MINOR
+
+
+class _Reader:
+    __slots__ = ("buf", "pos", "end")
+
+    def __init__(self, buf: memoryview) -> None:
+        self.buf = buf
+        self.pos = 0
+        self.end = len(buf)
+
+    def at_end(self) -> bool:
+        return self.pos >= self.end
+
+    def take(self, n: int, what: str) -> memoryview:
+        if n < 0 or self.pos + n > self.end:
+            raise MalformedFrame(f"truncated {what}: need {n} bytes at offset {self.pos}, have {self.end - self.pos}")
+        view = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return view
+
+    def uint(self, kind: str, what: str) -> int:
+        s = _U[kind]
+        return s.unpack(self.take(s.size, what))[0]
+
+
+class Body:
+    """Base of message bodies: a frozen dataclass plus ``FIELDS``, the ordered field grammar.
+
+    ``FIELDS`` rows are ``(name, kind)``; ``kind`` is one of ``u8 u16 u32 u64 str bytes u32[]``
+    or a ``Body`` subclass (one nested record) or ``[SubBody]`` (a counted list of records).
+    ``OPTIONAL_FROM`` is the index of the first field that a body may omit (minor additions).
+    """
+
+    FIELDS: ClassVar[tuple[tuple[str, Any], ...]] = ()
+    OPTIONAL_FROM: ClassVar[int | None] = None
+
+    def encode_into(self, out: bytearray) -> None:
+        for name, kind in self.FIELDS:
+            _encode_field(out, kind, getattr(self, name), f"{type(self).__name__}.{name}")
+
+    @classmethod
+    def decode_from(cls, r: _Reader, **header_fields: int) -> Any:
+        values: dict[str, Any] = dict(header_fields)
+        for i, (name, kind) in enumerate(cls.FIELDS):
+            if r.at_end() and cls.OPTIONAL_FROM is not None and i >= cls.OPTIONAL_FROM:
+                break  # absent optional fields take their defaults
+            values[name] = _decode_field(r, kind, f"{cls.__name__}.{name}")
+        try:
+            return cls(**values)
+        except (TypeError, ValueError) as exc:
+            raise MalformedFrame(f"invalid {cls.__name__}: {exc}") from None
+
+
+def _encode_field(out: bytearray, kind: Any, value: Any, what: str) -> None:
+    if isinstance(kind, str):
+        if kind in _U:
+            if not isinstance(value, int):
+                raise TypeError(f"{what}: expected int, got {type(value).__name__}")
+            if not 0 <= value <= _MAX[kind]:
+                raise ValueError(f"{what}: {value} does not fit {kind}")
+            out += _U[kind].pack(value)
+        elif kind == "str":
+            data = value.encode("utf-8")
+            if len(data) > 0xFFFF:
+                raise ValueError(f"{what}: string of {len(data)} bytes exceeds 65535")
+            out += _U["u16"].pack(len(data))
+            out += data
+        elif kind == "bytes":
+            data = bytes(value)
+            out += _U["u32"].pack(len(data))
+            out += data
+        elif kind == "u32[]":
+            try:
+                arr = value if isinstance(value, array) and value.typecode == "I" else array("I", value)
+            except OverflowError:
+                raise ValueError(f"{what}: an element does not fit u32") from None
+            if not _LITTLE:  # pragma: no cover - big-endian hosts
+                arr = array("I", arr)
+                arr.byteswap()
+            out += _U["u32"].pack(len(arr))
+            out += arr.tobytes()
+        else:  # pragma: no cover - grammar bug
+            raise AssertionError(f"unknown field kind {kind!r}")
+    elif isinstance(kind, list):
+        (sub,) = kind
+        out += _U["u32"].pack(len(value))
+        for item in value:
+            if not isinstance(item, sub):
+                raise TypeError(f"{what}: expected {sub.__name__}, got {type(item).__name__}")
+            item.encode_into(out)
+    else:
+        if not isinstance(value, kind):
+            raise TypeError(f"{what}: expected {kind.__name__}, got {type(value).__name__}")
+        value.encode_into(out)
+
+
+def _decode_field(r: _Reader, kind: Any, what: str) -> Any:
+    if isinstance(kind, str):
+        if kind in _U:
+            return r.uint(kind, what)
+        if kind == "str":
+            n = r.uint("u16", what)
+            try:
+                return str(r.take(n, what), "utf-8")
+            except UnicodeDecodeError as exc:
+                raise MalformedFrame(f"{what}: invalid UTF-8 ({exc.reason})") from None
+        if kind == "bytes":
+            return bytes(r.take(r.uint("u32", what), what))
+        if kind == "u32[]":
+            n = r.uint("u32", what)
+            arr = array("I")
+            arr.frombytes(r.take(4 * n, what))
+            if not _LITTLE:  # pragma: no cover
+                arr.byteswap()
+            return tuple(arr)
+        raise AssertionError(f"unknown field kind {kind!r}")  # pragma: no cover
+    if isinstance(kind, list):
+        (sub,) = kind
+        n = r.uint("u32", what)
+        if n > r.end - r.pos:  # every record takes at least one byte: cheap bound
+            raise MalformedFrame(f"{what}: count {n} exceeds the frame")
+        return tuple(sub.decode_from(r) for _ in range(n))
+    return kind.decode_from(r)
+
+
+# --- frames ------------------------------------------------------------------------------
+
+
+def encode_frame(header: Header, body: Body) -> bytes:
+    out = bytearray(HEADER_SIZE)
+    body.encode_into(out)
+    body_len = len(out) - HEADER_SIZE
+    if len(out) > MAX_FRAME:
+        raise ValueError(f"frame of {len(out)} bytes exceeds MAX_FRAME {MAX_FRAME}")
+    try:
+        HEADER.pack_into(
+            out, 0, MAGIC, header.major, header.minor, header.msg_type, header.flags, 0,
+            header.room_id, header.generation, body_len,
+        )
+    except struct.error as exc:
+        raise ValueError(f"header field out of range: {exc}") from None
+    return bytes(out)
+
+
+def decode_header(frame: bytes | memoryview) -> tuple[Header, memoryview]:
+    """Split a frame into its header and body view, checking magic, version and length."""
+    view = memoryview(frame)
+    if len(view) > MAX_FRAME:
+        raise FrameTooLarge(f"frame of {len(view)} bytes exceeds the bound {MAX_FRAME}")
+    if len(view) < HEADER_SIZE:
+        raise MalformedFrame(f"frame of {len(view)} bytes is shorter than the {HEADER_SIZE}-byte header")
+    magic, major, minor, msg_type, flags, _reserved, room_id, generation, body_len = HEADER.unpack_from(view)
+    if magic != MAGIC:
+        raise MalformedFrame(f"bad magic {bytes(magic)!r}")
+    if major != MAJOR:
+        raise UnsupportedVersion(f"major version {major} is not supported (this side speaks {MAJOR})", major)
+    if body_len != len(view) - HEADER_SIZE:
+        raise MalformedFrame(f"body_len {body_len} but {len(view) - HEADER_SIZE} body bytes follow")
+    return Header(msg_type, room_id, generation, flags, major, minor), view[HEADER_SIZE:]
+
+
+def decode_body(cls: type[Body], body: memoryview, **header_fields: int) -> Any:
+    return cls.decode_from(_Reader(body), **header_fields)
