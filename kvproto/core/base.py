@@ -1,0 +1,188 @@
+"""What the sender and receiver cores share: the room skeleton, transitions, endings, timers.
+
+Theory of operation
+-------------------
+``CoreBase.apply(room, input)`` is the only place that assigns ``room.state``: it looks up the
+table, performs the effect through the subclass's ``_effect`` hook, sets the next state, arms
+that state's deadline, and, when the state is terminal, emits exactly one ``RoomEnded`` and
+forgets the room (its maps, timers and progress), leaving only a bounded tombstone so that
+late messages are counted as late rather than unknown.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvproto.core.events import CoreStats, LinkKey, Output, RoomEnded, Send, Timeouts
+from kvproto.core.state import Effect, Input, Role, RoomState, transition
+from kvproto.core.timers import Timers
+from kvproto.wire import Abort, ErrorCode, LocalProtocolError
+
+TOMBSTONES = 65536
+"""How many ended room ids are remembered to tell late messages from unknown ones."""
+
+_TIMEOUT_CODE = {
+    RoomState.BOOTSTRAPPING: ErrorCode.BOOTSTRAP_TIMEOUT,
+    RoomState.WAITING_FOR_INPUT: ErrorCode.WAITING_TIMEOUT,
+    RoomState.TRANSFERRING: ErrorCode.TRANSFER_TIMEOUT,
+}
+
+
+@dataclass(slots=True, kw_only=True)
+class RoomBase:
+    room_id: int
+    state: RoomState = RoomState.BOOTSTRAPPING
+    code: ErrorCode | int | None = None
+    reason: str = ""
+    created: float = 0.0
+    ended: float | None = None
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+class CoreBase:
+    ROLE: Role
+
+    def __init__(self, *, timeouts: Timeouts | None = None) -> None:
+        self.timeouts = timeouts or Timeouts()
+        self.rooms: dict[int, Any] = {}
+        self.timers = Timers()
+        self.stats = CoreStats()
+        self._outputs: list[Output] = []
+        self._tombstones: OrderedDict[int, RoomState] = OrderedDict()
+        self.closed = False
+
+    # --- outputs -----------------------------------------------------------------------------
+    def pop_outputs(self) -> list[Output]:
+        out, self._outputs = self._outputs, []
+        return out
+
+    def send(self, link: LinkKey, message: Any) -> None:
+        self._outputs.append(Send(link, message))
+
+    # --- lookups ------------------------------------------------------------------------------
+    def room_state(self, room_id: int) -> RoomState | None:
+        room = self.rooms.get(room_id)
+        if room is not None:
+            return room.state
+        return self._tombstones.get(room_id)
+
+    def next_deadline(self) -> float | None:
+        return self.timers.next_deadline()
+
+    def _count_missing_room(self, room_id: int) -> None:
+        if room_id in self._tombstones:
+            self.stats.late_messages += 1
+        else:
+            self.stats.unknown_room_messages += 1
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise LocalProtocolError("endpoint is closed", ErrorCode.ENDPOINT_CLOSED)
+
+    def _new_room_check(self, room_id: int) -> None:
+        self._check_open()
+        if not 0 < room_id < 2**64:
+            raise LocalProtocolError(f"room id {room_id} outside [1, 2**64)")
+        if room_id in self.rooms:
+            raise LocalProtocolError(f"room {room_id} is already live", ErrorCode.DUPLICATE_ROOM)
+        self._tombstones.pop(room_id, None)
+
+    # --- the one place that assigns state -----------------------------------------------------
+    def apply(
+        self,
+        room: Any,
+        inp: Input,
+        now: float,
+        *,
+        code: ErrorCode | int | None = None,
+        reason: str = "",
+        origin: LinkKey | None = None,
+    ) -> None:
+        effect, nxt = transition(self.ROLE, room.state, inp)
+        if effect is Effect.ABSORB:
+            self.stats.late_messages += 1
+            return
+        if effect is Effect.LOCAL_ERROR:
+            raise LocalProtocolError(f"{inp.value} is not allowed in room {room.room_id} while {room.state.name}")
+        if effect is Effect.INTERNAL_ERROR:
+            code, reason = ErrorCode.INTERNAL_ERROR, f"unexpected {inp.value} while {room.state.name}"
+            effect = Effect.ABORT_PEERS
+        if inp is Input.TIMEOUT and code is None:
+            code = _TIMEOUT_CODE[room.state]
+            reason = reason or f"room {room.room_id} timed out while {room.state.name}"
+        if effect is Effect.ABORT_PEERS:
+            room.code = code if code is not None else ErrorCode.INTERNAL_ERROR
+            room.reason = reason
+            if inp is Input.PEER_VIOLATION:
+                self.stats.peer_violations += 1
+        follow = self._effect(room, effect, now, origin)
+        entered = nxt is not room.state
+        room.state = nxt
+        if nxt.terminal:
+            self._end(room, now)
+            return
+        if entered or (effect is Effect.RECORD and nxt is RoomState.TRANSFERRING):
+            self.timers.schedule(room.room_id, self._deadline(nxt, now))
+        if follow is not None:
+            self.apply(room, follow, now)
+
+    def _deadline(self, state: RoomState, now: float) -> float | None:
+        limit = {
+            RoomState.BOOTSTRAPPING: self.timeouts.bootstrap,
+            RoomState.WAITING_FOR_INPUT: self.timeouts.waiting,
+            RoomState.TRANSFERRING: self.timeouts.transfer,
+        }[state]
+        return None if limit is None else now + limit
+
+    def _end(self, room: Any, now: float) -> None:
+        room.ended = now
+        self.rooms.pop(room.room_id, None)
+        self.timers.cancel(room.room_id)
+        self._forget(room)
+        self._tombstones[room.room_id] = room.state
+        if len(self._tombstones) > TOMBSTONES:
+            self._tombstones.popitem(last=False)
+        if room.state is RoomState.SUCCESS:
+            self.stats.rooms_succeeded += 1
+        else:
+            self.stats.rooms_failed += 1
+        self._outputs.append(RoomEnded(room_id=room.room_id, state=room.state, code=room.code, reason=room.reason))
+
+    def _abort_message(self, room_id: int, generation: int, code: ErrorCode | int | None, reason: str) -> Abort:
+        return Abort(room_id=room_id, generation=generation, code=int(code or ErrorCode.INTERNAL_ERROR), reason=reason[:1000])
+
+    # --- timers, abort, close ------------------------------------------------------------------
+    def handle_timer(self, now: float) -> None:
+        for key in self.timers.pop_due(now):
+            room = self.rooms.get(key) if isinstance(key, int) else None
+            if room is not None:
+                self.apply(room, Input.TIMEOUT, now)
+            else:
+                self._other_timer(key, now)
+
+    def abort(self, room_id: int, now: float, reason: str = "aborted by the application") -> None:
+        room = self.rooms.get(room_id)
+        if room is None:
+            return  # already ended: abort is idempotent
+        self.apply(room, Input.LOCAL_ABORT, now, code=ErrorCode.ABORTED, reason=reason)
+
+    def close(self, now: float) -> None:
+        """Fail every live room with ENDPOINT_CLOSED (telling peers). Idempotent."""
+        if self.closed:
+            return
+        for room in list(self.rooms.values()):
+            self.apply(room, Input.CLOSE, now, code=ErrorCode.ENDPOINT_CLOSED, reason="endpoint closed")
+        self.closed = True
+
+    # --- hooks ------------------------------------------------------------------------------
+    def _effect(self, room: Any, effect: Effect, now: float, origin: LinkKey | None) -> Input | None:
+        """Perform ``effect``; may return an input to apply once the new state is set."""
+        raise NotImplementedError
+
+    def _forget(self, room: Any) -> None:
+        """Drop every trace of an ended room from the subclass's maps."""
+
+    def _other_timer(self, key: Any, now: float) -> None:
+        """A timer that is not a room's deadline fired."""

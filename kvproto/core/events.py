@@ -1,0 +1,95 @@
+"""What the sans-IO core asks its I/O layer to do, and the core's configuration.
+
+The core appends outputs to a list; the I/O layer pops and performs them in order. Outputs
+never block and never fail the core: a ``Send`` to a vanished peer is dropped by the I/O layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from kvproto.core.state import RoomState
+from kvproto.wire import ErrorCode, Message
+
+LinkKey = Hashable
+"""The I/O layer's name for a control link (a ZMQ routing id, a socket...)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Timeouts:
+    """Per-state deadlines in seconds (``None``: wait forever)."""
+
+    bootstrap: float | None = 30.0
+    """A room must leave BOOTSTRAPPING within this."""
+    waiting: float | None = 300.0
+    """A room may wait this long for the application's input."""
+    transfer: float | None = 300.0
+    """A TRANSFERRING room fails after this long without progress."""
+    parked: float = 30.0
+    """A transfer request for a room not yet opened is kept this long."""
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    link: LinkKey
+    message: Message
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PostWrite:
+    """Sender: write tokens ``[start_token, end_token)`` of the room to one decode rank.
+
+    ``src_pages`` are the prefill pages of the room from token 0; ``dst_pages`` the decode
+    pages from token 0. The I/O layer plans extents for the link's geometry and posts them as
+    one write tagged ``tag``; it reports back with ``write_done`` / ``write_failed``.
+    """
+
+    room_id: int
+    link: LinkKey
+    seq: int
+    tag: bytes
+    start_token: int
+    end_token: int
+    src_pages: Sequence[int]
+    dst_pages: Sequence[int]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PostAux:
+    """Sender: write aux slot ``src_slot`` into the decode rank's aux slot ``dst_slot``."""
+
+    room_id: int
+    link: LinkKey
+    seq: int
+    tag: bytes
+    src_slot: int
+    dst_slot: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoomEnded:
+    """The room reached SUCCESS or FAILED; the core has forgotten it."""
+
+    room_id: int
+    state: RoomState
+    code: ErrorCode | int | None = None
+    reason: str = ""
+
+
+Output = Send | PostWrite | PostAux | RoomEnded
+
+
+@dataclass(slots=True)
+class CoreStats:
+    """Counters an operator reads to see what the core absorbed."""
+
+    rooms_succeeded: int = 0
+    rooms_failed: int = 0
+    late_messages: int = 0
+    """Messages or tags for rooms that already ended (house rule 4): dropped."""
+    stale_tags: int = 0
+    """Tags naming another generation of a live room: dropped."""
+    unknown_room_messages: int = 0
+    """Messages for rooms never seen: dropped (or answered with UNKNOWN_ROOM)."""
+    peer_violations: int = 0

@@ -1,0 +1,293 @@
+"""The decode rank's sans-IO core: rooms that receive KV pushed by prefill ranks.
+
+Theory of operation
+-------------------
+A *cluster* is one prefill instance, named by its bootstrap address. The I/O layer bootstraps
+it (query, connect, register) and reports ``cluster_ready`` with the links to the prefill ranks
+that pair with this decode rank, each marked ``writer`` (it writes into this rank) and
+``aux_owner`` (it writes the aux slot), or ``cluster_failed`` with a code.
+
+A room waits in BOOTSTRAPPING for its cluster, in WAITING_FOR_INPUT for the application's
+destination (pages, token count, prefix, aux slot), then sends one TRANSFER_REQUEST to every
+paired prefill rank under a fresh *generation* and waits in TRANSFERRING.
+
+Completion is counted per writer identity, never by arrival count: writer ``w`` is complete
+when its TRANSFER_DONE said ``writes = n`` and tags with every ``seq`` in ``[0, n)`` arrived for
+the room's current generation, on the link whose agent name the transport reports as the
+sender. Duplicated tags are idempotent; tags of another generation are stale and dropped; a
+tag or TRANSFER_DONE from a link that is not an expected writer, or a ``seq >= n``, is a peer
+violation that fails the room.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+from kvproto.core.base import CoreBase, RoomBase
+from kvproto.core.events import LinkKey, Timeouts
+from kvproto.core.state import Effect, Input, Role, RoomState
+from kvproto.wire import (
+    NO_SLOT,
+    Abort,
+    ErrorCode,
+    LocalProtocolError,
+    MalformedTag,
+    Message,
+    TransferDone,
+    TransferRequest,
+    decode_tag,
+)
+
+ClusterKey = Hashable
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReceiverLink:
+    key: LinkKey
+    link_id: int
+    cluster: ClusterKey
+    prefill_rank: int
+    agent: str
+    writer: bool
+    aux_owner: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Destination:
+    pages: tuple[int, ...]
+    num_tokens: int
+    prefix_tokens: int
+    aux_slot: int | None
+
+
+@dataclass(slots=True)
+class _Progress:
+    writes: int | None = None
+    seqs: set[int] = field(default_factory=set)
+    nbytes: int = 0
+
+    def complete(self) -> bool:
+        return self.writes is not None and len(self.seqs) == self.writes
+
+
+@dataclass(slots=True, kw_only=True)
+class ReceiverRoom(RoomBase):
+    cluster: ClusterKey
+    generation: int = 0
+    destination: Destination | None = None
+    links: tuple[ReceiverLink, ...] = ()
+    writers: dict[int, _Progress] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Cluster:
+    ready: bool = False
+    links: tuple[ReceiverLink, ...] = ()
+    failure: tuple[ErrorCode | int, str] | None = None
+
+
+class ReceiverCore(CoreBase):
+    ROLE = Role.RECEIVER
+
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        num_blocks: int,
+        aux_slots: int = 0,
+        timeouts: Timeouts | None = None,
+        seed: int | None = None,
+    ) -> None:
+        super().__init__(timeouts=timeouts)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.aux_slots = aux_slots
+        self.clusters: dict[ClusterKey, _Cluster] = {}
+        self.links_by_id: dict[int, ReceiverLink] = {}
+        self._generation = random.Random(seed).randrange(1, 2**31)
+
+    # --- clusters and links ------------------------------------------------------------------
+    def cluster_status(self, cluster: ClusterKey) -> str:
+        state = self.clusters.get(cluster)
+        if state is None:
+            return "unknown"
+        return "ready" if state.ready else ("failed" if state.failure else "pending")
+
+    def cluster_pending(self, cluster: ClusterKey) -> None:
+        """Bootstrap of ``cluster`` (re)started: forget an earlier failure."""
+        self.clusters[cluster] = _Cluster()
+
+    def cluster_ready(self, cluster: ClusterKey, links: Sequence[ReceiverLink], now: float) -> None:
+        if not any(link.writer for link in links):
+            self.cluster_failed(cluster, ErrorCode.INCOMPATIBLE_GEOMETRY, "no prefill rank writes to this rank", now)
+            return
+        self.clusters[cluster] = _Cluster(ready=True, links=tuple(links))
+        for link in links:
+            self.links_by_id[link.link_id] = link
+        for room in [r for r in self.rooms.values() if r.cluster == cluster and r.state is RoomState.BOOTSTRAPPING]:
+            room.links = tuple(links)
+            self.apply(room, Input.LINKS_READY_WITH_INPUT if room.destination else Input.LINKS_READY, now)
+
+    def cluster_failed(self, cluster: ClusterKey, code: ErrorCode | int, reason: str, now: float) -> None:
+        state = self.clusters.setdefault(cluster, _Cluster())
+        for link in state.links:
+            self.links_by_id.pop(link.link_id, None)
+        state.ready, state.links, state.failure = False, (), (code, reason)
+        for room in [r for r in self.rooms.values() if r.cluster == cluster and not r.links]:  # still bootstrapping
+            self.apply(room, Input.PEER_GONE, now, code=code, reason=reason)
+
+    def remove_link(self, key: LinkKey, now: float, code: ErrorCode = ErrorCode.PEER_GONE, reason: str = "") -> None:
+        """A prefill rank is gone: its cluster must bootstrap again; rooms that need it fail."""
+        gone = next((link for link in self.links_by_id.values() if link.key == key), None)
+        if gone is None:
+            return
+        reason = reason or f"prefill rank {gone.prefill_rank} is gone"
+        for room in [r for r in self.rooms.values() if gone in r.links]:
+            self.apply(room, Input.PEER_GONE, now, code=code, reason=reason, origin=key)
+        self.cluster_failed(gone.cluster, code, reason, now)
+
+    # --- application API ----------------------------------------------------------------------
+    def open_room(self, room_id: int, cluster: ClusterKey, now: float) -> ReceiverRoom:
+        self._new_room_check(room_id)
+        room = ReceiverRoom(room_id=room_id, cluster=cluster, created=now)
+        self.rooms[room_id] = room
+        self.timers.schedule(room_id, self._deadline(RoomState.BOOTSTRAPPING, now))
+        state = self.clusters.get(cluster)
+        if state is not None and state.ready:
+            room.links = state.links
+            self.apply(room, Input.LINKS_READY, now)
+        elif state is not None and state.failure:
+            code, reason = state.failure
+            self.apply(room, Input.PEER_GONE, now, code=code, reason=reason)
+        return room
+
+    def set_destination(
+        self,
+        room_id: int,
+        pages: Sequence[int],
+        num_tokens: int,
+        now: float,
+        *,
+        prefix_tokens: int = 0,
+        aux_slot: int | None = None,
+    ) -> None:
+        room: ReceiverRoom | None = self.rooms.get(room_id)
+        if room is None:
+            if room_id in self._tombstones:
+                self.stats.late_messages += 1
+                return
+            raise LocalProtocolError(f"room {room_id} was never opened", ErrorCode.UNKNOWN_ROOM)
+        if room.destination is not None:
+            raise LocalProtocolError(f"room {room_id} already has its destination")
+        need = -(-num_tokens // self.block_size)
+        if not 0 < num_tokens < 2**32:
+            raise LocalProtocolError(f"token count {num_tokens} outside [1, 2**32)", ErrorCode.TOKEN_COUNT_MISMATCH)
+        if len(pages) != need:
+            raise LocalProtocolError(f"{num_tokens} tokens need {need} pages, got {len(pages)}",
+                                     ErrorCode.TOKEN_COUNT_MISMATCH)
+        bad = [p for p in pages if not 0 <= p < self.num_blocks]
+        if bad:
+            raise LocalProtocolError(f"page {bad[0]} outside [0, {self.num_blocks})", ErrorCode.INDEX_OUT_OF_RANGE)
+        if not 0 <= prefix_tokens <= num_tokens or prefix_tokens % self.block_size:
+            raise LocalProtocolError(f"prefix of {prefix_tokens} tokens must be whole blocks within {num_tokens}")
+        if aux_slot is not None and not 0 <= aux_slot < self.aux_slots:
+            raise LocalProtocolError(f"aux slot {aux_slot} outside [0, {self.aux_slots})", ErrorCode.INDEX_OUT_OF_RANGE)
+        dest = Destination(pages=tuple(pages), num_tokens=num_tokens, prefix_tokens=prefix_tokens, aux_slot=aux_slot)
+        if room.state is RoomState.BOOTSTRAPPING or room.state is RoomState.WAITING_FOR_INPUT:
+            room.destination = dest
+        self.apply(room, Input.DESTINATION, now)
+
+    # --- control plane ---------------------------------------------------------------------------
+    def on_message(self, key: LinkKey, msg: Message, now: float) -> None:
+        room: ReceiverRoom | None = self.rooms.get(msg.room_id)
+        if room is None:
+            self._count_missing_room(msg.room_id)
+            return
+        link = next((lk for lk in room.links if lk.key == key), None)
+        if link is None or msg.generation != room.generation:
+            self.stats.stale_tags += 1
+            return
+        if isinstance(msg, Abort):
+            self.apply(room, Input.PEER_ABORT, now, code=ErrorCode.coerce(msg.code),
+                       reason=f"prefill rank {link.prefill_rank} aborted: {msg.reason}", origin=key)
+        elif isinstance(msg, TransferDone):
+            self._on_done(room, link, msg, now)
+        else:
+            self.apply(room, Input.PEER_VIOLATION, now, code=ErrorCode.PEER_PROTOCOL_ERROR,
+                       reason=f"{type(msg).__name__} is not a message a decode rank accepts")
+
+    def _on_done(self, room: ReceiverRoom, link: ReceiverLink, msg: TransferDone, now: float) -> None:
+        progress = room.writers.get(link.link_id)
+        problem = None
+        if progress is None:
+            problem = f"prefill rank {link.prefill_rank} is not a writer of this rank but sent TRANSFER_DONE"
+        elif progress.writes is not None:
+            problem = f"second TRANSFER_DONE from prefill rank {link.prefill_rank}"
+        elif progress.seqs and max(progress.seqs) >= msg.writes:
+            problem = f"prefill rank {link.prefill_rank} reported {msg.writes} writes after write {max(progress.seqs)}"
+        if problem or progress is None:
+            self.apply(room, Input.PEER_VIOLATION, now, code=ErrorCode.PEER_PROTOCOL_ERROR, reason=problem or "")
+            return
+        progress.writes = msg.writes
+        progress.nbytes = msg.nbytes
+        self.apply(room, self._arrival_input(room, Input.WRITER_DONE), now)
+
+    # --- data plane ------------------------------------------------------------------------------
+    def on_notification(self, agent: str, data: bytes, now: float) -> None:
+        """A transport notification from agent ``agent``."""
+        try:
+            tag = decode_tag(data)
+        except MalformedTag:
+            self.stats.peer_violations += 1
+            return
+        link = self.links_by_id.get(tag.link_id)
+        if link is None or link.agent != agent:
+            self.stats.peer_violations += 1
+            return
+        room: ReceiverRoom | None = self.rooms.get(tag.room_id)
+        if room is None:
+            self._count_missing_room(tag.room_id)
+            return
+        if tag.generation != room.generation or link not in room.links:
+            self.stats.stale_tags += 1
+            return
+        progress = room.writers.get(link.link_id)
+        if progress is None or (progress.writes is not None and tag.seq >= progress.writes):
+            self.apply(room, Input.PEER_VIOLATION, now, code=ErrorCode.PEER_PROTOCOL_ERROR,
+                       reason=f"unexpected write {tag.seq} from prefill rank {link.prefill_rank}")
+            return
+        progress.seqs.add(tag.seq)
+        self.apply(room, self._arrival_input(room, Input.ARRIVAL), now)
+
+    @staticmethod
+    def _arrival_input(room: ReceiverRoom, partial: Input) -> Input:
+        if room.writers and all(p.complete() for p in room.writers.values()):
+            return Input.ALL_ARRIVED
+        return partial
+
+    # --- effects -----------------------------------------------------------------------------------
+    def _effect(self, room: ReceiverRoom, effect: Effect, now: float, origin: LinkKey | None) -> Input | None:
+        if effect is Effect.SEND_REQUESTS:
+            dest = room.destination
+            assert dest is not None
+            self._generation = self._generation % 0xFFFFFFFF + 1
+            room.generation = self._generation
+            writers = [link for link in room.links if link.writer]
+            room.writers = {link.link_id: _Progress() for link in writers}
+            for link in room.links:
+                self.send(link.key, TransferRequest(
+                    room_id=room.room_id, generation=room.generation, num_tokens=dest.num_tokens,
+                    prefix_tokens=dest.prefix_tokens,
+                    aux_slot=NO_SLOT if dest.aux_slot is None else dest.aux_slot,
+                    expected_writers=len(writers), dst_pages=dest.pages))
+        elif effect is Effect.ABORT_PEERS and room.generation:
+            for link in room.links:
+                if link.key != origin:
+                    self.send(link.key, self._abort_message(room.room_id, room.generation, room.code, room.reason))
+        return None
+
+    def _forget(self, room: ReceiverRoom) -> None:
+        room.writers.clear()
+        room.links = ()

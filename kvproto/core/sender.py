@@ -1,0 +1,424 @@
+"""The prefill rank's sans-IO core: rooms that push KV to decode ranks.
+
+Theory of operation
+-------------------
+Links are registered decode ranks (``SenderLink``); the I/O layer adds them after a REGISTER
+is accepted, having computed from the two geometries which decode ranks pair with this
+prefill rank and whether this rank writes to the link (``writer``) and its aux slot
+(``aux_owner``).
+
+A room waits in BOOTSTRAPPING until every decode rank of one decode instance that pairs with
+this prefill rank has sent its TRANSFER_REQUEST. A request for a room the application has not
+opened yet is *parked* (bounded, with a deadline) and replayed when the room opens. Every
+index in a request is checked against what the link registered before it is recorded
+(house rule 7): a bad one fails the room with ``INDEX_OUT_OF_RANGE`` and writes nothing.
+
+The application supplies chunks: new prefill pages and the end token reached; a non-last
+chunk ends on a page boundary. Each chunk becomes, per writer link, at most one write of the
+tokens ``[max(chunk start, prefix), min(chunk end, num_tokens))``; the aux slot goes as one
+more write with the last chunk. Writes of a link are numbered ``seq = 0, 1, ...``; that
+number travels in the write's tag. When the last chunk's writes are all DONE, every writer
+link gets TRANSFER_DONE with its write count and the room succeeds.
+
+Invariants: the sides' token counts must agree exactly (never shifted): a chunk past the
+request's ``num_tokens`` or a last chunk short of it fails with TOKEN_COUNT_MISMATCH. A
+failure is reported once, sends ABORT to every other link of the room, and frees the room.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvproto.core.base import CoreBase, RoomBase
+from kvproto.core.events import LinkKey, PostAux, PostWrite, Timeouts
+from kvproto.core.state import Effect, Input, Role, RoomState
+from kvproto.wire import (
+    NO_SLOT,
+    Abort,
+    ErrorCode,
+    LocalProtocolError,
+    Message,
+    Tag,
+    TagKind,
+    TransferDone,
+    TransferRequest,
+)
+
+MAX_PARKED = 65536
+
+
+def _pages_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SenderLink:
+    key: LinkKey
+    link_id: int
+    instance: str
+    decode_rank: int
+    num_blocks: int
+    block_size: int
+    aux_slots: int
+    paired_ranks: frozenset[int]
+    """Decode ranks of this instance that pair with this prefill rank (all send requests)."""
+    writer: bool
+    aux_owner: bool
+
+
+@dataclass(slots=True)
+class _Peer:
+    link: SenderLink
+    request: TransferRequest
+    posted: int = 0
+    done: int = 0
+    nbytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Chunk:
+    start: int
+    end: int
+    last: bool
+    aux_slot: int | None
+
+
+@dataclass(slots=True, kw_only=True)
+class SenderRoom(RoomBase):
+    instance: str | None = None
+    expected: frozenset[int] = frozenset()
+    peers: dict[int, _Peer] = field(default_factory=dict)
+    src_pages: list[int] = field(default_factory=list)
+    chunks: list[_Chunk] = field(default_factory=list)
+    posted_chunks: int = 0
+
+    @property
+    def end_token(self) -> int:
+        return self.chunks[-1].end if self.chunks else 0
+
+    @property
+    def last_given(self) -> bool:
+        return bool(self.chunks) and self.chunks[-1].last
+
+
+class SenderCore(CoreBase):
+    ROLE = Role.SENDER
+
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        num_blocks: int,
+        aux_slots: int = 0,
+        timeouts: Timeouts | None = None,
+        max_parked: int = MAX_PARKED,
+    ) -> None:
+        super().__init__(timeouts=timeouts)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.aux_slots = aux_slots
+        self.max_parked = max_parked
+        self.links: dict[LinkKey, SenderLink] = {}
+        self._parked: dict[int, list[tuple[LinkKey, TransferRequest]]] = {}
+        self._parked_count = 0
+
+    # --- links ----------------------------------------------------------------------------
+    def add_link(self, link: SenderLink) -> None:
+        self.links[link.key] = link
+
+    def remove_link(self, key: LinkKey, now: float, code: ErrorCode = ErrorCode.PEER_GONE, reason: str = "") -> None:
+        """The link is gone (closed, dead, restarted): fail every room that needs it."""
+        link = self.links.pop(key, None)
+        if link is None:
+            return
+        reason = reason or f"decode rank {link.decode_rank} of {link.instance!r} is gone"
+        for room in list(self.rooms.values()):
+            if any(p.link.key == key for p in room.peers.values()) or (
+                room.instance == link.instance and link.decode_rank in room.expected
+            ):
+                self.apply(room, Input.PEER_GONE, now, code=code, reason=reason, origin=key)
+        for room_id, parked in list(self._parked.items()):
+            kept = [(k, m) for k, m in parked if k != key]
+            self._parked_count -= len(parked) - len(kept)
+            if kept:
+                self._parked[room_id] = kept
+            else:
+                del self._parked[room_id]
+                self.timers.cancel(("parked", room_id))
+
+    # --- application API --------------------------------------------------------------------
+    def open_room(self, room_id: int, now: float) -> SenderRoom:
+        self._new_room_check(room_id)
+        room = SenderRoom(room_id=room_id, created=now)
+        self.rooms[room_id] = room
+        self.timers.schedule(room_id, self._deadline(RoomState.BOOTSTRAPPING, now))
+        parked = self._parked.pop(room_id, None)
+        if parked:
+            self._parked_count -= len(parked)
+            self.timers.cancel(("parked", room_id))
+            for key, msg in parked:
+                if room.state.terminal:
+                    break
+                self._on_request(key, msg, now)
+        return room
+
+    def submit_chunk(
+        self,
+        room_id: int,
+        pages: Sequence[int],
+        end_token: int,
+        now: float,
+        *,
+        last: bool,
+        aux_slot: int | None = None,
+    ) -> None:
+        """The KV of tokens up to ``end_token`` is ready in ``pages`` (this chunk's new pages)."""
+        room: SenderRoom | None = self.rooms.get(room_id)
+        if room is None:
+            if room_id in self._tombstones:
+                self.stats.late_messages += 1
+                return  # the room already ended; its owner learns that from poll()/wait()
+            raise LocalProtocolError(f"room {room_id} was never opened", ErrorCode.UNKNOWN_ROOM)
+        if room.last_given:
+            raise LocalProtocolError(f"room {room_id} already received its last chunk")
+        start = room.end_token
+        if end_token < start or (end_token == start and not last):
+            raise LocalProtocolError(f"chunk end token {end_token} does not advance past {start}")
+        if not last and end_token % self.block_size:
+            raise LocalProtocolError(
+                f"a non-last chunk must end on a page boundary (block size {self.block_size}), got {end_token}"
+            )
+        total = len(room.src_pages) + len(pages)
+        if total != _pages_for(end_token, self.block_size):
+            raise LocalProtocolError(
+                f"{end_token} tokens need {_pages_for(end_token, self.block_size)} pages, the room has {total}"
+            )
+        bad = [p for p in pages if not 0 <= p < self.num_blocks]
+        if bad:
+            raise LocalProtocolError(f"page {bad[0]} outside [0, {self.num_blocks})", ErrorCode.INDEX_OUT_OF_RANGE)
+        if aux_slot is not None and (not last or not 0 <= aux_slot < self.aux_slots):
+            raise LocalProtocolError(f"aux slot {aux_slot} needs the last chunk and a slot in [0, {self.aux_slots})")
+        room.src_pages.extend(pages)
+        room.chunks.append(_Chunk(start, end_token, last, aux_slot))
+        mismatch = self._token_mismatch(room)
+        if mismatch:
+            self.apply(room, Input.PEER_VIOLATION, now, code=ErrorCode.TOKEN_COUNT_MISMATCH, reason=mismatch)
+            return
+        self.apply(room, Input.CHUNK, now)
+
+    # --- control plane ---------------------------------------------------------------------
+    def on_message(self, key: LinkKey, msg: Message, now: float) -> None:
+        """A decoded room message from a link (link-level messages are the I/O layer's)."""
+        if isinstance(msg, TransferRequest):
+            self._on_request(key, msg, now)
+        elif isinstance(msg, Abort):
+            self._on_abort(key, msg, now)
+        else:
+            self.stats.peer_violations += 1
+            self.send(key, self._abort_message(
+                msg.room_id, msg.generation, ErrorCode.PEER_PROTOCOL_ERROR,
+                f"{type(msg).__name__} is not a message a prefill rank accepts",
+            ))
+
+    def _on_request(self, key: LinkKey, msg: TransferRequest, now: float) -> None:
+        link = self.links.get(key)
+        if link is None:
+            self.send(key, self._abort_message(msg.room_id, msg.generation, ErrorCode.NOT_REGISTERED,
+                                               "transfer request before registration"))
+            return
+        room: SenderRoom | None = self.rooms.get(msg.room_id)
+        if room is None:
+            self._park(key, msg, now)
+            return
+        if room.state.terminal:  # pragma: no cover - ended rooms leave self.rooms
+            return
+        if room.instance is not None and room.instance != link.instance:
+            self.stats.peer_violations += 1
+            self.send(key, self._abort_message(msg.room_id, msg.generation, ErrorCode.DUPLICATE_ROOM,
+                                               f"room {msg.room_id} is already bound to instance {room.instance!r}"))
+            return
+        problem = self._check_request(room, link, msg)
+        if problem is not None:
+            code, reason = problem
+            self.send(key, self._abort_message(msg.room_id, msg.generation, code, reason))
+            self.apply(room, Input.PEER_VIOLATION, now, code=code, reason=reason, origin=key)
+            return
+        room.instance = link.instance
+        room.expected = link.paired_ranks
+        room.peers[link.decode_rank] = _Peer(link, msg)
+        mismatch = self._token_mismatch(room)
+        if mismatch:
+            self.apply(room, Input.PEER_VIOLATION, now, code=ErrorCode.TOKEN_COUNT_MISMATCH, reason=mismatch)
+            return
+        if len(room.peers) < len(room.expected):
+            self.apply(room, Input.REQUEST_PARTIAL, now)
+        elif room.chunks:
+            self.apply(room, Input.REQUEST_COMPLETE_WITH_INPUT, now)
+        else:
+            self.apply(room, Input.REQUEST_COMPLETE, now)
+
+    def _check_request(self, room: SenderRoom, link: SenderLink, msg: TransferRequest) -> tuple[ErrorCode, str] | None:
+        if link.decode_rank not in link.paired_ranks:
+            return ErrorCode.PEER_PROTOCOL_ERROR, f"decode rank {link.decode_rank} does not pair with this prefill rank"
+        if link.decode_rank in room.peers:
+            return ErrorCode.PEER_PROTOCOL_ERROR, f"second transfer request from decode rank {link.decode_rank}"
+        if msg.prefix_tokens > msg.num_tokens or msg.prefix_tokens % link.block_size:
+            return ErrorCode.INDEX_OUT_OF_RANGE, (
+                f"prefix of {msg.prefix_tokens} tokens is not a whole number of decode blocks within {msg.num_tokens}")
+        need = _pages_for(msg.num_tokens, link.block_size)
+        if len(msg.dst_pages) != need:
+            return ErrorCode.TOKEN_COUNT_MISMATCH, (
+                f"{msg.num_tokens} tokens need {need} decode pages, the request lists {len(msg.dst_pages)}")
+        if msg.dst_pages and max(msg.dst_pages) >= link.num_blocks:
+            return ErrorCode.INDEX_OUT_OF_RANGE, (
+                f"destination page {max(msg.dst_pages)} outside the {link.num_blocks} registered pages")
+        if msg.aux_slot != NO_SLOT and msg.aux_slot >= link.aux_slots:
+            return ErrorCode.INDEX_OUT_OF_RANGE, f"aux slot {msg.aux_slot} outside the {link.aux_slots} registered slots"
+        if msg.generation == 0:
+            return ErrorCode.PEER_PROTOCOL_ERROR, "transfer request without a generation"
+        return None
+
+    def _token_mismatch(self, room: SenderRoom) -> str | None:
+        counts = {p.request.num_tokens for p in room.peers.values()}
+        if len(counts) > 1:
+            return f"decode ranks disagree on the token count: {sorted(counts)}"
+        if counts and room.chunks:
+            (n,) = counts
+            if room.end_token > n:
+                return f"prefill reached token {room.end_token}, decode expects {n} tokens"
+            if room.last_given and room.end_token != n:
+                return f"prefill's last chunk ends at token {room.end_token}, decode expects {n} tokens"
+        return None
+
+    def _park(self, key: LinkKey, msg: TransferRequest, now: float) -> None:
+        if msg.room_id in self._tombstones:
+            self.stats.late_messages += 1
+            self.send(key, self._abort_message(msg.room_id, msg.generation, ErrorCode.UNKNOWN_ROOM,
+                                               f"room {msg.room_id} already ended here"))
+            return
+        if self._parked_count >= self.max_parked:
+            self.send(key, self._abort_message(msg.room_id, msg.generation, ErrorCode.UNKNOWN_ROOM,
+                                               "too many requests for rooms not yet opened"))
+            return
+        parked = self._parked.setdefault(msg.room_id, [])
+        if not parked:
+            self.timers.schedule(("parked", msg.room_id), now + self.timeouts.parked)
+        parked.append((key, msg))
+        self._parked_count += 1
+
+    def _other_timer(self, key: object, now: float) -> None:
+        if isinstance(key, tuple) and key[0] == "parked":
+            parked = self._parked.pop(key[1], [])
+            self._parked_count -= len(parked)
+            for link_key, msg in parked:
+                self.stats.unknown_room_messages += 1
+                self.send(link_key, self._abort_message(msg.room_id, msg.generation, ErrorCode.UNKNOWN_ROOM,
+                                                        f"room {msg.room_id} was not opened within {self.timeouts.parked}s"))
+
+    def _on_abort(self, key: LinkKey, msg: Abort, now: float) -> None:
+        room: SenderRoom | None = self.rooms.get(msg.room_id)
+        if room is None:
+            parked = self._parked.get(msg.room_id)
+            if parked:
+                kept = [(k, m) for k, m in parked if not (k == key and m.generation == msg.generation)]
+                self._parked_count -= len(parked) - len(kept)
+                self._parked[msg.room_id] = kept
+                if not kept:
+                    del self._parked[msg.room_id]
+                    self.timers.cancel(("parked", msg.room_id))
+                return
+            self._count_missing_room(msg.room_id)
+            return
+        link = self.links.get(key)
+        peer = room.peers.get(link.decode_rank) if link else None
+        if peer is None or peer.link.key != key or peer.request.generation != msg.generation:
+            self.stats.stale_tags += 1
+            return
+        code = ErrorCode.coerce(msg.code)
+        self.apply(room, Input.PEER_ABORT, now, code=code, reason=f"decode aborted: {msg.reason}", origin=key)
+
+    # --- data plane ------------------------------------------------------------------------
+    def write_done(self, room_id: int, link: LinkKey, seq: int, nbytes: int, now: float) -> None:
+        room: SenderRoom | None = self.rooms.get(room_id)
+        if room is None:
+            self._count_missing_room(room_id)
+            return
+        peer = self._peer_by_key(room, link)
+        if peer is None:  # pragma: no cover - writes are only posted to the room's peers
+            return
+        peer.done += 1
+        peer.nbytes += nbytes
+        self.apply(room, Input.ALL_WRITES_DONE if self._all_done(room) else Input.WRITE_DONE, now)
+
+    def write_failed(self, room_id: int, link: LinkKey, seq: int, reason: str, now: float) -> None:
+        room = self.rooms.get(room_id)
+        if room is None:
+            self._count_missing_room(room_id)
+            return
+        self.apply(room, Input.WRITE_ERROR, now, code=ErrorCode.TRANSPORT_ERROR,
+                   reason=f"write {seq} failed: {reason}")
+
+    # --- effects -------------------------------------------------------------------------------
+    def _effect(self, room: SenderRoom, effect: Effect, now: float, origin: LinkKey | None) -> Input | None:
+        if effect in (Effect.POST_QUEUED, Effect.POST_CHUNK):
+            self._post_chunks(room)
+            if self._all_done(room):
+                return Input.ALL_WRITES_DONE  # nothing to wait for: no bytes, or a replica rank
+        elif effect is Effect.SEND_DONE:
+            for peer in room.peers.values():
+                if peer.link.writer:
+                    self.send(peer.link.key, TransferDone(
+                        room_id=room.room_id, generation=peer.request.generation,
+                        writes=peer.posted, nbytes=peer.nbytes))
+        elif effect is Effect.ABORT_PEERS:
+            for peer in room.peers.values():
+                if peer.link.key != origin:
+                    self.send(peer.link.key, self._abort_message(
+                        room.room_id, peer.request.generation, room.code, room.reason))
+        return None
+
+    def _post_chunks(self, room: SenderRoom) -> None:
+        while room.posted_chunks < len(room.chunks):
+            chunk = room.chunks[room.posted_chunks]
+            room.posted_chunks += 1
+            for peer in room.peers.values():
+                link, req = peer.link, peer.request
+                if not link.writer:
+                    continue
+                start = max(chunk.start, req.prefix_tokens)
+                end = min(chunk.end, req.num_tokens)
+                if start < end:
+                    self._outputs.append(PostWrite(
+                        room_id=room.room_id, link=link.key, seq=peer.posted,
+                        tag=self._tag(room.room_id, peer), start_token=start, end_token=end,
+                        src_pages=room.src_pages, dst_pages=req.dst_pages))
+                    peer.posted += 1
+                if chunk.last and link.aux_owner and chunk.aux_slot is not None and req.aux_slot != NO_SLOT:
+                    self._outputs.append(PostAux(
+                        room_id=room.room_id, link=link.key, seq=peer.posted,
+                        tag=self._tag(room.room_id, peer), src_slot=chunk.aux_slot, dst_slot=req.aux_slot))
+                    peer.posted += 1
+
+    @staticmethod
+    def _tag(room_id: int, peer: _Peer) -> bytes:
+        return Tag(kind=TagKind.KV, room_id=room_id, generation=peer.request.generation,
+                   link_id=peer.link.link_id, seq=peer.posted).encode()
+
+    @staticmethod
+    def _all_done(room: SenderRoom) -> bool:
+        return (
+            room.last_given
+            and room.posted_chunks == len(room.chunks)
+            and all(p.done == p.posted for p in room.peers.values())
+        )
+
+    @staticmethod
+    def _peer_by_key(room: SenderRoom, key: LinkKey) -> _Peer | None:
+        return next((p for p in room.peers.values() if p.link.key == key), None)
+
+    def _forget(self, room: SenderRoom) -> None:
+        room.peers.clear()
+        room.src_pages = []
+        room.chunks.clear()
+
