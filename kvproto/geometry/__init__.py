@@ -1,0 +1,45 @@
+"""KV layout math: rank geometry, TP pairing, and extent planning. Pure Python over ints."""
+
+from kvproto.geometry.model import DType, GeometryError, KVGeometry, Layout, pages_for_tokens
+from kvproto.geometry.plan import (
+    Extent,
+    IncompatibleGeometry,
+    PageListError,
+    PairPlan,
+    TokenCountMismatch,
+    check_compatible,
+    check_page_count,
+    expand_regions,
+    heads_needed,
+    merge_runs,
+    paired,
+    paired_ranks_of_decode,
+    paired_ranks_of_prefill,
+    plan_pair,
+    write_targets,
+    writers,
+)
+
+__all__ = [
+    "DType",
+    "Extent",
+    "GeometryError",
+    "IncompatibleGeometry",
+    "KVGeometry",
+    "Layout",
+    "PageListError",
+    "PairPlan",
+    "TokenCountMismatch",
+    "check_compatible",
+    "check_page_count",
+    "expand_regions",
+    "heads_needed",
+    "merge_runs",
+    "pages_for_tokens",
+    "paired",
+    "paired_ranks_of_decode",
+    "paired_ranks_of_prefill",
+    "plan_pair",
+    "write_targets",
+    "writers",
+]
