@@ -234,6 +234,16 @@ class ReceiverCore(CoreBase):
         progress.nbytes = msg.nbytes
         self.apply(room, self._arrival_input(room, Input.WRITER_DONE), now)
 
+    def peer_violation(self, key: LinkKey, room_id: int, generation: int, code: ErrorCode, reason: str,
+                       now: float) -> None:
+        """A frame from ``key`` naming ``room_id`` could not be accepted: fail that room if the
+        link belongs to it and the generation matches; otherwise count it."""
+        room: ReceiverRoom | None = self.rooms.get(room_id)
+        if room is not None and generation == room.generation and any(lk.key == key for lk in room.links):
+            self.apply(room, Input.PEER_VIOLATION, now, code=code, reason=reason)
+        else:
+            self.stats.peer_violations += 1
+
     # --- data plane ------------------------------------------------------------------------------
     def on_notification(self, agent: str, data: bytes, now: float) -> None:
         """A transport notification from agent ``agent``."""

@@ -338,6 +338,26 @@ class SenderCore(CoreBase):
         code = ErrorCode.coerce(msg.code)
         self.apply(room, Input.PEER_ABORT, now, code=code, reason=f"decode aborted: {msg.reason}", origin=key)
 
+    def peer_violation(self, key: LinkKey, room_id: int, generation: int, code: ErrorCode, reason: str,
+                       now: float) -> None:
+        """A frame from ``key`` naming ``room_id`` could not be accepted (e.g. undecodable).
+
+        The room fails if the link belongs to it (or could: a paired rank of its instance);
+        the link is told with an ABORT either way.
+        """
+        room: SenderRoom | None = self.rooms.get(room_id)
+        link = self.links.get(key)
+        peer = self._peer_by_key(room, key) if room is not None else None
+        if peer is None:
+            self.send(key, self._abort_message(room_id, generation, code, reason))
+        concerns = room is not None and link is not None and (
+            peer is not None or (room.instance in (None, link.instance) and link.decode_rank in link.paired_ranks)
+        )
+        if concerns:
+            self.apply(room, Input.PEER_VIOLATION, now, code=code, reason=reason)
+        else:
+            self.stats.peer_violations += 1
+
     # --- data plane ------------------------------------------------------------------------
     def write_done(self, room_id: int, link: LinkKey, seq: int, nbytes: int, now: float) -> None:
         room: SenderRoom | None = self.rooms.get(room_id)

@@ -1,0 +1,364 @@
+"""``DecodeEndpoint``: one decode rank. Bootstraps prefill clusters, receives KV writes.
+
+Theory of operation
+-------------------
+Rooms name their prefill instance by its bootstrap address (prefill rank 0). The first room
+for an address starts a *bootstrap* task: query the rank table (repeated until every prefill
+rank has announced), connect one DEALER to each prefill rank that pairs with this rank (by
+geometry: the pairing depends only on the two TP sizes and the head count), REGISTER with each
+(geometry, memory table, transport metadata, a fresh ``link_id``), and wait for every accept.
+Then ``ReceiverCore.cluster_ready`` releases the waiting rooms; a reject or the bootstrap
+deadline fails them with the code. A later room for a failed address bootstraps again.
+
+Each link has a reader task (the pump of that socket). Heartbeats go out every
+``heartbeat_interval``; a link silent for ``heartbeat_timeout``, or whose peer answers with a
+new boot id, is dropped: its rooms fail with PEER_GONE and its address bootstraps again on
+the next room. Notifications from the transport go straight to the core, which checks them
+against the link that the tag names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from kvproto.aio.endpoint import EndpointBase, EndpointConfig
+from kvproto.aio.memory import KVCache, geometry_from_wire, geometry_to_wire
+from kvproto.aio.room import ReceiverRoomHandle
+from kvproto.core import ReceiverCore, ReceiverLink, RoomState
+from kvproto.geometry import IncompatibleGeometry, KVGeometry, check_compatible, paired_ranks_of_decode, writers
+from kvproto.wire import (
+    MINOR,
+    Abort,
+    BootstrapInfo,
+    BootstrapQuery,
+    ErrorCode,
+    Heartbeat,
+    Message,
+    RegisterAccept,
+    RegisterReject,
+    Register,
+    RemoteProtocolError,
+    TransferDone,
+    UnknownMessage,
+    decode_frame,
+    decode_header,
+    encode,
+)
+
+log = logging.getLogger("kvproto")
+
+
+@dataclass(slots=True)
+class _Link:
+    link_id: int
+    cluster: str
+    prefill_rank: int
+    endpoint: str
+    sock: zmq.asyncio.Socket
+    inbox: asyncio.Queue[Message] = field(default_factory=asyncio.Queue)
+    last_seen: float = 0.0
+    last_beat: float = 0.0
+    boot_id: int = 0
+    registered: bool = False
+    beats: int = 0
+
+
+class _BootstrapFailed(Exception):
+    def __init__(self, code: ErrorCode | int, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+class DecodeEndpoint(EndpointBase):
+    """One decode rank."""
+
+    ROLE = "decode"
+
+    def __init__(self, kv: KVCache, *, config: EndpointConfig | None = None) -> None:
+        super().__init__(kv, config)
+        g = kv.geometry
+        self.core = ReceiverCore(
+            block_size=g.block_size, num_blocks=g.num_blocks, aux_slots=kv.aux.slots if kv.aux else 0,
+            timeouts=self.config.timeouts,
+        )
+        self._links: dict[int, _Link] = {}
+        self._bootstraps: dict[str, asyncio.Task[None]] = {}
+        self._next_link_id = 1
+
+    # --- application API -------------------------------------------------------------------------
+    def open_room(
+        self,
+        room_id: int,
+        bootstrap: str,
+        *,
+        pages: Sequence[int] | None = None,
+        num_tokens: int | None = None,
+        prefix_tokens: int = 0,
+        aux_slot: int | None = None,
+    ) -> ReceiverRoomHandle:
+        """Start the decode side of room ``room_id``, fed by the prefill instance at ``bootstrap``.
+
+        Give ``pages`` and ``num_tokens`` now, or later with ``room.set_destination``.
+        """
+        self._check_open()
+        now = self._now()
+        if self.core.cluster_status(bootstrap) in ("unknown", "failed"):
+            self._start_bootstrap(bootstrap)
+        handle = ReceiverRoomHandle(self, room_id, self._loop, now)  # type: ignore[arg-type]
+        self._handles[room_id] = handle
+        try:
+            self.core.open_room(room_id, bootstrap, now)
+            if pages is not None:
+                if num_tokens is None:
+                    raise ValueError("num_tokens is required with pages")
+                self.core.set_destination(room_id, pages, num_tokens, now, prefix_tokens=prefix_tokens,
+                                          aux_slot=aux_slot)
+        except Exception:
+            if self.core.room_state(room_id) is not None and room_id in self.core.rooms:
+                self.core.abort(room_id, now, "invalid destination")
+            self._handles.pop(room_id, None)
+            raise
+        finally:
+            self._flush()
+            self._kick()
+        return handle
+
+    def _set_destination(self, room_id: int, pages: Sequence[int], num_tokens: int, prefix_tokens: int,
+                         aux_slot: int | None) -> None:
+        self._check_open()
+        try:
+            self.core.set_destination(room_id, pages, num_tokens, self._now(), prefix_tokens=prefix_tokens,
+                                      aux_slot=aux_slot)
+        finally:
+            self._flush()
+            self._kick()
+
+    # --- sockets ------------------------------------------------------------------------------------
+    async def _start_io(self) -> None:
+        pass
+
+    def _close_io(self) -> None:
+        for task in self._bootstraps.values():
+            task.cancel()
+        for link in list(self._links.values()):
+            if link.registered:
+                self._send_frame(link.sock, [encode(Abort(code=ErrorCode.ENDPOINT_CLOSED, reason="decode closed"))])
+            self._discard_link(link, linger=200)
+
+    def _connect(self, cluster: str, prefill_rank: int, endpoint: str) -> _Link:
+        assert self._ctx is not None
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        link = _Link(self._next_link_id, cluster, prefill_rank, endpoint, sock, last_seen=self._now())
+        self._next_link_id += 1
+        self._links[link.link_id] = link
+        self._spawn(self._reader(link), f"link-{link.link_id}")
+        return link
+
+    def _discard_link(self, link: _Link, linger: int = 0) -> None:
+        if self._links.pop(link.link_id, None) is None:
+            return
+        link.sock.close(linger=linger)
+
+    async def _reader(self, link: _Link) -> None:
+        try:
+            while True:
+                frame = await link.sock.recv()
+                self._guard("frame", self._on_frame, link, frame)
+        except zmq.ZMQError:
+            pass  # socket closed: the link was discarded
+
+    def _send(self, link: Any, message: Message) -> None:
+        target = self._links.get(link)
+        if target is not None:
+            self._send_frame(target.sock, [encode(message)])
+
+    # --- incoming frames --------------------------------------------------------------------------
+    def _on_frame(self, link: _Link, frame: bytes) -> None:
+        now = self._now()
+        link.last_seen = now
+        try:
+            header, msg = decode_frame(frame)
+        except RemoteProtocolError as exc:
+            if isinstance(exc, UnknownMessage) and exc.header.minor > MINOR:
+                return
+            try:
+                h, _ = decode_header(frame)
+                self.core.peer_violation(link.link_id, h.room_id, h.generation, exc.code, str(exc), now)
+            except RemoteProtocolError:
+                self.core.stats.peer_violations += 1
+            log.warning("bad frame from prefill rank %d: %s", link.prefill_rank, exc)
+            return
+        if isinstance(msg, (TransferDone, Abort)) and msg.room_id:
+            self.core.on_message(link.link_id, msg, now)
+        elif isinstance(msg, Heartbeat):
+            if link.registered and msg.boot_id != link.boot_id:
+                self._drop_link(link, ErrorCode.PEER_GONE, "prefill rank restarted")
+        elif isinstance(msg, Abort):
+            if link.registered:
+                self._drop_link(link, ErrorCode.coerce(msg.code), f"prefill closed the link: {msg.reason}")
+            else:
+                link.inbox.put_nowait(msg)
+        elif isinstance(msg, (BootstrapInfo, RegisterAccept, RegisterReject)):
+            link.inbox.put_nowait(msg)
+        else:
+            self.core.stats.peer_violations += 1
+            log.warning("unexpected %s from prefill rank %d", type(msg).__name__, link.prefill_rank)
+
+    def _drop_link(self, link: _Link, code: ErrorCode | int, reason: str) -> None:
+        if link.link_id not in self._links:
+            return
+        log.info("dropped prefill link %s rank %d: %s", link.cluster, link.prefill_rank, reason)
+        self.core.remove_link(link.link_id, self._now(), code=code, reason=reason)  # type: ignore[arg-type]
+        for other in [lk for lk in self._links.values() if lk.cluster == link.cluster]:
+            self._discard_link(other)
+
+    # --- bootstrap -------------------------------------------------------------------------------------
+    def _start_bootstrap(self, cluster: str) -> None:
+        task = self._bootstraps.get(cluster)
+        if task is not None and not task.done():
+            return
+        self.core.cluster_pending(cluster)
+        self._bootstraps[cluster] = self._spawn(self._bootstrap(cluster), f"bootstrap-{cluster}")
+
+    async def _bootstrap(self, cluster: str) -> None:
+        timeout = self.config.timeouts.bootstrap or 30.0
+        links: list[_Link] = []
+        try:
+            try:
+                ready = await asyncio.wait_for(self._handshake(cluster, links), timeout)
+            except asyncio.TimeoutError:
+                raise _BootstrapFailed(ErrorCode.BOOTSTRAP_TIMEOUT,
+                                       f"prefill instance {cluster} did not complete the handshake in {timeout}s") from None
+            self.core.cluster_ready(cluster, ready, self._now())
+            for link in links:
+                link.registered = True
+        except _BootstrapFailed as exc:
+            log.warning("bootstrap of %s failed: %s", cluster, exc.reason)
+            for link in links:
+                self._discard_link(link)
+            self.core.cluster_failed(cluster, exc.code, exc.reason, self._now())
+        finally:
+            self._flush()
+            self._bootstraps.pop(cluster, None)
+
+    async def _handshake(self, cluster: str, links: list[_Link]) -> list[ReceiverLink]:
+        first = self._connect(cluster, 0, cluster)
+        links.append(first)
+        info = await self._query(first)
+        g = self.kv.geometry
+        prefill_template = KVGeometry(
+            tp_size=info.tp_size, tp_rank=0, num_layers=g.num_layers, num_kv_heads=g.num_kv_heads,
+            head_dim=g.head_dim, dtype=g.dtype, block_size=g.block_size, layout=g.layout, mla=g.mla,
+            num_blocks=g.num_blocks,
+        )
+        by_rank = {r.tp_rank: r for r in info.ranks}
+        paired = paired_ranks_of_decode(prefill_template, g)
+        targets: dict[int, _Link] = {}
+        for rank in paired:
+            if rank == 0:
+                targets[0] = first
+            else:
+                link = self._connect(cluster, rank, by_rank[rank].endpoint)
+                links.append(link)
+                targets[rank] = link
+        for link in targets.values():
+            self._send_frame(link.sock, [encode(self._register_message(link))])
+        accepts = await asyncio.gather(*(self._await_accept(link) for link in targets.values()))
+        result = []
+        prefill_g = None
+        for link, accept in zip(targets.values(), accepts):
+            try:
+                prefill_g = geometry_from_wire(accept.geometry)
+                check_compatible(prefill_g, g)
+            except (ValueError, IncompatibleGeometry) as exc:
+                raise _BootstrapFailed(ErrorCode.INCOMPATIBLE_GEOMETRY, f"prefill rank {link.prefill_rank}: {exc}") from None
+            if prefill_g.tp_size != info.tp_size or prefill_g.tp_rank != link.prefill_rank:
+                raise _BootstrapFailed(ErrorCode.PEER_PROTOCOL_ERROR,
+                                       f"prefill rank {link.prefill_rank} reports itself as rank {prefill_g.tp_rank} of {prefill_g.tp_size}")
+            if self.kv.aux is not None and accept.aux_slot_bytes not in (0, self.kv.aux.slot_bytes):
+                raise _BootstrapFailed(ErrorCode.INCOMPATIBLE_GEOMETRY,
+                                       f"aux slots of {accept.aux_slot_bytes} bytes, decode uses {self.kv.aux.slot_bytes}")
+            link.boot_id = accept.boot_id
+            result.append((link, accept))
+        assert prefill_g is not None
+        chosen = writers(prefill_g, g)
+        unused = [lk for lk in links if lk not in targets.values()]
+        for link in unused:
+            self._discard_link(link)
+            links.remove(link)
+        return [
+            ReceiverLink(key=link.link_id, link_id=link.link_id, cluster=cluster, prefill_rank=link.prefill_rank,
+                         agent=accept.agent_name, writer=link.prefill_rank in chosen,
+                         aux_owner=link.prefill_rank == chosen[0])
+            for link, accept in result
+        ]
+
+    async def _query(self, link: _Link) -> BootstrapInfo:
+        query = encode(BootstrapQuery(requester=self.agent_name))
+        while True:
+            self._send_frame(link.sock, [query])
+            try:
+                msg = await asyncio.wait_for(link.inbox.get(), 0.25)
+            except asyncio.TimeoutError:
+                continue
+            if isinstance(msg, BootstrapInfo) and len(msg.ranks) == msg.tp_size:
+                if sorted(r.tp_rank for r in msg.ranks) != list(range(msg.tp_size)):
+                    raise _BootstrapFailed(ErrorCode.PEER_PROTOCOL_ERROR, f"malformed rank table {msg.ranks}")
+                return msg
+            if isinstance(msg, Abort):
+                raise _BootstrapFailed(ErrorCode.coerce(msg.code), msg.reason)
+            await asyncio.sleep(0.05)  # not every prefill rank has announced yet
+
+    async def _await_accept(self, link: _Link) -> RegisterAccept:
+        while True:
+            msg = await link.inbox.get()
+            if isinstance(msg, RegisterAccept) and msg.link_id == link.link_id:
+                return msg
+            if isinstance(msg, RegisterReject):
+                raise _BootstrapFailed(ErrorCode.coerce(msg.code),
+                                       f"prefill rank {link.prefill_rank} rejected registration: {msg.reason}")
+            if isinstance(msg, Abort):
+                raise _BootstrapFailed(ErrorCode.coerce(msg.code), msg.reason)
+
+    def _register_message(self, link: _Link) -> Register:
+        assert self.transport is not None
+        aux = self.kv.aux
+        return Register(
+            boot_id=self.boot_id, instance=self.instance, link_id=link.link_id, agent_name=self.agent_name,
+            model_id=self.config.model_id, compat_key=self.config.compat_key,
+            geometry=geometry_to_wire(self.kv.geometry), aux_slots=aux.slots if aux else 0,
+            aux_slot_bytes=aux.slot_bytes if aux else 0, transport=self.config.transport,
+            transport_metadata=self.transport.metadata(), regions=self.kv.wire_regions(),
+        )
+
+    # --- progress ---------------------------------------------------------------------------------------
+    def _perform(self, output: Any) -> None:
+        raise TypeError(f"unexpected output {output!r}")
+
+    def _progress_once(self) -> bool:
+        assert self.transport is not None
+        now = self._now()
+        for note in self.transport.drain_notifications():
+            self.core.on_notification(note.peer, note.tag, now)
+        self.core.handle_timer(now)
+        interval, limit = self.config.heartbeat_interval, self.config.heartbeat_timeout
+        for link in list(self._links.values()):
+            if not link.registered:
+                continue
+            if now - link.last_seen > limit:
+                self._drop_link(link, ErrorCode.PEER_GONE, f"no heartbeat for {limit}s")
+            elif now - link.last_beat >= interval:
+                link.last_beat = now
+                link.beats += 1
+                self._send_frame(link.sock, [encode(Heartbeat(boot_id=self.boot_id, seq=link.beats))])
+        return any(r.state is RoomState.TRANSFERRING for r in self.core.rooms.values())

@@ -1,0 +1,266 @@
+"""What prefill and decode endpoints share: lifecycle, the progress task, output execution.
+
+Theory of operation
+-------------------
+An endpoint wraps one sans-IO core (``SenderCore`` or ``ReceiverCore``), one transport and its
+ZMQ sockets, all owned by the event loop's thread: every core, transport and socket call
+happens there, so nothing needs a lock (NIXL agents are not thread-safe).
+
+Two kinds of task drive it. Socket reader tasks (the *pump*) decode frames and hand room
+messages to the core. The *progress* task drains transport notifications, polls posted
+writes to DONE (a NIXL write's notification leaves only from that poll), fires the core's
+deadlines, and runs liveness; it spins with ``sleep(0)`` while transfers are in flight and
+backs off to ``idle_poll_s`` when there are none. After every core call the endpoint
+performs the core's outputs in order (``_flush``).
+
+Nothing a peer sends can end a task: every frame is handled inside a guard that turns an
+unexpected exception into a logged, counted event (and a failed room when the frame named
+one), and the tasks keep serving the other rooms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from kvproto.aio.memory import KVCache
+from kvproto.aio.room import _Handle
+from kvproto.core import RoomEnded, RoomState, Send, Timeouts
+from kvproto.transport import Transport, load_transport
+from kvproto.wire import ErrorCode, LocalProtocolError, Message, encode
+
+log = logging.getLogger("kvproto")
+
+
+class EndpointClosed(LocalProtocolError):
+    """The endpoint is closed; only ``close()`` may be called again."""
+
+    def __init__(self) -> None:
+        super().__init__("endpoint is closed", ErrorCode.ENDPOINT_CLOSED)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EndpointConfig:
+    host: str = "127.0.0.1"
+    """Interface the prefill endpoint binds (decode endpoints only connect)."""
+    port: int = 0
+    """Port of the prefill endpoint; 0 picks a free one."""
+    transport: str = "nixl"
+    transport_options: dict[str, Any] = field(default_factory=dict)
+    agent_name: str | None = None
+    """Data-plane agent name; unique among peers. Default: role, rank and a random suffix."""
+    instance: str | None = None
+    """Name of the engine instance this rank belongs to (all its TP ranks share it)."""
+    model_id: str = ""
+    compat_key: str = ""
+    """Free-form key that must match between sides (e.g. a hash of quantization settings)."""
+    timeouts: Timeouts = Timeouts()
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 5.0
+    """A peer silent for this long is gone: its rooms fail with PEER_GONE."""
+    idle_poll_s: float = 0.001
+
+
+class EndpointBase:
+    ROLE = ""
+
+    def __init__(self, kv: KVCache, config: EndpointConfig | None = None) -> None:
+        self.kv = kv
+        self.config = config or EndpointConfig()
+        g = kv.geometry
+        self.instance = self.config.instance or f"{self.ROLE}-{uuid.uuid4().hex[:12]}"
+        self.agent_name = self.config.agent_name or f"kvproto-{self.ROLE}-{g.tp_rank}-{uuid.uuid4().hex[:12]}"
+        self.boot_id = int.from_bytes(os.urandom(8), "little") or 1
+        self.transport: Transport | None = None
+        self._registration: Any = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._handles: dict[int, _Handle] = {}
+        self._wake = asyncio.Event()
+        self._started = False
+        self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.core: Any = None
+        self.errors = 0
+        """Unexpected exceptions absorbed by the guards (each logged)."""
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    async def __aenter__(self) -> Any:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        if self._closed:
+            raise EndpointClosed()
+        if self._started:
+            return
+        self._loop = asyncio.get_running_loop()
+        self.transport = load_transport(self.config.transport, self.agent_name, **self.config.transport_options)
+        self._registration = self.transport.register(self.kv.memory_regions())
+        self._ctx = zmq.asyncio.Context()
+        await self._start_io()
+        self._spawn(self._progress_loop(), "progress")
+        self._started = True
+
+    async def close(self) -> None:
+        """Fail live rooms (telling peers), drain writes, release everything. Idempotent."""
+        if self._closed or not self._started:
+            self._closed = True
+            return
+        self._closed = True
+        self.core.close(self._now())
+        self._flush()
+        await self._drain_writes(grace=2.0)
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._close_io()
+        assert self._ctx is not None
+        self._ctx.term()
+        assert self.transport is not None
+        self.transport.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EndpointClosed()
+        if not self._started:
+            raise LocalProtocolError("endpoint not started: use 'async with' or await start()")
+
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro, name=f"kvproto-{self.ROLE}-{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s task %s died: %r", self.ROLE, task.get_name(), task.exception())
+
+    def _now(self) -> float:
+        assert self._loop is not None
+        return self._loop.time()
+
+    # --- outputs ------------------------------------------------------------------------------
+    def _flush(self) -> None:
+        """Perform the core's outputs, in order, until it has none."""
+        while True:
+            outputs = self.core.pop_outputs()
+            if not outputs:
+                return
+            for out in outputs:
+                if isinstance(out, Send):
+                    self._send(out.link, out.message)
+                elif isinstance(out, RoomEnded):
+                    self._room_ended(out)
+                else:
+                    self._perform(out)
+
+    def _room_ended(self, out: RoomEnded) -> None:
+        handle = self._handles.pop(out.room_id, None)
+        if handle is not None:
+            handle._finish(out.state, out.code, out.reason, self._now())
+        if out.state is RoomState.FAILED:
+            log.info("%s room %d failed: %s %s", self.ROLE, out.room_id, out.code, out.reason)
+
+    def _room_state(self, room_id: int) -> RoomState:
+        state = self.core.room_state(room_id)
+        if state is None:
+            raise LocalProtocolError(f"room {room_id} is unknown", ErrorCode.UNKNOWN_ROOM)
+        return state
+
+    def _abort(self, room_id: int) -> None:
+        if self._closed:
+            return
+        self.core.abort(room_id, self._now())
+        self._flush()
+
+    def _guard(self, what: str, fn: Any, *args: Any) -> None:
+        """Run a handler; an unexpected exception is logged and counted, never propagated."""
+        try:
+            fn(*args)
+        except Exception:
+            self.errors += 1
+            log.exception("%s: unexpected error while handling %s", self.ROLE, what)
+        finally:
+            try:
+                self._flush()
+            except Exception:
+                self.errors += 1
+                log.exception("%s: unexpected error while performing outputs", self.ROLE)
+
+    @staticmethod
+    def _send_frame(sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
+        try:
+            sock.send_multipart(frames, flags=zmq.DONTWAIT)
+        except zmq.Again:
+            log.warning("control socket queue full: dropped a frame")
+        except zmq.ZMQError as exc:
+            log.warning("control send failed: %s", exc)
+
+    @staticmethod
+    def _encode(message: Message) -> bytes:
+        return encode(message)
+
+    # --- progress -----------------------------------------------------------------------------
+    async def _progress_loop(self) -> None:
+        idle = self.config.idle_poll_s
+        while True:
+            busy = False
+            try:
+                busy = self._progress_once()
+            except Exception:
+                self.errors += 1
+                log.exception("%s: unexpected error in progress", self.ROLE)
+            self._flush()
+            if busy:
+                await asyncio.sleep(0)
+                continue
+            delay = idle
+            deadline = self.core.next_deadline()
+            if deadline is not None:
+                delay = max(0.0, min(delay, deadline - self._now()))
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), delay)
+            except asyncio.TimeoutError:
+                pass
+
+    def _kick(self) -> None:
+        """Wake the progress task (new writes to poll, new deadlines)."""
+        self._wake.set()
+
+    # --- hooks ------------------------------------------------------------------------------------
+    async def _start_io(self) -> None:
+        raise NotImplementedError
+
+    def _close_io(self) -> None:
+        raise NotImplementedError
+
+    def _send(self, link: Any, message: Message) -> None:
+        raise NotImplementedError
+
+    def _perform(self, output: Any) -> None:
+        raise NotImplementedError
+
+    def _progress_once(self) -> bool:
+        """One pass of transport progress, timers and liveness; True if work is in flight."""
+        raise NotImplementedError
+
+    async def _drain_writes(self, grace: float) -> None:
+        """Wait up to ``grace`` seconds for posted writes to finish (sender)."""

@@ -1,0 +1,169 @@
+"""How one room's bytes go from this prefill rank to one decode rank, over a Transport.
+
+Theory of operation
+-------------------
+The geometry planner gives a per-region *pattern* of extents; this module expands it over
+every region (layer, plane) and posts it as one write:
+
+* ``direct`` (same block size, layout and heads): whole pages. Both sides' memory is
+  prepared once as descriptor lists of one page per row (row ``r * num_blocks + page``); a
+  write picks rows by index, and the transport merges runs of consecutive pages.
+* ``sliced`` (any other pair): one descriptor per extent per region, built for the write.
+
+The aux slot moves through prepared one-slot-per-row lists. Nothing here decides anything
+about rooms; errors surface as ``TransportError`` to the caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvproto.aio.memory import KVCache
+from kvproto.geometry import KVGeometry, PairPlan
+from kvproto.transport.base import DescList, MemKind, Transport, Xfer
+
+
+def page_rows(bases: Sequence[int], num_blocks: int, page_bytes: int, device_id: int) -> np.ndarray:
+    """One ``(address, page_bytes, device)`` row per page of every region, region-major."""
+    base = np.asarray(bases, dtype=np.int64)[:, None]
+    addrs = (base + np.arange(num_blocks, dtype=np.int64)[None, :] * page_bytes).reshape(-1)
+    rows = np.empty((addrs.size, 3), dtype=np.int64)
+    rows[:, 0] = addrs
+    rows[:, 1] = page_bytes
+    rows[:, 2] = device_id
+    return rows
+
+
+def slot_rows(address: int, slot_bytes: int, slots: int) -> np.ndarray:
+    rows = np.empty((slots, 3), dtype=np.int64)
+    rows[:, 0] = address + np.arange(slots, dtype=np.int64) * slot_bytes
+    rows[:, 1] = slot_bytes
+    rows[:, 2] = 0
+    return rows
+
+
+class LocalLists:
+    """This rank's memory, prepared once for direct and aux writes (lazily)."""
+
+    def __init__(self, transport: Transport, kv: KVCache) -> None:
+        self.transport = transport
+        self.kv = kv
+        self._pages: DescList | None = None
+        self._aux: DescList | None = None
+
+    def pages(self) -> DescList:
+        if self._pages is None:
+            g = self.kv.geometry
+            rows = page_rows(self.kv.region_addresses, g.num_blocks, g.page_bytes, self.kv.device_id)
+            self._pages = self.transport.prepare(None, rows, self.kv.mem_kind)
+        return self._pages
+
+    def aux(self) -> DescList:
+        if self._aux is None:
+            aux = self.kv.aux
+            assert aux is not None
+            self._aux = self.transport.prepare(None, slot_rows(aux.address, aux.slot_bytes, aux.slots), MemKind.DRAM)
+        return self._aux
+
+    def release(self) -> None:
+        for dlist in (self._pages, self._aux):
+            if dlist is not None:
+                self.transport.release_prepared(dlist)
+        self._pages = self._aux = None
+
+
+@dataclass(frozen=True, slots=True)
+class Posted:
+    xfer: Xfer
+    nbytes: int
+    descriptors: int
+
+
+class LinkPath:
+    """The route from this prefill rank to one decode rank (one registered link)."""
+
+    def __init__(
+        self,
+        *,
+        transport: Transport,
+        local: LocalLists,
+        peer: str,
+        plan: PairPlan | None,
+        remote: KVGeometry,
+        remote_bases: Sequence[int],
+        remote_kind: MemKind,
+        remote_device: int,
+        remote_aux: tuple[int, int, int] | None,
+    ) -> None:
+        self.transport = transport
+        self.local = local
+        self.peer = peer
+        self.plan = plan
+        self.remote = remote
+        self.remote_bases = np.asarray(remote_bases, dtype=np.int64)
+        self.local_bases = np.asarray(local.kv.region_addresses, dtype=np.int64)
+        self.remote_kind = remote_kind
+        self.remote_device = remote_device
+        self.remote_aux = remote_aux
+        self.kind = "none" if plan is None else ("direct" if plan.direct else "sliced")
+        self._remote_pages: DescList | None = None
+        self._remote_aux: DescList | None = None
+
+    def post_kv(self, tag: bytes, src_pages: Sequence[int], dst_pages: Sequence[int], start: int, end: int) -> Posted:
+        assert self.plan is not None, "post_kv on a link this rank does not write"
+        extents = self.plan.extents(src_pages, dst_pages, start, end)
+        if not extents:
+            raise ValueError(f"tokens [{start}, {end}) move no bytes")
+        pattern = np.asarray(extents, dtype=np.int64)  # (E, 3): src_off, dst_off, length
+        regions = len(self.local_bases)
+        nbytes = int(pattern[:, 2].sum()) * regions
+        if self.plan.direct:
+            return self._post_pages(tag, pattern, nbytes)
+        local_rows = np.empty((regions * len(pattern), 3), dtype=np.int64)
+        remote_rows = np.empty_like(local_rows)
+        local_rows[:, 0] = (self.local_bases[:, None] + pattern[None, :, 0]).reshape(-1)
+        remote_rows[:, 0] = (self.remote_bases[:, None] + pattern[None, :, 1]).reshape(-1)
+        local_rows[:, 1] = remote_rows[:, 1] = np.tile(pattern[:, 2], regions)
+        local_rows[:, 2] = self.local.kv.device_id
+        remote_rows[:, 2] = self.remote_device
+        xfer = self.transport.post_descs(
+            self.peer, local_rows, self.local.kv.mem_kind, remote_rows, self.remote_kind, tag
+        )
+        return Posted(xfer, nbytes, len(local_rows))
+
+    def _post_pages(self, tag: bytes, pattern: np.ndarray, nbytes: int) -> Posted:
+        src_g, dst_g = self.local.kv.geometry, self.remote
+        page = src_g.page_bytes
+        counts = pattern[:, 2] // page
+        first = np.repeat(np.cumsum(counts) - counts, counts)
+        step = np.arange(int(counts.sum()), dtype=np.int64) - first
+        src_idx = np.repeat(pattern[:, 0] // page, counts) + step
+        dst_idx = np.repeat(pattern[:, 1] // page, counts) + step
+        regions = np.arange(len(self.local_bases), dtype=np.int64)[:, None]
+        local_idx = (regions * src_g.num_blocks + src_idx[None, :]).reshape(-1)
+        remote_idx = (regions * dst_g.num_blocks + dst_idx[None, :]).reshape(-1)
+        if self._remote_pages is None:
+            rows = page_rows(self.remote_bases.tolist(), dst_g.num_blocks, dst_g.page_bytes, self.remote_device)
+            self._remote_pages = self.transport.prepare(self.peer, rows, self.remote_kind)
+        xfer = self.transport.post_prepared(
+            self.peer, self.local.pages(), local_idx, self._remote_pages, remote_idx, tag
+        )
+        return Posted(xfer, nbytes, len(pattern) * len(self.local_bases))
+
+    def post_aux(self, tag: bytes, src_slot: int, dst_slot: int) -> Posted:
+        assert self.remote_aux is not None and self.local.kv.aux is not None
+        if self._remote_aux is None:
+            self._remote_aux = self.transport.prepare(self.peer, slot_rows(*self.remote_aux), MemKind.DRAM)
+        xfer = self.transport.post_prepared(
+            self.peer, self.local.aux(), np.asarray([src_slot]), self._remote_aux, np.asarray([dst_slot]), tag
+        )
+        return Posted(xfer, self.remote_aux[1], 1)
+
+    def release(self) -> None:
+        for dlist in (self._remote_pages, self._remote_aux):
+            if dlist is not None:
+                self.transport.release_prepared(dlist)
+        self._remote_pages = self._remote_aux = None

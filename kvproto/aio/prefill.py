@@ -1,0 +1,438 @@
+"""``PrefillEndpoint``: one prefill rank. Serves its ROUTER socket, pushes KV writes.
+
+Theory of operation
+-------------------
+The rank binds one ROUTER socket. Decode ranks connect a DEALER to it and REGISTER; the
+registration is checked (version, model, compatibility key, geometry, memory table, transport)
+before the decode agent's metadata is loaded, and answered with REGISTER_ACCEPT or
+REGISTER_REJECT and a code. Prefill rank 0 is also the *bootstrap* service: the other ranks
+announce their addresses to it (RANK_ANNOUNCE, repeated every heartbeat interval) and decode
+ranks query the rank table (BOOTSTRAP_QUERY / BOOTSTRAP_INFO).
+
+Room messages go to the ``SenderCore``; its ``PostWrite``/``PostAux`` outputs are planned
+against the link's geometry (``LinkPath``) and posted on the transport; the progress task polls
+them to DONE and reports back. A decode link silent for ``heartbeat_timeout`` is dropped and its
+rooms fail with PEER_GONE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from kvproto.aio.endpoint import EndpointBase, EndpointConfig
+from kvproto.aio.memory import KVCache, geometry_from_wire, geometry_to_wire
+from kvproto.aio.paths import LinkPath, LocalLists, Posted
+from kvproto.aio.room import SenderRoomHandle
+from kvproto.core import PostAux, PostWrite, SenderCore, SenderLink
+from kvproto.geometry import (
+    IncompatibleGeometry,
+    KVGeometry,
+    check_compatible,
+    paired_ranks_of_prefill,
+    plan_pair,
+    writers,
+)
+from kvproto.transport import MemKind, TransportError, XferState
+from kvproto.wire import (
+    MINOR,
+    Abort,
+    BootstrapInfo,
+    BootstrapQuery,
+    ErrorCode,
+    Heartbeat,
+    Message,
+    MsgType,
+    RankAddress,
+    RankAnnounce,
+    RegionKind,
+    Register,
+    RegisterAccept,
+    RegisterReject,
+    RemoteProtocolError,
+    TransferRequest,
+    UnknownMessage,
+    UnsupportedVersion,
+    decode_frame,
+    decode_header,
+    encode,
+)
+
+log = logging.getLogger("kvproto")
+
+
+@dataclass(slots=True)
+class _DecodeLink:
+    ident: bytes
+    link: SenderLink
+    agent: str
+    boot_id: int
+    path: LinkPath
+    last_seen: float
+
+
+@dataclass(slots=True)
+class _Pending:
+    room_id: int
+    link: bytes
+    seq: int
+    posted: Posted
+
+
+class PrefillEndpoint(EndpointBase):
+    """One prefill rank. ``bootstrap`` is prefill rank 0's address (ranks other than 0)."""
+
+    ROLE = "prefill"
+
+    def __init__(self, kv: KVCache, *, bootstrap: str | None = None, config: EndpointConfig | None = None) -> None:
+        super().__init__(kv, config)
+        g = kv.geometry
+        if g.tp_rank != 0 and bootstrap is None:
+            raise ValueError("prefill ranks other than 0 need bootstrap=<address of rank 0>")
+        self._bootstrap_target = bootstrap
+        aux = kv.aux
+        self.core = SenderCore(
+            block_size=g.block_size, num_blocks=g.num_blocks, aux_slots=aux.slots if aux else 0,
+            timeouts=self.config.timeouts,
+        )
+        self._router: zmq.asyncio.Socket | None = None
+        self._announcer: zmq.asyncio.Socket | None = None
+        self.address = ""
+        self._links: dict[bytes, _DecodeLink] = {}
+        self._pending: dict[Any, _Pending] = {}
+        self._local: LocalLists | None = None
+        self._rank_table: dict[int, RankAddress] = {}
+
+    @property
+    def bootstrap_address(self) -> str:
+        """Where decode ranks find this prefill instance (rank 0's address)."""
+        return self._bootstrap_target or self.address
+
+    # --- application API ----------------------------------------------------------------------
+    def open_room(self, room_id: int) -> SenderRoomHandle:
+        """Start the prefill side of room ``room_id``; decode's request may come before or after."""
+        self._check_open()
+        now = self._now()
+        handle = SenderRoomHandle(self, room_id, self._loop, now)  # type: ignore[arg-type]
+        self._handles[room_id] = handle
+        try:
+            self.core.open_room(room_id, now)
+        except Exception:
+            del self._handles[room_id]
+            raise
+        finally:
+            self._flush()
+        return handle
+
+    def _submit_chunk(self, room_id: int, pages: Sequence[int], end_token: int, last: bool, aux_slot: int | None) -> None:
+        self._check_open()
+        try:
+            self.core.submit_chunk(room_id, list(pages), end_token, self._now(), last=last, aux_slot=aux_slot)
+        finally:
+            self._flush()
+            self._kick()
+
+    # --- sockets ----------------------------------------------------------------------------------
+    async def _start_io(self) -> None:
+        assert self._ctx is not None and self.transport is not None
+        self._local = LocalLists(self.transport, self.kv)
+        router = self._ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 500)
+        if self.config.port:
+            router.bind(f"tcp://{self.config.host}:{self.config.port}")
+            port = self.config.port
+        else:
+            port = router.bind_to_random_port(f"tcp://{self.config.host}")
+        self._router = router
+        self.address = f"tcp://{self.config.host}:{port}"
+        g = self.kv.geometry
+        self._rank_table[g.tp_rank] = RankAddress(tp_rank=g.tp_rank, endpoint=self.address, boot_id=self.boot_id)
+        self._spawn(self._pump(), "pump")
+        if g.tp_rank != 0:
+            announcer = self._ctx.socket(zmq.DEALER)
+            announcer.setsockopt(zmq.LINGER, 0)
+            announcer.connect(self._bootstrap_target)  # type: ignore[arg-type]
+            self._announcer = announcer
+            self._spawn(self._announce_loop(), "announce")
+
+    def _close_io(self) -> None:
+        for link in list(self._links.values()):
+            self._drop_link(link, ErrorCode.ENDPOINT_CLOSED, "endpoint closed")
+        for sock in (self._router, self._announcer):
+            if sock is not None:
+                sock.close()
+        if self._local is not None:
+            self._local.release()
+
+    async def _announce_loop(self) -> None:
+        g = self.kv.geometry
+        msg = encode(RankAnnounce(tp_rank=g.tp_rank, tp_size=g.tp_size, endpoint=self.address, boot_id=self.boot_id))
+        assert self._announcer is not None
+        while True:
+            self._send_frame(self._announcer, [msg])
+            try:
+                # Drain acks (BOOTSTRAP_INFO) so the socket never fills up.
+                while await self._announcer.poll(0):
+                    await self._announcer.recv()
+            except zmq.ZMQError:
+                pass
+            await asyncio.sleep(self.config.heartbeat_interval)
+
+    async def _pump(self) -> None:
+        assert self._router is not None
+        while True:
+            frames = await self._router.recv_multipart()
+            if len(frames) != 2:
+                self.errors += 1
+                continue
+            ident, frame = frames
+            self._guard("frame", self._on_frame, ident, frame)
+
+    def _send(self, link: Any, message: Message) -> None:
+        assert self._router is not None
+        self._send_frame(self._router, [link, encode(message)])
+
+    # --- incoming frames -----------------------------------------------------------------------
+    def _on_frame(self, ident: bytes, frame: bytes) -> None:
+        now = self._now()
+        link = self._links.get(ident)
+        if link is not None:
+            link.last_seen = now
+        try:
+            header, msg = decode_frame(frame)
+        except RemoteProtocolError as exc:
+            self._bad_frame(ident, frame, exc)
+            return
+        if isinstance(msg, (TransferRequest, Abort)) and msg.room_id:
+            self.core.on_message(ident, msg, now)
+        elif isinstance(msg, Register):
+            self._on_register(ident, header.minor, msg)
+        elif isinstance(msg, Heartbeat):
+            if link is None:
+                self._send(ident, Abort(code=ErrorCode.NOT_REGISTERED, reason="heartbeat from an unregistered link"))
+            elif msg.boot_id != link.boot_id:
+                self._drop_link(link, ErrorCode.PEER_GONE, "decode rank restarted")
+            else:
+                self._send(ident, Heartbeat(boot_id=self.boot_id, seq=msg.seq))
+        elif isinstance(msg, Abort):
+            if link is not None:
+                self._drop_link(link, ErrorCode.coerce(msg.code), f"decode closed the link: {msg.reason}")
+        elif isinstance(msg, BootstrapQuery) and self.kv.geometry.tp_rank == 0:
+            self._send(ident, self._bootstrap_info())
+        elif isinstance(msg, RankAnnounce) and self.kv.geometry.tp_rank == 0:
+            self._on_announce(ident, msg)
+        else:
+            self._send(ident, Abort(room_id=msg.room_id, generation=msg.generation,
+                                    code=ErrorCode.PEER_PROTOCOL_ERROR,
+                                    reason=f"{type(msg).__name__} is not accepted by a prefill rank"))
+
+    def _bad_frame(self, ident: bytes, frame: bytes, exc: RemoteProtocolError) -> None:
+        """Answer an undecodable frame with its code; fail the room it names, if any."""
+        if isinstance(exc, UnknownMessage) and exc.header.minor > MINOR:
+            return  # a newer minor version's message: ignorable by the spec
+        room_id = generation = msg_type = 0
+        try:
+            header, _ = decode_header(frame)
+            room_id, generation, msg_type = header.room_id, header.generation, header.msg_type
+        except RemoteProtocolError:
+            pass
+        reason = str(exc)
+        if isinstance(exc, UnsupportedVersion) or msg_type == MsgType.REGISTER:
+            self._send(ident, RegisterReject(link_id=0, code=exc.code, reason=reason))
+            return
+        self.core.stats.peer_violations += 1
+        if room_id and room_id in self.core.rooms:
+            self.core.peer_violation(ident, room_id, generation, exc.code, reason, self._now())
+        else:
+            self._send(ident, Abort(room_id=room_id, generation=generation, code=exc.code, reason=reason))
+
+    # --- bootstrap service (rank 0) --------------------------------------------------------------
+    def _bootstrap_info(self) -> BootstrapInfo:
+        ranks = tuple(self._rank_table[r] for r in sorted(self._rank_table))
+        return BootstrapInfo(tp_size=self.kv.geometry.tp_size, ranks=ranks)
+
+    def _on_announce(self, ident: bytes, msg: RankAnnounce) -> None:
+        g = self.kv.geometry
+        if msg.tp_size != g.tp_size or not 0 < msg.tp_rank < g.tp_size:
+            self._send(ident, Abort(code=ErrorCode.INCOMPATIBLE_GEOMETRY,
+                                    reason=f"rank {msg.tp_rank} of TP {msg.tp_size} does not fit TP {g.tp_size}"))
+            return
+        self._rank_table[msg.tp_rank] = RankAddress(tp_rank=msg.tp_rank, endpoint=msg.endpoint, boot_id=msg.boot_id)
+        self._send(ident, self._bootstrap_info())
+
+    # --- registration ---------------------------------------------------------------------------
+    def _on_register(self, ident: bytes, minor: int, msg: Register) -> None:
+        try:
+            decode_g, remote_bases, remote_kind, remote_device, remote_aux = self._check_register(msg)
+        except _Reject as rej:
+            log.warning("rejected registration from %s: %s", msg.agent_name, rej.reason)
+            self._send(ident, RegisterReject(link_id=msg.link_id, code=rej.code, reason=rej.reason))
+            return
+        now = self._now()
+        old = self._links.get(ident)
+        if old is not None:
+            self._drop_link(old, ErrorCode.PEER_GONE, "decode rank registered again")
+        for other in [lk for lk in self._links.values()
+                      if lk.link.instance == msg.instance and lk.link.decode_rank == decode_g.tp_rank]:
+            self._drop_link(other, ErrorCode.PEER_GONE, "decode rank restarted")
+        assert self.transport is not None and self._local is not None
+        try:
+            agent = self.transport.add_peer(msg.transport_metadata)
+        except TransportError as exc:
+            self._send(ident, RegisterReject(link_id=msg.link_id, code=ErrorCode.TRANSPORT_ERROR,
+                                             reason=f"cannot load the decode agent: {exc}"))
+            return
+        g = self.kv.geometry
+        chosen = writers(g, decode_g)
+        is_writer = g.tp_rank in chosen
+        path = LinkPath(
+            transport=self.transport, local=self._local, peer=agent,
+            plan=plan_pair(g, decode_g) if is_writer else None, remote=decode_g,
+            remote_bases=remote_bases, remote_kind=remote_kind, remote_device=remote_device,
+            remote_aux=remote_aux,
+        )
+        link = SenderLink(
+            key=ident, link_id=msg.link_id, instance=msg.instance, decode_rank=decode_g.tp_rank,
+            num_blocks=decode_g.num_blocks, block_size=decode_g.block_size, aux_slots=msg.aux_slots,
+            paired_ranks=frozenset(paired_ranks_of_prefill(g, decode_g)), writer=is_writer,
+            aux_owner=is_writer and chosen[0] == g.tp_rank,
+        )
+        self._links[ident] = _DecodeLink(ident, link, agent, msg.boot_id, path, now)
+        self.core.add_link(link)
+        log.info("registered decode %s rank %d (%s path, minor %d)", msg.instance, decode_g.tp_rank, path.kind, minor)
+        self._send(ident, RegisterAccept(
+            boot_id=self.boot_id, link_id=msg.link_id, agent_name=self.agent_name,
+            geometry=geometry_to_wire(g), aux_slot_bytes=self.kv.aux.slot_bytes if self.kv.aux else 0))
+
+    def _check_register(self, msg: Register) -> tuple[KVGeometry, list[int], MemKind, int, tuple[int, int, int] | None]:
+        cfg = self.config
+        if msg.transport != cfg.transport:
+            raise _Reject(ErrorCode.TRANSPORT_ERROR, f"decode uses transport {msg.transport!r}, prefill {cfg.transport!r}")
+        if msg.model_id != cfg.model_id:
+            raise _Reject(ErrorCode.MODEL_MISMATCH, f"decode serves model {msg.model_id!r}, prefill {cfg.model_id!r}")
+        if msg.compat_key != cfg.compat_key:
+            raise _Reject(ErrorCode.COMPAT_KEY_MISMATCH,
+                          f"compatibility key {msg.compat_key!r} differs from prefill's {cfg.compat_key!r}")
+        try:
+            decode_g = geometry_from_wire(msg.geometry)
+        except ValueError as exc:
+            raise _Reject(ErrorCode.INCOMPATIBLE_GEOMETRY, f"invalid decode geometry: {exc}") from None
+        try:
+            check_compatible(self.kv.geometry, decode_g)
+        except IncompatibleGeometry as exc:
+            raise _Reject(ErrorCode.INCOMPATIBLE_GEOMETRY, str(exc)) from None
+        kv_rows = sorted((r for r in msg.regions if r.kind == RegionKind.KV), key=lambda r: r.index)
+        if [r.index for r in kv_rows] != list(range(decode_g.num_regions)):
+            raise _Reject(ErrorCode.INDEX_OUT_OF_RANGE,
+                          f"memory table lists KV regions {[r.index for r in kv_rows]}, expected 0..{decode_g.num_regions - 1}")
+        short = [r.index for r in kv_rows if r.length < decode_g.region_bytes]
+        if short:
+            raise _Reject(ErrorCode.INDEX_OUT_OF_RANGE,
+                          f"KV region {short[0]} is shorter than {decode_g.region_bytes} bytes")
+        kinds = {r.mem_kind for r in kv_rows}
+        if len(kinds) != 1 or next(iter(kinds)) not in (MemKind.DRAM, MemKind.VRAM):
+            raise _Reject(ErrorCode.INDEX_OUT_OF_RANGE, f"KV regions have memory kinds {sorted(kinds)}")
+        remote_kind = MemKind(next(iter(kinds)))
+        assert self.transport is not None
+        if remote_kind not in self.transport.memory_kinds():
+            raise _Reject(ErrorCode.TRANSPORT_ERROR, f"transport cannot reach {remote_kind.name} memory")
+        remote_aux = None
+        aux_rows = [r for r in msg.regions if r.kind == RegionKind.AUX]
+        if msg.aux_slots:
+            local_aux = self.kv.aux
+            if len(aux_rows) != 1 or aux_rows[0].length < msg.aux_slots * msg.aux_slot_bytes:
+                raise _Reject(ErrorCode.INDEX_OUT_OF_RANGE, "aux slots do not fit the registered aux region")
+            if local_aux is not None and local_aux.slot_bytes != msg.aux_slot_bytes:
+                raise _Reject(ErrorCode.INCOMPATIBLE_GEOMETRY,
+                              f"aux slots of {msg.aux_slot_bytes} bytes, prefill uses {local_aux.slot_bytes}")
+            remote_aux = (aux_rows[0].address, msg.aux_slot_bytes, msg.aux_slots)
+        return decode_g, [r.address for r in kv_rows], remote_kind, kv_rows[0].device_id, remote_aux
+
+    def _drop_link(self, link: _DecodeLink, code: ErrorCode | int, reason: str) -> None:
+        if self._links.get(link.ident) is not link:
+            return
+        del self._links[link.ident]
+        self.core.remove_link(link.ident, self._now(), code=code, reason=reason)  # type: ignore[arg-type]
+        link.path.release()
+        assert self.transport is not None
+        if not any(other.agent == link.agent for other in self._links.values()):
+            try:
+                self.transport.remove_peer(link.agent)
+            except TransportError as exc:
+                log.warning("removing peer %s: %s", link.agent, exc)
+        log.info("dropped decode link %s rank %d: %s", link.link.instance, link.link.decode_rank, reason)
+
+    # --- writes --------------------------------------------------------------------------------------
+    def _perform(self, out: Any) -> None:
+        if not isinstance(out, (PostWrite, PostAux)):
+            raise TypeError(f"unexpected output {out!r}")
+        link = self._links.get(out.link)  # type: ignore[arg-type]
+        now = self._now()
+        if link is None:
+            self.core.write_failed(out.room_id, out.link, out.seq, "link is gone", now)
+            return
+        try:
+            if isinstance(out, PostWrite):
+                posted = link.path.post_kv(out.tag, out.src_pages, out.dst_pages, out.start_token, out.end_token)
+            else:
+                posted = link.path.post_aux(out.tag, out.src_slot, out.dst_slot)
+        except (TransportError, ValueError) as exc:
+            self.core.write_failed(out.room_id, out.link, out.seq, str(exc), now)
+            return
+        self._pending[posted.xfer] = _Pending(out.room_id, link.ident, out.seq, posted)
+        handle = self._handles.get(out.room_id)
+        if handle is not None:
+            handle.stats.writes += 1
+            handle.stats.nbytes += posted.nbytes
+            handle.stats.descriptors += posted.descriptors
+            handle.stats.paths.add("aux" if isinstance(out, PostAux) else link.path.kind)
+        self._kick()
+
+    def _progress_once(self) -> bool:
+        assert self.transport is not None
+        now = self._now()
+        self.transport.drain_notifications()  # drives the data plane; prefill expects no tags
+        for xfer, pending in list(self._pending.items()):
+            state = self.transport.poll(xfer)
+            if state is XferState.PENDING:
+                continue
+            del self._pending[xfer]
+            self.transport.release(xfer)
+            if state is XferState.DONE:
+                self.core.write_done(pending.room_id, pending.link, pending.seq, pending.posted.nbytes, now)
+            else:
+                self.core.write_failed(pending.room_id, pending.link, pending.seq, "transport reported ERR", now)
+        self.core.handle_timer(now)
+        limit = self.config.heartbeat_timeout
+        for link in [lk for lk in self._links.values() if now - lk.last_seen > limit]:
+            self._drop_link(link, ErrorCode.PEER_GONE, f"no heartbeat for {limit}s")
+        return bool(self._pending)
+
+    async def _drain_writes(self, grace: float) -> None:
+        assert self.transport is not None
+        deadline = self._now() + grace
+        while self._pending and self._now() < deadline:
+            for xfer in list(self._pending):
+                if self.transport.poll(xfer) is not XferState.PENDING:
+                    self.transport.release(self._pending.pop(xfer).posted.xfer)
+            self.transport.drain_notifications()
+            await asyncio.sleep(0.001)
+        for xfer in list(self._pending):
+            try:
+                self.transport.release(xfer)
+            except TransportError as exc:
+                log.warning("releasing an unfinished write at close: %s", exc)
+        self._pending.clear()
+
+
+class _Reject(Exception):
+    def __init__(self, code: ErrorCode, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason

@@ -1,0 +1,119 @@
+"""Room handles: what the serving loop holds for one request's transfer.
+
+A handle is a future (house rule 8): ``await room.wait()`` awaits a shielded per-room future,
+so cancelling the caller leaves the room running; ``room.abort()`` is the way to stop it.
+``room.poll()`` never blocks and returns the ``RoomState`` (SGLang's ``KVPoll`` values).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvproto.core import RoomState
+from kvproto.wire import ErrorCode
+
+if TYPE_CHECKING:
+    from kvproto.aio.decode import DecodeEndpoint
+    from kvproto.aio.prefill import PrefillEndpoint
+
+
+class TransferFailed(Exception):
+    """The room ended FAILED. ``code`` says why (an ``ErrorCode``, or an int from a newer peer)."""
+
+    def __init__(self, room_id: int, code: ErrorCode | int | None, reason: str) -> None:
+        name = code.name if isinstance(code, ErrorCode) else str(code)
+        super().__init__(f"room {room_id} failed: {name}: {reason}")
+        self.room_id = room_id
+        self.code = code
+        self.reason = reason
+
+
+@dataclass(slots=True)
+class RoomStats:
+    """What a room moved, as seen from this rank."""
+
+    nbytes: int = 0
+    writes: int = 0
+    descriptors: int = 0
+    paths: set[str] = field(default_factory=set)
+    started: float = 0.0
+    ended: float | None = None
+
+    @property
+    def elapsed(self) -> float | None:
+        return None if self.ended is None else self.ended - self.started
+
+
+class _Handle:
+    def __init__(self, room_id: int, loop: asyncio.AbstractEventLoop, started: float) -> None:
+        self.room_id = room_id
+        self._future: asyncio.Future[None] = loop.create_future()
+        self._final: RoomState | None = None
+        self.code: ErrorCode | int | None = None
+        self.reason = ""
+        self.stats = RoomStats(started=started)
+
+    def _finish(self, state: RoomState, code: ErrorCode | int | None, reason: str, now: float) -> None:
+        self._final, self.code, self.reason = state, code, reason
+        self.stats.ended = now
+        if not self._future.done():
+            if state is RoomState.SUCCESS:
+                self._future.set_result(None)
+            else:
+                self._future.set_exception(TransferFailed(self.room_id, code, reason))
+                self._future.exception()  # retrieved here: a room nobody awaits is not an error
+
+    @property
+    def done(self) -> bool:
+        return self._final is not None
+
+    async def wait(self) -> None:
+        """Return when the room succeeds; raise ``TransferFailed`` when it fails."""
+        await asyncio.shield(self._future)
+
+
+class SenderRoomHandle(_Handle):
+    """A prefill-side room."""
+
+    def __init__(self, endpoint: PrefillEndpoint, room_id: int, loop: asyncio.AbstractEventLoop, started: float):
+        super().__init__(room_id, loop, started)
+        self._endpoint = endpoint
+
+    def poll(self) -> RoomState:
+        return self._final if self._final is not None else self._endpoint._room_state(self.room_id)
+
+    def send(self, pages: Sequence[int], end_token: int, *, last: bool = True, aux_slot: int | None = None) -> None:
+        """The KV of tokens up to ``end_token`` is ready in ``pages`` (this chunk's new pages).
+
+        Call once per prefill chunk; ``last=True`` on the final one, whose ``end_token`` must
+        equal the prompt's token count. ``aux_slot`` (last chunk only) is this rank's aux slot
+        to copy to the decode rank's.
+        """
+        self._endpoint._submit_chunk(self.room_id, pages, end_token, last, aux_slot)
+
+    def abort(self) -> None:
+        self._endpoint._abort(self.room_id)
+
+
+class ReceiverRoomHandle(_Handle):
+    """A decode-side room."""
+
+    def __init__(self, endpoint: DecodeEndpoint, room_id: int, loop: asyncio.AbstractEventLoop, started: float):
+        super().__init__(room_id, loop, started)
+        self._endpoint = endpoint
+
+    def poll(self) -> RoomState:
+        return self._final if self._final is not None else self._endpoint._room_state(self.room_id)
+
+    def set_destination(
+        self, pages: Sequence[int], num_tokens: int, *, prefix_tokens: int = 0, aux_slot: int | None = None
+    ) -> None:
+        """Where the room's KV goes: decode pages for tokens from 0, of which the first
+        ``prefix_tokens`` are already held here (a prefix hit) and are not moved."""
+        self._endpoint._set_destination(self.room_id, pages, num_tokens, prefix_tokens, aux_slot)
+
+    def abort(self) -> None:
+        self._endpoint._abort(self.room_id)
