@@ -13,10 +13,20 @@ Descriptors are ``(address, length, device_id)`` rows. A caller prepares a *desc
 once (its own memory: ``peer=None``; a peer's memory: ``peer=name``) and then posts writes that
 pick rows of two prepared lists by index. Consecutive indices whose memory is contiguous are
 merged by the adapter where it can. ``post_descs`` posts rows built for one write only, for
-irregular patterns that were not worth preparing.
+irregular patterns that were not worth preparing. Each local row and the remote row it is
+paired with have the same length.
 
 A write's tag reaches the peer's ``drain_notifications`` only after all of the write's bytes
-are visible in the peer's memory. ``notify`` sends a tag with no bytes.
+are visible in the peer's memory; an empty tag sends no notification. ``notify`` sends a
+(non-empty) tag with no bytes. Adapters make progress only inside calls: the initiator must
+poll every write until it leaves PENDING (a write's tag is sent from there), and both sides
+must drain notifications regularly (a target that does not drain can stall large writes).
+Tags from one peer arrive in the order they were *sent*, not posted: a ``notify`` overtakes
+writes still in flight. Tags from different peers are not ordered.
+
+A peer's metadata is a snapshot: memory the peer registers later is reachable only after
+``add_peer`` loads fresh metadata, and loading it again, like ``remove_peer``, invalidates
+the lists prepared for that peer.
 
 Failures raise ``TransportError``; a write that fails after posting polls as ``XferState.ERROR``.
 """
@@ -82,6 +92,16 @@ class Xfer(Protocol):
     """Opaque handle of one posted write."""
 
 
+@dataclass(slots=True)
+class TransportStats:
+    """Counters an adapter keeps: writes posted, the descriptors they became after merging
+    (counted once the adapter knows them, at the latest when the write polls DONE), bytes."""
+
+    writes: int = 0
+    descriptors: int = 0
+    bytes: int = 0
+
+
 def as_descs(rows: np.ndarray | Sequence[tuple[int, int, int]]) -> np.ndarray:
     """Rows as an ``(N, 3)`` int64 array of (address, length, device_id)."""
     arr = np.asarray(rows, dtype=np.int64)
@@ -94,12 +114,52 @@ def as_descs(rows: np.ndarray | Sequence[tuple[int, int, int]]) -> np.ndarray:
     return arr
 
 
+def take_rows(rows: np.ndarray, idx: np.ndarray | Sequence[int], side: str) -> np.ndarray:
+    """``rows[idx]``; raises ``TransportError`` naming the first index out of range."""
+    arr = np.asarray(idx)
+    if arr.size == 0:
+        return rows[:0]
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise TransportError(
+            f"{side} indices must be a 1-D integer array, got {arr.dtype} of shape {arr.shape}"
+        )
+    bad = np.flatnonzero((arr < 0) | (arr >= len(rows)))
+    if bad.size:
+        i = int(bad[0])
+        raise TransportError(
+            f"{side} index {int(arr[i])} at position {i} is out of range"
+            f" for a list of {len(rows)} rows"
+        )
+    picked: np.ndarray = rows[arr]
+    return picked
+
+
+def check_pairs(local: np.ndarray, remote: np.ndarray) -> int:
+    """Check that local and remote rows pair up into one write; returns its byte count."""
+    if len(local) == 0:
+        raise TransportError("a write needs at least one descriptor")
+    if len(local) != len(remote):
+        raise TransportError(
+            f"a write pairs {len(local)} local rows with {len(remote)} remote rows"
+        )
+    bad = np.flatnonzero(local[:, 1] != remote[:, 1])
+    if bad.size:
+        i = int(bad[0])
+        raise TransportError(
+            f"pair {i}: local length {int(local[i, 1])}"
+            f" differs from remote length {int(remote[i, 1])}"
+        )
+    return int(local[:, 1].sum())
+
+
 @runtime_checkable
 class Transport(Protocol):
     """A data-plane adapter. See the module docstring for the contract."""
 
     name: str
     """This agent's name, unique among the agents that talk to each other."""
+
+    stats: TransportStats
 
     def memory_kinds(self) -> frozenset[MemKind]:
         """Memory kinds this adapter can register."""
@@ -162,7 +222,9 @@ class Transport(Protocol):
         ...
 
     def drain_notifications(self) -> list[Notification]:
-        """Tags that arrived since the last call, in arrival order. Also drives progress."""
+        """Tags that arrived since the last call, in arrival order per peer.
+
+        Also drives progress."""
         ...
 
     def close(self) -> None:
