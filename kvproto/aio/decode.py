@@ -31,7 +31,7 @@ import zmq.asyncio
 from kvproto.aio.endpoint import EndpointBase, EndpointConfig
 from kvproto.aio.memory import KVCache, geometry_from_wire, geometry_to_wire
 from kvproto.aio.room import ReceiverRoomHandle
-from kvproto.core import ReceiverCore, ReceiverLink, RoomState
+from kvproto.core import ReceiverCore, ReceiverLink
 from kvproto.geometry import IncompatibleGeometry, KVGeometry, check_compatible, paired_ranks_of_decode, writers
 from kvproto.wire import (
     MINOR,
@@ -348,7 +348,8 @@ class DecodeEndpoint(EndpointBase):
     def _progress_once(self) -> bool:
         assert self.transport is not None
         now = self._now()
-        for note in self.transport.drain_notifications():
+        notes = self.transport.drain_notifications()
+        for note in notes:
             self.core.on_notification(note.peer, note.tag, now)
         self.core.handle_timer(now)
         interval, limit = self.config.heartbeat_interval, self.config.heartbeat_timeout
@@ -361,4 +362,4 @@ class DecodeEndpoint(EndpointBase):
                 link.last_beat = now
                 link.beats += 1
                 self._send_frame(link.sock, [encode(Heartbeat(boot_id=self.boot_id, seq=link.beats))])
-        return any(r.state is RoomState.TRANSFERRING for r in self.core.rooms.values())
+        return bool(notes)

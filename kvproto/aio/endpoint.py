@@ -219,27 +219,34 @@ class EndpointBase:
 
     # --- progress -----------------------------------------------------------------------------
     async def _progress_loop(self) -> None:
+        """Spin while the data plane is active; back off (50 us doubling to ``idle_poll_s``)
+        while it is quiet, so a rank waiting for its peer's compute leaves the CPU to it."""
         idle = self.config.idle_poll_s
+        delay = 0.0
         while True:
-            busy = False
+            active = False
             try:
-                busy = self._progress_once()
+                active = self._progress_once()
             except Exception:
                 self.errors += 1
                 log.exception("%s: unexpected error in progress", self.ROLE)
             self._flush()
-            if busy:
+            if active:
+                delay = 0.0
                 await asyncio.sleep(0)
                 continue
-            delay = idle
+            delay = min(idle, max(50e-6, delay * 2))
+            wait = delay
             deadline = self.core.next_deadline()
             if deadline is not None:
-                delay = max(0.0, min(delay, deadline - self._now()))
+                wait = max(0.0, min(wait, deadline - self._now()))
             self._wake.clear()
             try:
-                await asyncio.wait_for(self._wake.wait(), delay)
+                await asyncio.wait_for(self._wake.wait(), wait)
             except asyncio.TimeoutError:
                 pass
+            else:
+                delay = 0.0
 
     def _kick(self) -> None:
         """Wake the progress task (new writes to poll, new deadlines)."""
@@ -259,7 +266,8 @@ class EndpointBase:
         raise NotImplementedError
 
     def _progress_once(self) -> bool:
-        """One pass of transport progress, timers and liveness; True if work is in flight."""
+        """One pass of transport progress, timers and liveness; True if it saw data-plane
+        activity (a notification, a finished write), so the next pass should come at once."""
         raise NotImplementedError
 
     async def _drain_writes(self, grace: float) -> None:

@@ -398,10 +398,12 @@ class PrefillEndpoint(EndpointBase):
         assert self.transport is not None
         now = self._now()
         self.transport.drain_notifications()  # drives the data plane; prefill expects no tags
+        finished = 0
         for xfer, pending in list(self._pending.items()):
             state = self.transport.poll(xfer)
             if state is XferState.PENDING:
                 continue
+            finished += 1
             del self._pending[xfer]
             self.transport.release(xfer)
             if state is XferState.DONE:
@@ -412,7 +414,7 @@ class PrefillEndpoint(EndpointBase):
         limit = self.config.heartbeat_timeout
         for link in [lk for lk in self._links.values() if now - lk.last_seen > limit]:
             self._drop_link(link, ErrorCode.PEER_GONE, f"no heartbeat for {limit}s")
-        return bool(self._pending)
+        return finished > 0
 
     async def _drain_writes(self, grace: float) -> None:
         assert self.transport is not None

@@ -1,0 +1,30 @@
+"""The ``kvproto`` command: ``kvproto demo``, ``kvproto bench ...``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvproto", description="KV-cache transfer for P/D disaggregation")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log protocol events")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from kvproto import demo
+
+    demo_parser = sub.add_parser("demo", help="prefill and decode in separate processes, verified bytes")
+    demo.add_arguments(demo_parser)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(processName)s %(name)s %(levelname)s %(message)s")
+    if args.command == "demo":
+        return demo.main(args)
+    parser.error(f"unknown command {args.command}")  # pragma: no cover
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

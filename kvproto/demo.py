@@ -1,0 +1,420 @@
+"""``kvproto demo``: prefill and decode ranks in separate processes, moving verified KV.
+
+Every rank is its own process with its own CPU KV cache, NIXL agent (or loopback) and ZMQ
+sockets on 127.0.0.1. All processes derive the same room schedule from ``--seed``. For each
+room, every prefill rank fills fresh, non-contiguous pages with bytes that are a function of
+(room, layer, plane, global head, token, byte) only, and sends them in chunks; every decode
+rank receives into its own random pages and checks every byte of every head it holds against
+the same function, computed independently of any geometry plan. So a byte that went to the
+wrong head, token, layer or page, or was never written, is caught whatever the two sides' TP
+sizes, block sizes and layouts are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import queue
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "u8": "uint8"}
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    rooms: int = 200
+    layers: int = 4
+    kv_heads: int = 8
+    head_dim: int = 64
+    dtype: str = "bf16"
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    prefill_block: int = 16
+    decode_block: int = 16
+    prefill_layout: str = "NHD"
+    decode_layout: str = "NHD"
+    mla: bool = False
+    blocks: int = 2048
+    min_tokens: int = 64
+    max_tokens: int = 2048
+    chunk_tokens: int = 1024
+    concurrency: int = 16
+    transport: str = "nixl"
+    seed: int = 0
+    aux_bytes: int = 64
+    timeout: float = 120.0
+
+
+def schedule(cfg: DemoConfig) -> list[tuple[int, int]]:
+    """(room_id, num_tokens) for every room; identical in every process."""
+    rng = random.Random(cfg.seed)
+    base = rng.randrange(1, 2**40)
+    return [(base + i, rng.randint(cfg.min_tokens, cfg.max_tokens)) for i in range(cfg.rooms)]
+
+
+# --- content: a pure function of (room, layer, plane, head, token, byte) -------------------------
+
+
+class Content:
+    """The reference bytes: a pure function of (room, layer, plane, head, token, byte).
+
+    A random table over (layer, plane, head, token mod period, byte) is XORed with a per-room
+    key and a per-token-period key, so neighbouring rooms, heads, tokens and layers all differ,
+    and generating a room's content is a cheap uint8 broadcast.
+    """
+
+    PERIOD = 2048
+
+    def __init__(self, torch, *, seed: int, layers: int, planes: int, heads: int, head_bytes: int) -> None:
+        self.torch = torch
+        gen = torch.Generator().manual_seed(seed)
+        self.table = torch.randint(0, 256, (layers, planes, heads, self.PERIOD, head_bytes), dtype=torch.uint8,
+                                   generator=gen)
+        self.head_bytes = head_bytes
+
+    def key(self, salt: int):
+        gen = self.torch.Generator().manual_seed(salt & 0x7FFFFFFFFFFFFFFF)
+        return self.torch.randint(0, 256, (self.head_bytes,), dtype=self.torch.uint8, generator=gen)
+
+    def tokens(self, room_id: int, layer: int, plane: int, heads: range, t0: int, t1: int):
+        """uint8 tensor (t1-t0, len(heads), head_bytes)."""
+        torch = self.torch
+        out = torch.empty((t1 - t0, len(heads), self.head_bytes), dtype=torch.uint8)
+        room_key = self.key(room_id)
+        t = t0
+        while t < t1:
+            period, off = divmod(t, self.PERIOD)
+            n = min(t1 - t, self.PERIOD - off)
+            part = self.table[layer, plane, heads.start:heads.stop, off:off + n].transpose(0, 1)
+            torch.bitwise_xor(part, room_key ^ self.key(period + 1), out=out[t - t0:t - t0 + n])
+            t += n
+        return out
+
+
+def aux_bytes(torch, room_id: int, n: int):
+    return ((torch.arange(n, dtype=torch.int64) * 131 + room_id * 7) % 251).to(torch.uint8)
+
+
+class _Cache:
+    """One rank's cache tensors plus uint8 views to fill and check them."""
+
+    def __init__(self, torch, cfg: DemoConfig, *, tp: int, rank: int, block: int, layout: str, aux_slots: int):
+        from kvproto.aio import KVCache
+        from kvproto.geometry import Layout
+
+        self.torch = torch
+        dtype = getattr(torch, DTYPES[cfg.dtype])
+        heads_total = 1 if cfg.mla else cfg.kv_heads
+        local = 1 if cfg.mla else max(1, heads_total // tp)
+        self.layout = Layout[layout]
+        shape = (cfg.blocks, block, local, cfg.head_dim) if self.layout is Layout.NHD else (cfg.blocks, local, block, cfg.head_dim)
+        planes = 1 if cfg.mla else 2
+        self.tensors = [[torch.zeros(shape, dtype=dtype) for _ in range(cfg.layers)] for _ in range(planes)]
+        self.aux = torch.zeros((aux_slots, cfg.aux_bytes), dtype=torch.uint8)
+        self.kv = KVCache.from_tensors(self.tensors, tp_size=tp, tp_rank=rank, num_kv_heads=heads_total,
+                                       layout=self.layout, mla=cfg.mla, aux=self.aux)
+        g = self.kv.geometry
+        self.block = block
+        self.heads = range(g.head_start, g.head_start + g.local_heads)
+        self.head_bytes = g.head_bytes
+        self.content = Content(torch, seed=cfg.seed, layers=cfg.layers, planes=planes, heads=heads_total,
+                               head_bytes=g.head_bytes)
+        self.free = list(range(cfg.blocks))
+        random.Random(cfg.seed * 1000 + rank).shuffle(self.free)
+
+    def _token_view(self, plane: int, layer: int, pages, n_tokens: int):
+        """(tokens, heads, head_bytes) uint8 view of ``pages`` in token order (a copy for HND)."""
+        t = self.tensors[plane][layer][pages].view(self.torch.uint8)
+        if self.layout.name == "HND":
+            t = t.permute(0, 2, 1, 3)
+        return t.reshape(-1, t.shape[2], t.shape[3])[:n_tokens]
+
+    def fill(self, room_id: int, pages: list[int], t0: int, t1: int) -> None:
+        torch = self.torch
+        first = t0 // self.block
+        idx = torch.tensor(pages[first:], dtype=torch.int64)
+        for plane, layers in enumerate(self.tensors):
+            for layer, tensor in enumerate(layers):
+                content = self.content.tokens(room_id, layer, plane, self.heads, first * self.block, t1)
+                pad = len(idx) * self.block - content.shape[0]
+                if pad:
+                    content = torch.cat([content, content.new_zeros((pad,) + tuple(content.shape[1:]))])
+                blocks = content.reshape(len(idx), self.block, content.shape[1], content.shape[2])
+                if self.layout.name == "HND":
+                    blocks = blocks.permute(0, 2, 1, 3)
+                view = tensor.view(torch.uint8)
+                view[idx] = blocks.contiguous()
+
+    def check(self, room_id: int, pages: list[int], n_tokens: int) -> int:
+        """Number of mismatching bytes in the room's pages."""
+        torch = self.torch
+        idx = torch.tensor(pages, dtype=torch.int64)
+        bad = 0
+        for plane in range(len(self.tensors)):
+            for layer in range(len(self.tensors[plane])):
+                got = self._token_view(plane, layer, idx, n_tokens)
+                want = self.content.tokens(room_id, layer, plane, self.heads, 0, n_tokens)
+                bad += int((got != want).sum())
+        return bad
+
+    def take(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise RuntimeError("demo cache exhausted: raise --blocks or lower --concurrency")
+        pages, self.free = self.free[:n], self.free[n:]
+        return pages
+
+    def give(self, pages: list[int]) -> None:
+        self.free.extend(pages)
+
+
+# --- rank processes ---------------------------------------------------------------------------------
+
+
+def _endpoint_config(cfg: DemoConfig, instance: str):
+    from kvproto.aio import EndpointConfig
+    from kvproto.core import Timeouts
+
+    return EndpointConfig(transport=cfg.transport, instance=instance, model_id="kvproto-demo",
+                          timeouts=Timeouts(bootstrap=cfg.timeout, waiting=cfg.timeout, transfer=cfg.timeout))
+
+
+async def _prefill(cfg: DemoConfig, rank: int, bootstrap: str | None, report) -> None:
+    import torch
+
+    from kvproto.aio import PrefillEndpoint
+
+    cache = _Cache(torch, cfg, tp=cfg.prefill_tp, rank=rank, block=cfg.prefill_block,
+                   layout=cfg.prefill_layout, aux_slots=cfg.concurrency)
+    slots = list(range(cfg.concurrency))
+    async with PrefillEndpoint(cache.kv, bootstrap=bootstrap, config=_endpoint_config(cfg, "prefill")) as ep:
+        report.put(("address", rank, ep.address))
+        sem = asyncio.Semaphore(cfg.concurrency)
+
+        async def one(room_id: int, n: int) -> None:
+            async with sem:
+                pages: list[int] = []
+                room = ep.open_room(room_id)
+                slot = slots.pop()
+                cache.aux[slot] = aux_bytes(torch, room_id, cfg.aux_bytes)
+                t = 0
+                while t < n:
+                    end = min(n, t + cfg.chunk_tokens)
+                    new = cache.take(-(-end // cfg.prefill_block) - len(pages))
+                    pages += new
+                    cache.fill(room_id, pages, t, end)
+                    room.send(new, end, last=end == n, aux_slot=slot if end == n else None)
+                    t = end
+                    await asyncio.sleep(0)
+                try:
+                    await room.wait()
+                finally:
+                    cache.give(pages)
+                    slots.append(slot)
+
+        await asyncio.gather(*(one(r, n) for r, n in schedule(cfg)))
+        report.put(("prefill-done", rank, ep.core.stats.rooms_succeeded))
+        # Stay up until every decode rank finished (they may still need heartbeats answered).
+        while True:
+            await asyncio.sleep(0.05)
+            if os.getppid() == 1:
+                return
+
+
+async def _decode(cfg: DemoConfig, rank: int, bootstrap: str, report, go) -> None:
+    import torch
+
+    from kvproto.aio import DecodeEndpoint
+
+    cache = _Cache(torch, cfg, tp=cfg.decode_tp, rank=rank, block=cfg.decode_block,
+                   layout=cfg.decode_layout, aux_slots=cfg.concurrency)
+    slots = list(range(cfg.concurrency))
+    async with DecodeEndpoint(cache.kv, config=_endpoint_config(cfg, "decode")) as ep:
+        sem = asyncio.Semaphore(cfg.concurrency)
+        totals = {"bytes": 0, "bad": 0, "done": 0}
+        go.wait()
+        start = time.perf_counter()
+
+        async def one(room_id: int, n: int) -> None:
+            async with sem:
+                pages = cache.take(-(-n // cfg.decode_block))
+                slot = slots.pop()
+                try:
+                    room = ep.open_room(room_id, bootstrap, pages=pages, num_tokens=n, aux_slot=slot)
+                    await room.wait()
+                    bad = cache.check(room_id, pages, n)
+                    if rank == 0 and not torch.equal(cache.aux[slot], aux_bytes(torch, room_id, cfg.aux_bytes)):
+                        bad += 1
+                    totals["bad"] += bad
+                    totals["bytes"] += n * cache.head_bytes * len(cache.heads) * len(cache.tensors) * cfg.layers
+                    totals["done"] += 1
+                    report.put(("room", rank, room_id, bad))
+                finally:
+                    cache.give(pages)
+                    slots.append(slot)
+
+        await asyncio.gather(*(one(r, n) for r, n in schedule(cfg)))
+        elapsed = time.perf_counter() - start
+        report.put(("decode-done", rank, elapsed, totals["bytes"], totals["bad"], totals["done"]))
+
+
+def _rank_main(role: str, rank: int, cfg_dict: dict, bootstrap: str | None, report, go) -> None:
+    cfg = DemoConfig(**cfg_dict)
+    import torch
+
+    torch.set_num_threads(1)  # one process per rank already fills the cores
+    try:
+        if role == "prefill":
+            asyncio.run(_prefill(cfg, rank, bootstrap, report))
+        else:
+            asyncio.run(_decode(cfg, rank, bootstrap, report, go))  # type: ignore[arg-type]
+    except Exception as exc:  # surfaced to the parent, which fails the demo
+        report.put(("error", f"{role} rank {rank}", f"{type(exc).__name__}: {exc}"))
+        raise
+
+
+# --- the parent --------------------------------------------------------------------------------------
+
+
+class _Progress:
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.tty = sys.stderr.isatty()
+        self.last = 0.0
+
+    def update(self, done: int, start: float) -> None:
+        now = time.perf_counter()
+        if done < self.total and now - self.last < (0.1 if self.tty else 2.0):
+            return
+        self.last = now
+        width = 30
+        fill = width * done // max(1, self.total)
+        rate = done / max(now - start, 1e-9)
+        line = f"[{'#' * fill}{'.' * (width - fill)}] {done}/{self.total} rooms  {rate:7.1f} rooms/s"
+        if self.tty:
+            print("\r" + line, end="" if done < self.total else "\n", file=sys.stderr, flush=True)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+
+def run(cfg: DemoConfig) -> int:
+    ctx = mp.get_context("spawn")
+    report = ctx.Queue()
+    go = ctx.Event()
+    procs: list[mp.process.BaseProcess] = []
+    cfg_dict = asdict(cfg)
+
+    def start(role: str, rank: int, bootstrap: str | None) -> None:
+        p = ctx.Process(target=_rank_main, args=(role, rank, cfg_dict, bootstrap, report, go),
+                        name=f"{role}-{rank}", daemon=True)
+        p.start()
+        procs.append(p)
+
+    def next_msg(deadline: float):
+        while True:
+            try:
+                msg = report.get(timeout=0.5)
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"{dead[0].name} exited with code {dead[0].exitcode}")
+                if time.perf_counter() > deadline:
+                    raise TimeoutError("demo timed out")
+                continue
+            if msg[0] == "error":
+                raise RuntimeError(f"{msg[1]}: {msg[2]}")
+            return msg
+
+    print(f"kvproto demo: {cfg.rooms} rooms, prefill TP {cfg.prefill_tp} (block {cfg.prefill_block}, "
+          f"{cfg.prefill_layout}) -> decode TP {cfg.decode_tp} (block {cfg.decode_block}, {cfg.decode_layout}), "
+          f"{'MLA, ' if cfg.mla else ''}{cfg.layers} layers x {1 if cfg.mla else cfg.kv_heads} KV heads x "
+          f"{cfg.head_dim} {cfg.dtype}, transport {cfg.transport}, one process per rank", flush=True)
+    t_begin = time.perf_counter()
+    deadline = t_begin + cfg.timeout + 60
+    try:
+        start("prefill", 0, None)
+        msg = next_msg(deadline)
+        bootstrap = msg[2]
+        for r in range(1, cfg.prefill_tp):
+            start("prefill", r, bootstrap)
+        for r in range(cfg.decode_tp):
+            start("decode", r, bootstrap)
+        ready = 1
+        while ready < cfg.prefill_tp:
+            if next_msg(deadline)[0] == "address":
+                ready += 1
+        go.set()
+        start_t = time.perf_counter()
+        progress = _Progress(cfg.rooms)
+        progress.update(0, start_t)
+        done_rank0 = bad = 0
+        finished = []
+        while len(finished) < cfg.decode_tp:
+            msg = next_msg(deadline)
+            if msg[0] == "room":
+                bad += msg[3]
+                if msg[1] == 0:
+                    done_rank0 += 1
+                    progress.update(done_rank0, start_t)
+            elif msg[0] == "decode-done":
+                finished.append(msg)
+        elapsed = max(m[2] for m in finished)
+        total_bytes = sum(m[3] for m in finished)
+        rooms_ok = min(m[5] for m in finished)
+        print(f"moved {total_bytes / 1e9:.3f} GB of KV in {rooms_ok} rooms to {cfg.decode_tp} decode rank(s) "
+              f"in {elapsed:.2f} s (page fill and byte checks included)")
+        print(f"throughput: {rooms_ok / elapsed:.1f} rooms/s, {total_bytes / elapsed / 1e9:.3f} GB/s")
+        print(f"verified every byte: {'OK, 0 mismatching bytes' if bad == 0 else f'FAILED, {bad} mismatching bytes'}")
+        return 0 if bad == 0 and rooms_ok == cfg.rooms else 1
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"demo failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=5)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = DemoConfig()
+    a = parser.add_argument
+    a("--rooms", type=int, default=d.rooms, help="number of rooms (requests) to move")
+    a("--layers", type=int, default=d.layers)
+    a("--kv-heads", type=int, default=d.kv_heads, help="KV heads of the model (ignored with --mla)")
+    a("--head-dim", type=int, default=d.head_dim, help="elements per head (the latent size with --mla)")
+    a("--dtype", choices=sorted(DTYPES), default=d.dtype)
+    a("--prefill-tp", type=int, default=d.prefill_tp)
+    a("--decode-tp", type=int, default=d.decode_tp)
+    a("--prefill-block", type=int, default=d.prefill_block, help="tokens per page on prefill")
+    a("--decode-block", type=int, default=d.decode_block, help="tokens per page on decode")
+    a("--prefill-layout", choices=["NHD", "HND"], default=d.prefill_layout)
+    a("--decode-layout", choices=["NHD", "HND"], default=d.decode_layout)
+    a("--mla", action="store_true", help="one latent plane replicated on every rank")
+    a("--blocks", type=int, default=d.blocks, help="pages per layer and plane on every rank")
+    a("--min-tokens", type=int, default=d.min_tokens)
+    a("--max-tokens", type=int, default=d.max_tokens)
+    a("--chunk-tokens", type=int, default=d.chunk_tokens, help="chunked-prefill chunk size")
+    a("--concurrency", type=int, default=d.concurrency, help="rooms in flight per rank")
+    a("--transport", choices=["nixl", "loopback"], default=d.transport,
+      help="loopback only works within one process; the demo uses separate processes, so use nixl")
+    a("--seed", type=int, default=d.seed)
+    a("--timeout", type=float, default=d.timeout, help="per-room deadline in seconds")
+
+
+def main(args: argparse.Namespace) -> int:
+    fields = {k: getattr(args, k) for k in DemoConfig.__dataclass_fields__ if hasattr(args, k)}
+    cfg = DemoConfig(**fields)
+    if cfg.transport == "loopback":
+        print("the demo runs one process per rank: loopback cannot cross processes; use --transport nixl",
+              file=sys.stderr)
+        return 2
+    if cfg.chunk_tokens % cfg.prefill_block:
+        print("--chunk-tokens must be a multiple of --prefill-block", file=sys.stderr)
+        return 2
+    return run(cfg)
