@@ -48,7 +48,7 @@ from kvproto.wire import (
     TransferDone,
     UnknownMessage,
     decode_frame,
-    decode_header,
+    peek_header,
     encode,
 )
 
@@ -191,10 +191,10 @@ class DecodeEndpoint(EndpointBase):
         except RemoteProtocolError as exc:
             if isinstance(exc, UnknownMessage) and exc.header.minor > MINOR:
                 return
-            try:
-                h, _ = decode_header(frame)
-                self.core.peer_violation(link.link_id, h.room_id, h.generation, exc.code, str(exc), now)
-            except RemoteProtocolError:
+            header = peek_header(frame)
+            if header is not None:
+                self.core.peer_violation(link.link_id, header.room_id, header.generation, exc.code, str(exc), now)
+            else:
                 self.core.stats.peer_violations += 1
             log.warning("bad frame from prefill rank %d: %s", link.prefill_rank, exc)
             return

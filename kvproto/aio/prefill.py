@@ -60,7 +60,7 @@ from kvproto.wire import (
     UnknownMessage,
     UnsupportedVersion,
     decode_frame,
-    decode_header,
+    peek_header,
     encode,
 )
 
@@ -236,12 +236,8 @@ class PrefillEndpoint(EndpointBase):
         """Answer an undecodable frame with its code; fail the room it names, if any."""
         if isinstance(exc, UnknownMessage) and exc.header.minor > MINOR:
             return  # a newer minor version's message: ignorable by the spec
-        room_id = generation = msg_type = 0
-        try:
-            header, _ = decode_header(frame)
-            room_id, generation, msg_type = header.room_id, header.generation, header.msg_type
-        except RemoteProtocolError:
-            pass
+        header = peek_header(frame)
+        room_id, generation, msg_type = (header.room_id, header.generation, header.msg_type) if header else (0, 0, 0)
         reason = str(exc)
         if isinstance(exc, UnsupportedVersion) or msg_type == MsgType.REGISTER:
             self._send(ident, RegisterReject(link_id=0, code=exc.code, reason=reason))

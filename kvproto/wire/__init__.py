@@ -1,6 +1,6 @@
 """Wire format of kvproto spec v1: frames, messages, notification tags, error codes."""
 
-from kvproto.wire.codec import HEADER_SIZE, MAJOR, MAX_FRAME, MINOR, Header, decode_header
+from kvproto.wire.codec import HEADER_SIZE, MAJOR, MAX_FRAME, MINOR, Header, decode_header, peek_header
 from kvproto.wire.errors import (
     ErrorCode,
     FrameTooLarge,

@@ -216,5 +216,16 @@ def decode_header(frame: bytes | memoryview) -> tuple[Header, memoryview]:
     return Header(msg_type, room_id, generation, flags, major, minor), view[HEADER_SIZE:]
 
 
+def peek_header(frame: bytes | memoryview) -> Header | None:
+    """The header fields of a frame that failed to decode, for blame and replies only:
+    ``None`` unless it is at least a header long with the right magic. Never raises."""
+    if len(frame) < HEADER_SIZE:
+        return None
+    magic, major, minor, msg_type, flags, _reserved, room_id, generation, _len = HEADER.unpack_from(frame)
+    if magic != MAGIC:
+        return None
+    return Header(msg_type, room_id, generation, flags, major, minor)
+
+
 def decode_body(cls: type[Body], body: memoryview, **header_fields: int) -> Any:
     return cls.decode_from(_Reader(body), **header_fields)

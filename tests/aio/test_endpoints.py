@@ -1,0 +1,199 @@
+"""Prefill and decode endpoints moving real bytes over loopback and NIXL, ZMQ on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from kvproto.aio import DecodeEndpoint, EndpointClosed, PrefillEndpoint, TransferFailed
+from kvproto.core import RoomState, Timeouts
+from kvproto.wire import ErrorCode, LocalProtocolError
+
+from .conftest import TRANSPORTS, Pair, config, make_cache
+
+pytestmark = pytest.mark.asyncio
+
+
+def assert_room_bytes(pair: Pair, src_pages: list[int], dst_pages: list[int], first_page: int = 0) -> None:
+    g = pair.src.kv.geometry
+    for plane in range(g.planes):
+        for layer in range(g.num_layers):
+            for i in range(first_page, len(src_pages)):
+                assert torch.equal(pair.src.page(plane, layer, src_pages[i]), pair.dst.page(plane, layer, dst_pages[i])), (
+                    f"plane {plane} layer {layer} page index {i}")
+
+
+async def test_endpoint_transfer_is_byte_exact(pair: Pair) -> None:
+    """Twenty concurrent rooms with random non-contiguous pages land byte-exact, aux included."""
+    before = [[t.clone() for t in plane] for plane in pair.dst.planes]
+    used_dst: set[int] = set()
+    rooms = []
+    for i in range(20):
+        rid = 1000 + i
+        n = pair.rng.randint(1, 12)
+        src = pair.rng.sample(range(64), -(-n // 4))  # sources may be shared: they are only read
+        dst = pair.pages(-(-n // 4), pair.dst, used_dst)
+        slot = i % 4
+        decode_room = pair.decode.open_room(rid, pair.prefill.bootstrap_address, pages=dst, num_tokens=n,
+                                            aux_slot=slot if i < 4 else None)
+        prefill_room = pair.prefill.open_room(rid)
+        prefill_room.send(src, n, last=True, aux_slot=(slot + 1) % 4 if i < 4 else None)
+        rooms.append((decode_room, prefill_room, src, dst, slot))
+    await asyncio.wait_for(asyncio.gather(*(r.wait() for d, p, *_ in rooms for r in (d, p))), 20)
+    touched = set()
+    for i, (decode_room, prefill_room, src, dst, slot) in enumerate(rooms):
+        assert decode_room.poll() is RoomState.SUCCESS and prefill_room.poll() is RoomState.SUCCESS
+        assert_room_bytes(pair, src, dst)
+        touched.update(dst)
+        if i < 4:
+            assert torch.equal(pair.dst.aux[slot], pair.src.aux[(slot + 1) % 4])
+    for plane in range(2):
+        for layer in range(2):
+            for page in set(range(64)) - touched:
+                assert torch.equal(pair.dst.page(plane, layer, page), before[plane][layer][page])
+
+
+async def test_endpoint_chunked_prefill_moves_each_chunk(pair: Pair) -> None:
+    """Three chunks (the last flagged) arrive byte-exact; the room succeeds only after the last."""
+    src, dst = [3, 9, 1, 40, 22], [7, 2, 50, 13, 30]
+    decode_room = pair.decode.open_room(5, pair.prefill.bootstrap_address, pages=dst, num_tokens=19)
+    room = pair.prefill.open_room(5)
+    room.send(src[:2], 8, last=False)
+    room.send(src[2:4], 16, last=False)
+    await asyncio.sleep(0.05)
+    assert decode_room.poll() is RoomState.TRANSFERRING
+    room.send(src[4:], 19, last=True)
+    await asyncio.wait_for(decode_room.wait(), 10)
+    await asyncio.wait_for(room.wait(), 10)
+    assert room.stats.writes == 3
+    assert_room_bytes(pair, src, dst)
+
+
+async def test_endpoint_request_before_open_is_parked(pair: Pair) -> None:
+    """A decode room opened before the prefill room is parked on prefill, then served."""
+    decode_room = pair.decode.open_room(77, pair.prefill.bootstrap_address, pages=[4, 5], num_tokens=8)
+    await asyncio.sleep(0.2)
+    room = pair.prefill.open_room(77)
+    room.send([10, 11], 8)
+    await asyncio.wait_for(decode_room.wait(), 10)
+    assert_room_bytes(pair, [10, 11], [4, 5])
+
+
+async def test_endpoint_chunks_before_request_are_queued(pair: Pair) -> None:
+    """Chunks submitted before decode asks are queued and posted when the request comes."""
+    room = pair.prefill.open_room(78)
+    room.send([12, 13], 8)
+    assert room.poll() is RoomState.BOOTSTRAPPING
+    decode_room = pair.decode.open_room(78, pair.prefill.bootstrap_address)
+    await asyncio.sleep(0.1)
+    assert decode_room.poll() is RoomState.WAITING_FOR_INPUT
+    decode_room.set_destination([20, 21], 8)
+    await asyncio.wait_for(asyncio.gather(decode_room.wait(), room.wait()), 10)
+    assert_room_bytes(pair, [12, 13], [20, 21])
+
+
+async def test_endpoint_prefix_hit_moves_only_the_rest(pair: Pair) -> None:
+    """With the first 4 of 7 blocks held on decode, only the last 3 pages move."""
+    src, dst = [1, 2, 3, 4, 5, 6, 7], [30, 31, 32, 33, 34, 35, 36]
+    before = [pair.dst.page(0, 0, p).clone() for p in dst[:4]]
+    decode_room = pair.decode.open_room(90, pair.prefill.bootstrap_address, pages=dst, num_tokens=28,
+                                        prefix_tokens=16)
+    room = pair.prefill.open_room(90)
+    room.send(src, 28)
+    await asyncio.wait_for(asyncio.gather(decode_room.wait(), room.wait()), 10)
+    assert_room_bytes(pair, src, dst, first_page=4)
+    assert all(torch.equal(pair.dst.page(0, 0, p), b) for p, b in zip(dst[:4], before))
+    g = pair.src.kv.geometry
+    assert room.stats.nbytes == 3 * g.page_bytes * g.num_regions
+
+
+async def test_endpoint_full_prefix_hit_completes_without_bytes(pair: Pair) -> None:
+    """A full prefix hit moves no bytes and still completes on both sides."""
+    decode_room = pair.decode.open_room(91, pair.prefill.bootstrap_address, pages=[8, 9], num_tokens=8,
+                                        prefix_tokens=8)
+    room = pair.prefill.open_room(91)
+    room.send([1, 2], 8)
+    await asyncio.wait_for(asyncio.gather(decode_room.wait(), room.wait()), 10)
+    assert room.stats.nbytes == 0 and room.stats.writes == 0
+
+
+async def test_room_abort_reaches_peer_with_code(pair: Pair) -> None:
+    """Aborting on decode fails the prefill room with ABORTED, and vice versa."""
+    d1 = pair.decode.open_room(60, pair.prefill.bootstrap_address, pages=[1], num_tokens=4)
+    p1 = pair.prefill.open_room(60)
+    await asyncio.sleep(0.1)
+    d1.abort()
+    with pytest.raises(TransferFailed) as failed:
+        await asyncio.wait_for(p1.wait(), 10)
+    assert failed.value.code is ErrorCode.ABORTED
+    d2 = pair.decode.open_room(61, pair.prefill.bootstrap_address, pages=[2], num_tokens=4)
+    p2 = pair.prefill.open_room(61)
+    await asyncio.sleep(0.1)
+    p2.abort()
+    with pytest.raises(TransferFailed) as failed:
+        await asyncio.wait_for(d2.wait(), 10)
+    assert failed.value.code is ErrorCode.ABORTED
+    assert d1.poll() is RoomState.FAILED and p2.poll() is RoomState.FAILED
+
+
+async def test_room_cancelled_wait_leaves_room_intact(pair: Pair) -> None:
+    """Cancelling a caller of wait() does not cancel or corrupt the room."""
+    decode_room = pair.decode.open_room(70, pair.prefill.bootstrap_address, pages=[3, 4], num_tokens=5)
+    waiter = asyncio.ensure_future(decode_room.wait())
+    await asyncio.sleep(0.05)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    room = pair.prefill.open_room(70)
+    room.send([5, 6], 5)
+    await asyncio.wait_for(decode_room.wait(), 10)
+    assert decode_room.poll() is RoomState.SUCCESS
+
+
+async def test_room_misuse_raises_local_protocol_error(pair: Pair) -> None:
+    """Opening a live room twice or sending past the last chunk is the caller's error."""
+    room = pair.prefill.open_room(80)
+    with pytest.raises(LocalProtocolError) as dup:
+        pair.prefill.open_room(80)
+    assert dup.value.code is ErrorCode.DUPLICATE_ROOM
+    with pytest.raises(LocalProtocolError):
+        room.send([1], 6, last=False)  # not on a page boundary
+    with pytest.raises(LocalProtocolError) as bad:
+        pair.decode.open_room(81, pair.prefill.bootstrap_address, pages=[999], num_tokens=4)
+    assert bad.value.code is ErrorCode.INDEX_OUT_OF_RANGE
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_endpoint_close_is_idempotent_and_fails_live_rooms(transport: str) -> None:
+    """close() fails live rooms with ENDPOINT_CLOSED, tells the peer, and is idempotent."""
+    src, dst = make_cache(seed=3), make_cache(seed=4)
+    async with PrefillEndpoint(src.kv, config=config(transport)) as prefill:
+        decode = DecodeEndpoint(dst.kv, config=config(transport))
+        await decode.start()
+        decode_room = decode.open_room(5, prefill.bootstrap_address, pages=[1], num_tokens=4)
+        room = prefill.open_room(5)
+        await asyncio.sleep(0.2)
+        await decode.close()
+        await decode.close()
+        with pytest.raises(TransferFailed) as failed:
+            await decode_room.wait()
+        assert failed.value.code is ErrorCode.ENDPOINT_CLOSED
+        with pytest.raises(TransferFailed) as peer:
+            await asyncio.wait_for(room.wait(), 10)
+        assert peer.value.code is ErrorCode.ENDPOINT_CLOSED
+        with pytest.raises(EndpointClosed):
+            decode.open_room(6, prefill.bootstrap_address)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_endpoint_bootstrap_timeout_fails_room(transport: str) -> None:
+    """A room whose prefill never answers fails with BOOTSTRAP_TIMEOUT at its deadline."""
+    dst = make_cache(seed=5)
+    cfg = config(transport, timeouts=Timeouts(bootstrap=0.5))
+    async with DecodeEndpoint(dst.kv, config=cfg) as decode:
+        room = decode.open_room(9, "tcp://127.0.0.1:9", pages=[1], num_tokens=4)
+        with pytest.raises(TransferFailed) as failed:
+            await asyncio.wait_for(room.wait(), 5)
+        assert failed.value.code is ErrorCode.BOOTSTRAP_TIMEOUT
