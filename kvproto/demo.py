@@ -42,6 +42,10 @@ class DemoConfig:
     blocks: int = 2048
     min_tokens: int = 64
     max_tokens: int = 2048
+    tokens: int = 0
+    """Every room's prompt length (0: random in [min_tokens, max_tokens])."""
+    prefix_tokens: int = 0
+    """Tokens each decode rank already holds (a prefix-cache hit; whole decode blocks)."""
     chunk_tokens: int = 1024
     concurrency: int = 16
     transport: str = "nixl"
@@ -54,7 +58,17 @@ def schedule(cfg: DemoConfig) -> list[tuple[int, int]]:
     """(room_id, num_tokens) for every room; identical in every process."""
     rng = random.Random(cfg.seed)
     base = rng.randrange(1, 2**40)
-    return [(base + i, rng.randint(cfg.min_tokens, cfg.max_tokens)) for i in range(cfg.rooms)]
+    rooms = []
+    for i in range(cfg.rooms):
+        n = rng.randint(cfg.min_tokens, cfg.max_tokens)
+        rooms.append((base + i, cfg.tokens or n))
+    return rooms
+
+
+def prefix_of(cfg: DemoConfig, num_tokens: int) -> int:
+    """Decode's prefix hit for a room: whole decode blocks, at most the prompt."""
+    prefix = min(cfg.prefix_tokens, num_tokens)
+    return prefix - prefix % cfg.decode_block
 
 
 # --- content: a pure function of (room, layer, plane, head, token, byte) -------------------------
@@ -134,13 +148,17 @@ class _Cache:
             t = t.permute(0, 2, 1, 3)
         return t.reshape(-1, t.shape[2], t.shape[3])[:n_tokens]
 
-    def fill(self, room_id: int, pages: list[int], t0: int, t1: int) -> None:
+    def fill(self, room_id: int, pages: list[int], t0: int, t1: int, garbage_below: int = 0) -> None:
+        """Write the reference content of tokens [t0, t1) into the room's pages; tokens below
+        ``garbage_below`` get wrong bytes instead (they must never reach the other side)."""
         torch = self.torch
         first = t0 // self.block
         idx = torch.tensor(pages[first:], dtype=torch.int64)
         for plane, layers in enumerate(self.tensors):
             for layer, tensor in enumerate(layers):
                 content = self.content.tokens(room_id, layer, plane, self.heads, first * self.block, t1)
+                if garbage_below > first * self.block:
+                    content[: garbage_below - first * self.block] ^= 0x5A
                 pad = len(idx) * self.block - content.shape[0]
                 if pad:
                     content = torch.cat([content, content.new_zeros((pad,) + tuple(content.shape[1:]))])
@@ -206,7 +224,7 @@ async def _prefill(cfg: DemoConfig, rank: int, bootstrap: str | None, report) ->
                     end = min(n, t + cfg.chunk_tokens)
                     new = cache.take(-(-end // cfg.prefill_block) - len(pages))
                     pages += new
-                    cache.fill(room_id, pages, t, end)
+                    cache.fill(room_id, pages, t, end, garbage_below=prefix_of(cfg, n))
                     room.send(new, end, last=end == n, aux_slot=slot if end == n else None)
                     t = end
                     await asyncio.sleep(0)
@@ -243,14 +261,18 @@ async def _decode(cfg: DemoConfig, rank: int, bootstrap: str, report, go) -> Non
             async with sem:
                 pages = cache.take(-(-n // cfg.decode_block))
                 slot = slots.pop()
+                prefix = prefix_of(cfg, n)
+                if prefix:
+                    cache.fill(room_id, pages, 0, prefix)  # the prefix-cache hit, already here
                 try:
-                    room = ep.open_room(room_id, bootstrap, pages=pages, num_tokens=n, aux_slot=slot)
+                    room = ep.open_room(room_id, bootstrap, pages=pages, num_tokens=n, prefix_tokens=prefix,
+                                        aux_slot=slot)
                     await room.wait()
                     bad = cache.check(room_id, pages, n)
                     if rank == 0 and not torch.equal(cache.aux[slot], aux_bytes(torch, room_id, cfg.aux_bytes)):
                         bad += 1
                     totals["bad"] += bad
-                    totals["bytes"] += n * cache.head_bytes * len(cache.heads) * len(cache.tensors) * cfg.layers
+                    totals["bytes"] += (n - prefix) * cache.head_bytes * len(cache.heads) * len(cache.tensors) * cfg.layers
                     totals["done"] += 1
                     report.put(("room", rank, room_id, bad))
                 finally:
@@ -399,6 +421,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--blocks", type=int, default=d.blocks, help="pages per layer and plane on every rank")
     a("--min-tokens", type=int, default=d.min_tokens)
     a("--max-tokens", type=int, default=d.max_tokens)
+    a("--tokens", type=int, default=d.tokens, help="fixed prompt length (default: random in [min, max])")
+    a("--prefix-tokens", type=int, default=d.prefix_tokens,
+      help="tokens decode already holds (prefix-cache hit): only the rest moves")
     a("--chunk-tokens", type=int, default=d.chunk_tokens, help="chunked-prefill chunk size")
     a("--concurrency", type=int, default=d.concurrency, help="rooms in flight per rank")
     a("--transport", choices=["nixl", "loopback"], default=d.transport,
