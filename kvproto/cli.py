@@ -17,11 +17,19 @@ def main(argv: list[str] | None = None) -> int:
     demo_parser = sub.add_parser("demo", help="prefill and decode in separate processes, verified bytes")
     demo.add_arguments(demo_parser)
 
+    bench_parser = sub.add_parser("bench", help="benchmarks (ratios against references measured in the same run)")
+    bench_parser.add_argument("which", choices=["kernels"], help="kernels: staging gather/scatter vs device copy")
+    bench_parser.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of that benchmark (--help)")
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(processName)s %(name)s %(levelname)s %(message)s")
     if args.command == "demo":
         return demo.main(args)
+    if args.command == "bench" and args.which == "kernels":
+        from kvproto.bench import kernels
+
+        return kernels.main(args.rest)
     parser.error(f"unknown command {args.command}")  # pragma: no cover
     return 2
 

@@ -1,0 +1,148 @@
+"""Staging kernels: gather KV heads of every region into a contiguous tensor, scatter them back.
+
+Theory of operation
+-------------------
+The staging format of one (chunk, peer pair) is a contiguous ``(R, T, head_count, head_dim)``
+tensor in the cache dtype: every region ``r = layer * planes + plane`` in order, the tokens
+``[start_token, end_token)``, the heads ``[head_offset, head_offset + head_count)`` of the
+rank's local heads. The prefill side gathers with its own block size and layout, the decode
+side scatters with its own, so block size and layout are converted on the way.
+:func:`scatter` writes exactly the staged cells of ``dst`` and no other byte.
+
+Two backends implement one contract (checked by :mod:`kvproto.kernels.plan`): the Triton
+kernels (:mod:`kvproto.kernels.triton_kernels`, one launch for all regions) and the plain-torch
+reference (:mod:`kvproto.kernels.reference`). ``backend="auto"`` picks Triton for CUDA tensors
+when Triton is installed, the reference otherwise; ``backend="triton"`` on CPU tensors runs the
+Triton interpreter and requires ``TRITON_INTERPRET=1`` in the environment. Importing this
+package does not import Triton.
+
+Pass the cache as a :class:`Regions` (validated once) to keep the per-call host cost
+independent of the number of regions; a plain list of tensors works too.
+
+Host staging: for a CUDA cache, the staging tensor may be pinned host memory (gather writes
+device-to-host, scatter reads host-to-device). Work is enqueued on the current CUDA stream of
+the cache's device, or on ``stream`` when given; nothing blocks on the device. The caller
+records an event after the call and keeps ``staging`` (and ``pages``) alive until it fires.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+from collections.abc import Iterator, Sequence
+from typing import Literal
+
+import torch
+
+from kvproto.geometry.model import Layout
+from kvproto.kernels.plan import CopyPlan, Regions, StagingError, plan_copy
+
+__all__ = ["Backend", "CopyPlan", "Regions", "StagingError", "gather", "plan_copy", "scatter"]
+
+Backend = Literal["auto", "triton", "torch"]
+
+
+def gather(
+    src: Sequence[torch.Tensor],
+    *,
+    layout: Layout | int,
+    pages: torch.Tensor,
+    start_token: int,
+    end_token: int,
+    head_offset: int,
+    head_count: int,
+    out: torch.Tensor | None = None,
+    backend: Backend = "auto",
+    stream: torch.cuda.Stream | None = None,
+) -> torch.Tensor:
+    """Copy local heads ``[head_offset, +head_count)`` of tokens ``[start_token, end_token)``
+    of every region ``src[r]`` into ``out[r, t - start_token, h - head_offset, :]``.
+
+    ``src[r]`` is ``(num_blocks, B, H, D)`` (NHD) or ``(num_blocks, H, B, D)`` (HND);
+    ``pages[i]`` holds request tokens ``[i*B, (i+1)*B)``. ``out`` (allocated on the cache's
+    device when omitted) may be pinned host memory for a CUDA cache. Returns ``out``.
+    """
+    args = dict(
+        layout=layout,
+        pages=pages,
+        start_token=start_token,
+        end_token=end_token,
+        head_offset=head_offset,
+        head_count=head_count,
+        out=out,
+    )
+    device = _device(src)
+    with _on(device, stream):
+        if _use_triton(backend, device):
+            from kvproto.kernels import triton_kernels
+
+            return triton_kernels.gather(src, interpret=device.type != "cuda", **args)
+        from kvproto.kernels import reference
+
+        return reference.gather(src, **args)
+
+
+def scatter(
+    staging: torch.Tensor,
+    dst: Sequence[torch.Tensor],
+    *,
+    layout: Layout | int,
+    pages: torch.Tensor,
+    start_token: int,
+    end_token: int,
+    head_offset: int,
+    backend: Backend = "auto",
+    stream: torch.cuda.Stream | None = None,
+) -> None:
+    """Inverse of :func:`gather` into ``dst`` with its own block size and layout.
+
+    ``staging[r, t, h, :]`` lands in local head ``head_offset + h`` of token
+    ``start_token + t`` of region ``dst[r]``; no other byte of ``dst`` is written. Page numbers
+    must be distinct (each token has one cell).
+    """
+    args = dict(layout=layout, pages=pages, start_token=start_token, end_token=end_token, head_offset=head_offset)
+    device = _device(dst)
+    with _on(device, stream):
+        if _use_triton(backend, device):
+            from kvproto.kernels import triton_kernels
+
+            triton_kernels.scatter(staging, dst, interpret=device.type != "cuda", **args)
+        else:
+            from kvproto.kernels import reference
+
+            reference.scatter(staging, dst, **args)
+
+
+def _device(cache: Sequence[torch.Tensor]) -> torch.device:
+    return cache[0].device if len(cache) else torch.device("cpu")
+
+
+def _use_triton(backend: Backend, device: torch.device) -> bool:
+    """Whether ``backend`` means the Triton kernels for a cache on ``device``."""
+    if backend == "torch":
+        return False
+    if backend == "auto":
+        return device.type == "cuda" and _have_triton()
+    if backend != "triton":
+        raise StagingError(f"unknown backend {backend!r}")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise StagingError(f"backend 'triton' on {device} tensors needs TRITON_INTERPRET=1")
+    return True
+
+
+@functools.cache
+def _have_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+@contextlib.contextmanager
+def _on(device: torch.device, stream: torch.cuda.Stream | None) -> Iterator[None]:
+    """Make ``device`` current (for CUDA) and ``stream`` its current stream, if given."""
+    with contextlib.ExitStack() as stack:
+        if device.type == "cuda":
+            stack.enter_context(torch.cuda.device(device))
+        if stream is not None:
+            stack.enter_context(torch.cuda.stream(stream))
+        yield

@@ -1,0 +1,1 @@
+"""``kvproto bench``: benchmarks that print ratios against a reference measured in the same run."""

@@ -1,0 +1,328 @@
+"""Triton staging kernels: one launch moves a token range of every region.
+
+Theory of operation
+-------------------
+The unit of work is a *row*: one head of one token, ``head_dim`` elements that are contiguous in
+both the cache page (NHD and HND alike) and the staging tensor. Row ``i`` of region ``r`` is
+token ``start_token + i // head_count``, head ``head_offset + i % head_count``, and lives at
+``staging[r, i // head_count, i % head_count]``. A program copies a tile of ``ROWS``
+consecutive rows (about ``TILE_BYTES``) of one region; the grid is ``(cdiv(T * head_count,
+ROWS), regions)``, axis 1 counting regions from ``first_region``.
+
+Rows are copied as raw integer *words* (8, 4, 2 or 1 bytes, the widest that divides the row,
+the page stride and every base address), so every dtype, fp8 included, moves bit for bit.
+
+Regions are separate allocations. Their base addresses sit in a device ``int64`` *region
+table*; a program loads entry ``r`` and casts it to a word pointer, so one launch serves up to
+hundreds of regions without a kernel argument per region. The table is built once per list of
+base addresses and cached (LRU); its host-to-device upload is ordered before first use by an
+event, never by a synchronisation. ``tl.multiple_of`` hands the compiler the table's common
+alignment so that aligned rows move with 16-byte vector accesses.
+
+The same kernel runs in Triton's interpreter on CPU tensors (tests); compiled kernels are
+built for CUDA tensors. Both are constructed explicitly, so whichever a process uses first,
+the other stays available (the ``TRITON_INTERPRET`` variable only gates the CPU path).
+
+Host staging (a pinned CPU staging tensor for a CUDA cache) has two paths. ``"bounce"``
+stages through a device buffer in up to 8 chunks of regions: gather launches for chunk ``c``
+run on the current stream while a side stream DMAs chunk ``c - 1`` to the host (scatter: the
+side stream DMAs chunk ``c + 1`` in while chunk ``c`` is scattered), so the bus stays busy and
+the kernels hide behind it. ``"mapped"`` lets the kernel read or write the pinned memory
+directly over the bus. Either way the current stream is ordered after all the work (the side
+stream first waits for it, and it waits for the side stream), and nothing here waits for the
+device.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+from kvproto.geometry.model import Layout
+from kvproto.kernels.plan import CopyPlan, Regions, as_regions, check_staging, plan_copy, staging_heads
+
+HostPath = Literal["bounce", "mapped"]
+
+TILE_BYTES = 8192  # bytes one program moves (rounded down to a power of two of rows)
+NUM_WARPS = 8
+_TABLE_CACHE_SIZE = 64
+_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+_RUNTIME_INTS = ("start_token", "num_rows", "head_offset", "first_region")
+
+
+def _copy_rows(
+    table_ptr,
+    stage_ptr,
+    pages_ptr,
+    start_token,
+    num_rows,
+    head_offset,
+    first_region,
+    BLOCK_SIZE: tl.constexpr,
+    HEADS: tl.constexpr,
+    HEAD_COUNT: tl.constexpr,
+    PAGE_WORDS: tl.constexpr,
+    ROW_WORDS: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    ALIGN: tl.constexpr,
+    HND: tl.constexpr,
+    TO_STAGING: tl.constexpr,
+):
+    region = first_region + tl.program_id(1)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = rows < num_rows
+    token = start_token + rows // HEAD_COUNT
+    head = head_offset + rows % HEAD_COUNT
+    page = tl.load(pages_ptr + token // BLOCK_SIZE, mask=live, other=0).to(tl.int64)
+    slot = token % BLOCK_SIZE
+    if HND:
+        cell = head * BLOCK_SIZE + slot
+    else:
+        cell = slot * HEADS + head
+    cache_row = page * PAGE_WORDS + cell.to(tl.int64) * ROW_WORDS
+    stage_row = (region.to(tl.int64) * num_rows + rows) * ROW_WORDS
+    words = tl.arange(0, ROW_BLOCK)
+    if ROW_BLOCK == ROW_WORDS:
+        mask = live[:, None]
+    else:
+        mask = live[:, None] & (words < ROW_WORDS)[None, :]
+    base = tl.load(table_ptr + region).to(tl.pointer_type(stage_ptr.dtype.element_ty))
+    base = tl.multiple_of(base, ALIGN)
+    cache = base + cache_row[:, None] + words[None, :]
+    stage = stage_ptr + stage_row[:, None] + words[None, :]
+    if TO_STAGING:
+        tl.store(stage, tl.load(cache, mask=mask), mask=mask)
+    else:
+        tl.store(cache, tl.load(stage, mask=mask), mask=mask)
+
+
+@functools.cache
+def _kernel(interpret: bool) -> Any:
+    if interpret:
+        return InterpretedFunction(_copy_rows)
+    return JITFunction(_copy_rows, do_not_specialize=_RUNTIME_INTS)
+
+
+@dataclass(slots=True)
+class _Table:
+    """A region table on its device; ``ready`` orders its upload until the upload is done."""
+
+    tensor: torch.Tensor
+    align: int  # largest power of two up to 16 dividing every base address
+    host: torch.Tensor | None
+    ready: torch.cuda.Event | None
+
+
+_tables: OrderedDict[tuple[str, tuple[int, ...]], _Table] = OrderedDict()
+
+
+def region_table(cache: Sequence[torch.Tensor]) -> _Table:
+    """The region table of ``cache``: remembered by a :class:`Regions`, else found by address."""
+    regions = as_regions(cache)
+    table = regions.table
+    if not isinstance(table, _Table):
+        table = regions.table = _lookup(regions)
+    if table.ready is not None:
+        if table.ready.query():
+            table.ready, table.host = None, None
+        else:
+            torch.cuda.current_stream(regions.device).wait_event(table.ready)
+    return table
+
+
+def _lookup(regions: Regions) -> _Table:
+    key = (str(regions.device), tuple(region.data_ptr() for region in regions))
+    table = _tables.get(key)
+    if table is not None:
+        _tables.move_to_end(key)
+        return table
+    host = torch.tensor(key[1], dtype=torch.int64)
+    align = _alignment(key[1])
+    if regions.device.type == "cuda":
+        host = host.pin_memory()
+        event = torch.cuda.Event()
+        table = _Table(tensor=host.to(regions.device, non_blocking=True), align=align, host=host, ready=event)
+        event.record()
+    else:
+        table = _Table(tensor=host, align=align, host=None, ready=None)
+    _tables[key] = table
+    if len(_tables) > _TABLE_CACHE_SIZE:
+        _tables.popitem(last=False)
+    return table
+
+
+def gather(
+    src: Sequence[torch.Tensor],
+    *,
+    layout: Layout | int,
+    pages: torch.Tensor,
+    start_token: int,
+    end_token: int,
+    head_offset: int,
+    head_count: int,
+    out: torch.Tensor | None = None,
+    interpret: bool = False,
+    host_path: HostPath = "bounce",
+    tile_bytes: int = TILE_BYTES,
+    num_warps: int = NUM_WARPS,
+) -> torch.Tensor:
+    """Triton gather; ``out`` may be pinned host memory for a CUDA ``src``."""
+    plan = plan_copy(
+        src,
+        layout=layout,
+        pages=pages,
+        start_token=start_token,
+        end_token=end_token,
+        head_offset=head_offset,
+        head_count=head_count,
+    )
+    if out is None:
+        out = torch.empty(plan.staging_shape, dtype=plan.dtype, device=plan.device)
+    else:
+        check_staging(plan, out)
+    if plan.num_tokens == 0:
+        return out
+    if out.device == plan.device or host_path == "mapped":
+        _Launch(plan, out, pages, True, interpret, tile_bytes, num_warps).run(0, plan.num_regions)
+        return out
+    bounce = torch.empty(plan.staging_shape, dtype=plan.dtype, device=plan.device)
+    launch = _Launch(plan, bounce, pages, True, interpret, tile_bytes, num_warps)
+    main, side = torch.cuda.current_stream(), _side_stream(plan.device)
+    for first, last in _chunks(plan):
+        launch.run(first, last)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            out[first:last].copy_(bounce[first:last], non_blocking=True)
+    main.wait_stream(side)
+    return out
+
+
+def scatter(
+    staging: torch.Tensor,
+    dst: Sequence[torch.Tensor],
+    *,
+    layout: Layout | int,
+    pages: torch.Tensor,
+    start_token: int,
+    end_token: int,
+    head_offset: int,
+    interpret: bool = False,
+    host_path: HostPath = "bounce",
+    tile_bytes: int = TILE_BYTES,
+    num_warps: int = NUM_WARPS,
+) -> None:
+    """Triton scatter; ``staging`` may be pinned host memory for a CUDA ``dst``."""
+    plan = plan_copy(
+        dst,
+        layout=layout,
+        pages=pages,
+        start_token=start_token,
+        end_token=end_token,
+        head_offset=head_offset,
+        head_count=staging_heads(staging),
+    )
+    check_staging(plan, staging)
+    if plan.num_tokens == 0:
+        return
+    if staging.device == plan.device or host_path == "mapped":
+        _Launch(plan, staging, pages, False, interpret, tile_bytes, num_warps).run(0, plan.num_regions)
+        return
+    bounce = torch.empty(plan.staging_shape, dtype=plan.dtype, device=plan.device)
+    launch = _Launch(plan, bounce, pages, False, interpret, tile_bytes, num_warps)
+    main, side = torch.cuda.current_stream(), _side_stream(plan.device)
+    side.wait_stream(main)
+    for first, last in _chunks(plan):
+        with torch.cuda.stream(side):
+            bounce[first:last].copy_(staging[first:last], non_blocking=True)
+        main.wait_stream(side)
+        launch.run(first, last)
+
+
+class _Launch:
+    """One copy's kernel arguments, launched for a range of regions at a time."""
+
+    def __init__(
+        self,
+        plan: CopyPlan,
+        staging: torch.Tensor,
+        pages: torch.Tensor,
+        to_staging: bool,
+        interpret: bool,
+        tile_bytes: int,
+        num_warps: int,
+    ) -> None:
+        itemsize = plan.dtype.itemsize
+        table = region_table(plan.regions)
+        align = table.align
+        word = min(8, align, _alignment([staging.data_ptr(), plan.row_bytes, plan.page_stride * itemsize]))
+        row_words = plan.row_bytes // word
+        self.num_rows = plan.num_tokens * plan.head_count
+        rows = min(_floor_pow2(max(1, tile_bytes // plan.row_bytes)), _ceil_pow2(self.num_rows))
+        self.tiles = -(-self.num_rows // rows)
+        self.kernel = _kernel(interpret)
+        self.args = (
+            table.tensor,
+            staging.view(_WORDS[word]),
+            pages.to(device=plan.device, non_blocking=True).contiguous(),
+            plan.start_token,
+            self.num_rows,
+            plan.head_offset,
+        )
+        self.constants: dict[str, Any] = {
+            "BLOCK_SIZE": plan.block_size,
+            "HEADS": plan.heads,
+            "HEAD_COUNT": plan.head_count,
+            "PAGE_WORDS": plan.page_stride * itemsize // word,
+            "ROW_WORDS": row_words,
+            "ROW_BLOCK": _ceil_pow2(row_words),
+            "ROWS": rows,
+            "ALIGN": align,
+            "HND": plan.layout is Layout.HND,
+            "TO_STAGING": to_staging,
+        }
+        if not interpret:
+            self.constants.update(num_warps=num_warps, enable_fp_fusion=False)
+
+    def run(self, first: int, last: int) -> None:
+        """Copy regions ``[first, last)``."""
+        self.kernel[(self.tiles, last - first)](*self.args, first, **self.constants)
+
+
+def _chunks(plan: CopyPlan) -> list[tuple[int, int]]:
+    """Region ranges of a pipelined host copy: up to 8, each of at least 4 MiB where possible."""
+    region_bytes = plan.num_tokens * plan.head_count * plan.row_bytes
+    count = max(1, min(8, plan.num_regions, plan.num_regions * region_bytes // (4 << 20)))
+    bounds = [plan.num_regions * i // count for i in range(count + 1)]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream on which pipelined host copies overlap the kernels."""
+    return torch.cuda.Stream(device)
+
+
+def _floor_pow2(value: int) -> int:
+    return 1 << (value.bit_length() - 1)
+
+
+def _ceil_pow2(value: int) -> int:
+    return 1 << (value - 1).bit_length()
+
+
+def _alignment(values: Sequence[int]) -> int:
+    """Largest power of two up to 16 dividing every value."""
+    align = 16
+    for value in values:
+        while value % align:
+            align //= 2
+    return align
