@@ -57,7 +57,9 @@ class EndpointConfig:
     agent_name: str | None = None
     """Data-plane agent name; unique among peers. Default: role, rank and a random suffix."""
     instance: str | None = None
-    """Name of the engine instance this rank belongs to (all its TP ranks share it)."""
+    """Name of the engine instance this rank belongs to. Every TP rank of one decode engine must
+    use the same name (a prefill room serves one decode instance). Default: unique per endpoint,
+    which is right only for TP 1."""
     model_id: str = ""
     compat_key: str = ""
     """Free-form key that must match between sides (e.g. a hash of quantization settings)."""
