@@ -1,7 +1,7 @@
 """The asyncio drivers: endpoints, room handles, memory descriptions."""
 
 from kvproto.aio.decode import DecodeEndpoint
-from kvproto.aio.endpoint import EndpointClosed, EndpointConfig
+from kvproto.aio.endpoint import CurveAuth, EndpointClosed, EndpointConfig
 from kvproto.aio.memory import AuxBuffer, KVCache
 from kvproto.aio.prefill import PrefillEndpoint
 from kvproto.aio.room import ReceiverRoomHandle, RoomStats, SenderRoomHandle, TransferFailed

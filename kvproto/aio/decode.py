@@ -27,6 +27,7 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+import zmq.utils.monitor
 
 from kvproto.aio.endpoint import EndpointBase, EndpointConfig
 from kvproto.aio.memory import KVCache, geometry_from_wire, geometry_to_wire
@@ -68,6 +69,7 @@ class _Link:
     boot_id: int = 0
     registered: bool = False
     beats: int = 0
+    watcher: asyncio.Task[None] | None = None
 
 
 class _BootstrapFailed(Exception):
@@ -157,16 +159,38 @@ class DecodeEndpoint(EndpointBase):
         assert self._ctx is not None
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(endpoint)
+        if self.config.curve is not None:
+            self.config.curve.client(sock)
         link = _Link(self._next_link_id, cluster, prefill_rank, endpoint, sock, last_seen=self._now())
         self._next_link_id += 1
         self._links[link.link_id] = link
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        sock.connect(endpoint)
         self._spawn(self._reader(link), f"link-{link.link_id}")
+        link.watcher = self._spawn(self._watch_handshake(link, monitor), f"monitor-{link.link_id}")
         return link
+
+    async def _watch_handshake(self, link: _Link, monitor: zmq.asyncio.Socket) -> None:
+        """A refused CURVE handshake fails the bootstrap at once with AUTH_FAILED."""
+        try:
+            while True:
+                event = zmq.utils.monitor.parse_monitor_message(await monitor.recv_multipart())
+                reason = "authentication" if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH else "security handshake"
+                log.warning("prefill rank %d at %s refused the control connection (%s)",
+                            link.prefill_rank, link.endpoint, reason)
+                link.inbox.put_nowait(Abort(code=ErrorCode.AUTH_FAILED,
+                                            reason=f"prefill at {link.endpoint} refused the {reason}"))
+        except zmq.ZMQError:
+            pass
+        finally:
+            monitor.close(linger=0)
 
     def _discard_link(self, link: _Link, linger: int = 0) -> None:
         if self._links.pop(link.link_id, None) is None:
             return
+        if link.watcher is not None:
+            link.watcher.cancel()
+        link.sock.disable_monitor()
         link.sock.close(linger=linger)
 
     async def _reader(self, link: _Link) -> None:

@@ -47,6 +47,40 @@ class EndpointClosed(LocalProtocolError):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class CurveAuth:
+    """ZMQ CURVE keys for control-plane authentication and encryption (Z85-encoded bytes).
+
+    Every prefill rank of one instance serves with the same ``public_key``/``secret_key`` pair;
+    ``allowed`` lists the public keys of the decode ranks (and announcing prefill ranks, whose
+    own key is always allowed) that may connect: any other peer is refused and logged. A decode
+    rank sets its own pair and ``server_key``, the prefill instance's public key.
+    """
+
+    public_key: bytes
+    secret_key: bytes
+    server_key: bytes | None = None
+    allowed: frozenset[bytes] = frozenset()
+
+    @staticmethod
+    def keypair() -> tuple[bytes, bytes]:
+        """A new (public, secret) Z85 key pair."""
+        return zmq.curve_keypair()
+
+    def client(self, sock: zmq.Socket, server_key: bytes | None = None) -> None:
+        key = server_key or self.server_key
+        if key is None:
+            raise ValueError("CurveAuth.server_key (the prefill instance's public key) is required to connect")
+        sock.curve_publickey = self.public_key
+        sock.curve_secretkey = self.secret_key
+        sock.curve_serverkey = key
+
+    def server(self, sock: zmq.Socket) -> None:
+        sock.curve_publickey = self.public_key
+        sock.curve_secretkey = self.secret_key
+        sock.curve_server = True
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class EndpointConfig:
     host: str = "127.0.0.1"
     """Interface the prefill endpoint binds (decode endpoints only connect)."""
@@ -68,6 +102,8 @@ class EndpointConfig:
     heartbeat_timeout: float = 5.0
     """A peer silent for this long is gone: its rooms fail with PEER_GONE."""
     idle_poll_s: float = 0.001
+    curve: CurveAuth | None = None
+    """Authenticate and encrypt the control plane with CURVE (see ``CurveAuth``)."""
 
 
 class EndpointBase:

@@ -25,6 +25,7 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.auth.asyncio import AsyncioAuthenticator
 
 from kvproto.aio.endpoint import EndpointBase, EndpointConfig
 from kvproto.aio.memory import KVCache, geometry_from_wire, geometry_to_wire
@@ -108,6 +109,7 @@ class PrefillEndpoint(EndpointBase):
         self._pending: dict[Any, _Pending] = {}
         self._local: LocalLists | None = None
         self._rank_table: dict[int, RankAddress] = {}
+        self._auth: _KeyAuthenticator | None = None
 
     @property
     def bootstrap_address(self) -> str:
@@ -144,6 +146,12 @@ class PrefillEndpoint(EndpointBase):
         self._local = LocalLists(self.transport, self.kv)
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 500)
+        curve = self.config.curve
+        if curve is not None:
+            self._auth = _KeyAuthenticator(self._ctx, allowed=curve.allowed | {curve.public_key})
+            self._auth.start()
+            self._auth.configure_curve_callback("*", self._auth)
+            curve.server(router)
         if self.config.port:
             router.bind(f"tcp://{self.config.host}:{self.config.port}")
             port = self.config.port
@@ -157,6 +165,8 @@ class PrefillEndpoint(EndpointBase):
         if g.tp_rank != 0:
             announcer = self._ctx.socket(zmq.DEALER)
             announcer.setsockopt(zmq.LINGER, 0)
+            if curve is not None:
+                curve.client(announcer, curve.server_key or curve.public_key)
             announcer.connect(self._bootstrap_target)  # type: ignore[arg-type]
             self._announcer = announcer
             self._spawn(self._announce_loop(), "announce")
@@ -167,6 +177,8 @@ class PrefillEndpoint(EndpointBase):
         for sock in (self._router, self._announcer):
             if sock is not None:
                 sock.close()
+        if self._auth is not None:
+            self._auth.stop()
         if self._local is not None:
             self._local.release()
 
@@ -427,6 +439,22 @@ class PrefillEndpoint(EndpointBase):
             except TransportError as exc:
                 log.warning("releasing an unfinished write at close: %s", exc)
         self._pending.clear()
+
+
+class _KeyAuthenticator(AsyncioAuthenticator):
+    """ZAP handler admitting only the configured CURVE public keys; refusals are logged."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, allowed: frozenset[bytes]) -> None:
+        super().__init__(ctx, log=logging.getLogger("kvproto.auth"))
+        self.allowed = allowed
+        self.refused = 0
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key in self.allowed:
+            return True
+        self.refused += 1
+        log.warning("refused a control connection: CURVE key %s is not allowed", key.decode("ascii", "replace"))
+        return False
 
 
 class _Reject(Exception):
