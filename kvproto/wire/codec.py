@@ -117,20 +117,28 @@ def _encode_field(out: bytearray, kind: Any, value: Any, what: str) -> None:
                 raise ValueError(f"{what}: {value} does not fit {kind}")
             out += _U[kind].pack(value)
         elif kind == "str":
+            if not isinstance(value, str):
+                raise TypeError(f"{what}: expected str, got {type(value).__name__}")
             data = value.encode("utf-8")
             if len(data) > 0xFFFF:
                 raise ValueError(f"{what}: string of {len(data)} bytes exceeds 65535")
             out += _U["u16"].pack(len(data))
             out += data
         elif kind == "bytes":
+            if not isinstance(value, (bytes, bytearray, memoryview)):
+                raise TypeError(f"{what}: expected bytes, got {type(value).__name__}")
             data = bytes(value)
             out += _U["u32"].pack(len(data))
             out += data
         elif kind == "u32[]":
+            if isinstance(value, (str, bytes, bytearray, memoryview)):
+                raise TypeError(f"{what}: expected a sequence of ints, got {type(value).__name__}")
             try:
                 arr = value if isinstance(value, array) and value.typecode == "I" else array("I", value)
             except OverflowError:
                 raise ValueError(f"{what}: an element does not fit u32") from None
+            except TypeError:
+                raise TypeError(f"{what}: expected a sequence of ints") from None
             if not _LITTLE:  # pragma: no cover - big-endian hosts
                 arr = array("I", arr)
                 arr.byteswap()

@@ -57,7 +57,14 @@ class Tag:
     seq: int
 
     def encode(self) -> bytes:
-        return TAG.pack(TAG_MAGIC, TAG_VERSION, self.kind, self.room_id, self.generation, self.link_id, self.seq)
+        try:
+            kind = TagKind(self.kind)
+        except ValueError:
+            raise ValueError(f"unknown tag kind {self.kind!r}") from None
+        try:
+            return TAG.pack(TAG_MAGIC, TAG_VERSION, kind, self.room_id, self.generation, self.link_id, self.seq)
+        except struct.error as exc:
+            raise ValueError(f"tag field out of range: {exc}") from None
 
 
 def decode_tag(data: bytes) -> Tag:

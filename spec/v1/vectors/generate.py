@@ -1,0 +1,404 @@
+"""Write the golden vectors of kvproto spec v1 that do not exist yet.
+
+Usage::
+
+    python spec/v1/vectors/generate.py          # write missing vectors, append them to index.json
+    python spec/v1/vectors/generate.py --check  # write nothing; report missing or differing vectors
+
+Released vectors are never edited (house rule 5): a ``.hex`` file or an ``index.json`` entry
+that already exists is only *compared* with what this script would produce, and a difference
+is reported (exit status 1), never written. To change the wire format, add a new vector with a
+new file name; to add a vector, append a ``Vector`` to ``VECTORS`` below and run the script.
+
+File format (see ``README.md`` in this folder): lowercase hex, 64 hex digits (32 bytes) per
+line, a final newline; a reader removes all whitespace and decodes the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import struct
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvproto.wire import (
+    NO_SLOT,
+    Abort,
+    BootstrapInfo,
+    BootstrapQuery,
+    ErrorCode,
+    Heartbeat,
+    Message,
+    RankAddress,
+    RankAnnounce,
+    Register,
+    RegisterAccept,
+    RegisterReject,
+    TransferDone,
+    TransferRequest,
+    WireGeometry,
+    WireRegion,
+    encode,
+)
+from kvproto.wire.codec import Body
+from kvproto.wire.tags import Tag, TagKind
+
+HERE = Path(__file__).resolve().parent
+INDEX = HERE / "index.json"
+WRAP = 64
+
+# --- vector definitions -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Vector:
+    """One golden vector: a file name, its bytes, and its ``index.json`` entry."""
+
+    file: str
+    data: bytes
+    entry: dict[str, Any] = field(default_factory=dict)
+
+
+def body_json(body: Body) -> dict[str, Any]:
+    """A body's fields as JSON: records as objects, arrays as lists, bytes as hex strings."""
+    out: dict[str, Any] = {}
+    for name, kind in body.FIELDS:
+        out[name] = _value_json(kind, getattr(body, name))
+    return out
+
+
+def _value_json(kind: Any, value: Any) -> Any:
+    if kind == "bytes":
+        return bytes(value).hex()
+    if kind == "u32[]":
+        return [int(v) for v in value]
+    if isinstance(kind, str):
+        return int(value) if kind != "str" else value
+    if isinstance(kind, list):
+        return [body_json(item) for item in value]
+    return body_json(value)
+
+
+def frame(file: str, msg: Message, note: str, *, minor: int = 0) -> Vector:
+    return Vector(file, encode(msg, minor=minor), {
+        "file": file,
+        "kind": "frame",
+        "check": "both",
+        "message": msg.MSG_TYPE.name,
+        "msg_type": int(msg.MSG_TYPE),
+        "header": {"room_id": msg.room_id, "generation": msg.generation, "minor": minor, "flags": 0},
+        "body": body_json(msg),
+        "note": note,
+    })
+
+
+def decode_only(file: str, data: bytes, msg: Message, note: str, *, twin: str | None = None,
+                minor: int = 0, flags: int = 0) -> Vector:
+    entry = frame(file, msg, note, minor=minor).entry
+    entry["check"] = "decode"
+    entry["header"]["flags"] = flags
+    if twin is not None:
+        entry["twin"] = twin
+    return Vector(file, data, entry)
+
+
+def reject(file: str, data: bytes, error: str, code: ErrorCode, note: str) -> Vector:
+    return Vector(file, data, {
+        "file": file, "kind": "frame", "check": "reject", "error": error, "code": code.name, "note": note,
+    })
+
+
+def tag(file: str, t: Tag, note: str) -> Vector:
+    return Vector(file, t.encode(), {
+        "file": file,
+        "kind": "tag",
+        "check": "both",
+        "tag": {"kind": t.kind.name, "room_id": t.room_id, "generation": t.generation,
+                "link_id": t.link_id, "seq": t.seq},
+        "note": note,
+    })
+
+
+def tag_reject(file: str, data: bytes, note: str) -> Vector:
+    return Vector(file, data, {"file": file, "kind": "tag", "check": "reject", "error": "MalformedTag",
+                               "code": ErrorCode.MALFORMED_FRAME.name, "note": note})
+
+
+def with_trailing(data: bytes, extra: bytes, *, minor: int | None = None) -> bytes:
+    """``data`` with ``extra`` appended to the body and ``body_len`` (and ``minor``) patched."""
+    out = bytearray(data + extra)
+    struct.pack_into("<I", out, 20, len(out) - 24)
+    if minor is not None:
+        out[3] = minor
+    return bytes(out)
+
+
+def patched(data: bytes, offset: int, fmt: str, value: int) -> bytes:
+    out = bytearray(data)
+    struct.pack_into(fmt, out, offset, value)
+    return bytes(out)
+
+
+U64_MAX = 2**64 - 1
+U32_MAX = 2**32 - 1
+
+GEOMETRY_GQA = WireGeometry(
+    tp_size=2, tp_rank=1, num_layers=2, num_kv_heads=8, head_dim=128, dtype=2, block_size=16,
+    layout=0, mla=0, num_blocks=1024,
+)
+GEOMETRY_PREFILL = WireGeometry(
+    tp_size=4, tp_rank=2, num_layers=2, num_kv_heads=8, head_dim=128, dtype=2, block_size=64,
+    layout=1, mla=0, num_blocks=512,
+)
+GEOMETRY_MLA = WireGeometry(
+    tp_size=4, tp_rank=3, num_layers=3, num_kv_heads=1, head_dim=576, dtype=2, block_size=64,
+    layout=0, mla=1, num_blocks=2048,
+)
+REGION_BYTES_GQA = 1024 * 16 * 4 * 128 * 2  # num_blocks * block_size * local_heads * head_dim * 2 B
+REGION_BYTES_MLA = 2048 * 64 * 1 * 576 * 2
+
+REGISTER = Register(
+    boot_id=0x0123456789ABCDEF,
+    instance="decode-a1b2c3",
+    link_id=7,
+    agent_name="kvproto-decode-1-5f0e3c2a9b7d",
+    model_id="meta-llama/Llama-3.1-8B-Instruct",
+    compat_key="kv-bf16:v2",
+    geometry=GEOMETRY_GQA,
+    aux_slots=64,
+    aux_slot_bytes=256,
+    transport="nixl",
+    transport_metadata=bytes.fromhex("00014e49584c2d4d44ff"),
+    regions=tuple(
+        WireRegion(kind=0, index=i, address=0x7F3A00000000 + i * REGION_BYTES_GQA, length=REGION_BYTES_GQA,
+                   device_id=1, mem_kind=1)
+        for i in range(4)
+    ) + (WireRegion(kind=1, index=0, address=0x55D0C0000000, length=64 * 256, device_id=0, mem_kind=0),),
+)
+REGISTER_MLA = Register(
+    boot_id=1,
+    instance="decode-mla",
+    link_id=1,
+    agent_name="kvproto-decode-3-000000000000",
+    model_id="deepseek-ai/DeepSeek-V3",
+    compat_key="",
+    geometry=GEOMETRY_MLA,
+    aux_slots=0,
+    aux_slot_bytes=0,
+    transport="loopback",
+    transport_metadata=b"",
+    regions=tuple(
+        WireRegion(kind=0, index=i, address=0x10000000 * (i + 1), length=REGION_BYTES_MLA, device_id=0, mem_kind=0)
+        for i in range(3)
+    ),
+)
+TRANSFER_DONE = TransferDone(room_id=0x00C0FFEE, generation=1_000_001, writes=3, nbytes=25_165_824 + 256)
+HEARTBEAT = Heartbeat(boot_id=0x0123456789ABCDEF, seq=42)
+
+
+def _vectors() -> list[Vector]:
+    good = [
+        frame("bootstrap_query.hex", BootstrapQuery(requester="kvproto-decode-0-0123456789ab"),
+              "decode rank asks prefill rank 0 for the rank table"),
+        frame("bootstrap_query_unicode.hex", BootstrapQuery(requester="décode-ランク-🚀"),
+              "a string field holding 2-, 3- and 4-byte UTF-8 sequences; the length prefix counts bytes"),
+        frame("bootstrap_info.hex", BootstrapInfo(tp_size=2, ranks=(
+            RankAddress(tp_rank=0, endpoint="tcp://10.0.0.1:5570", boot_id=0x1111111111111111),
+            RankAddress(tp_rank=1, endpoint="tcp://10.0.0.2:5571", boot_id=0x2222222222222222),
+        )), "a complete rank table: len(ranks) == tp_size"),
+        frame("bootstrap_info_empty.hex", BootstrapInfo(tp_size=4, ranks=()),
+              "an empty record list: count 0 and nothing after it"),
+        frame("rank_announce.hex", RankAnnounce(tp_rank=3, tp_size=4, endpoint="tcp://10.0.0.4:5573",
+                                                boot_id=0xFEDCBA9876543210),
+              "prefill rank 3 of 4 announces its address to rank 0"),
+        frame("register.hex", REGISTER,
+              "decode rank 1 of TP 2 (8 KV heads, bf16, block 16, NHD) with 4 VRAM KV regions and one aux region"),
+        frame("register_mla.hex", REGISTER_MLA,
+              "an MLA decode rank: one plane per layer, no aux slots, empty transport metadata"),
+        frame("register_accept.hex", RegisterAccept(
+            boot_id=0xA5A5A5A55A5A5A5A, link_id=7, agent_name="kvproto-prefill-2-9c8b7a6d5e4f",
+            geometry=GEOMETRY_PREFILL, aux_slot_bytes=256),
+            "prefill rank 2 of TP 4 (block 64, HND) accepts link 7"),
+        frame("register_reject.hex", RegisterReject(
+            link_id=7, code=ErrorCode.MODEL_MISMATCH,
+            reason="decode serves model 'a', prefill 'b'"),
+            "registration refused with MODEL_MISMATCH"),
+        frame("transfer_request.hex", TransferRequest(
+            room_id=0x00C0FFEE, generation=1_000_001, num_tokens=100, prefix_tokens=32, aux_slot=5,
+            expected_writers=2, dst_pages=(17, 18, 19, 40, 41, 42, 43)),
+            "100 tokens in decode blocks of 16: 7 pages; the first 32 tokens are already cached"),
+        frame("transfer_request_no_slot.hex", TransferRequest(
+            room_id=9, generation=2, num_tokens=16, prefix_tokens=0, aux_slot=NO_SLOT, expected_writers=1,
+            dst_pages=(0,)),
+            "aux_slot NO_SLOT (0xFFFFFFFF): no aux region for this room"),
+        frame("transfer_request_empty_pages.hex", TransferRequest(
+            room_id=1, generation=1, num_tokens=0, prefix_tokens=0, aux_slot=NO_SLOT, expected_writers=1,
+            dst_pages=()),
+            "an empty u32[]: count 0 and nothing after it (wire-valid; kvproto decode ranks never send 0 tokens)"),
+        frame("transfer_request_max.hex", TransferRequest(
+            room_id=U64_MAX, generation=U32_MAX, num_tokens=U32_MAX, prefix_tokens=0, aux_slot=U32_MAX - 1,
+            expected_writers=0xFFFF, dst_pages=(U32_MAX, 0, U32_MAX - 1)),
+            "every integer at its width's bound: room_id 2**64-1, generation 2**32-1"),
+        frame("transfer_done.hex", TRANSFER_DONE, "writer reports 3 writes (2 KV chunks and the aux slot)"),
+        frame("transfer_done_zero.hex", TransferDone(room_id=5, generation=6, writes=0, nbytes=0),
+              "a writer with nothing to write (the prefix covered every token) still reports"),
+        frame("abort.hex", Abort(room_id=0x00C0FFEE, generation=1_000_001, code=ErrorCode.TRANSFER_TIMEOUT,
+                                 reason="room 12648430 timed out while TRANSFERRING"),
+              "a room failed with TRANSFER_TIMEOUT"),
+        frame("abort_link.hex", Abort(code=ErrorCode.ENDPOINT_CLOSED, reason="decode closed"),
+              "room_id 0: the whole link is closed"),
+        frame("abort_unicode.hex", Abort(room_id=77, generation=3, code=ErrorCode.ABORTED,
+                                         reason="abgebrochen: Größe ≠ 64 — 中止"),
+              "a UTF-8 reason"),
+        frame("abort_unknown_code.hex", Abort(room_id=77, generation=3, code=999, reason=""),
+              "a code newer than this registry and an empty string: decoders keep the raw number"),
+        frame("heartbeat.hex", HEARTBEAT, "decode's heartbeat number 42"),
+        frame("heartbeat_max.hex", Heartbeat(room_id=U64_MAX, generation=U32_MAX, boot_id=U64_MAX, seq=U64_MAX),
+              "u64 fields at their bound"),
+    ]
+    tail = [
+        decode_only("transfer_done_minor1_trailing.hex",
+                    with_trailing(encode(TRANSFER_DONE, minor=1), bytes.fromhex("0102030405060708deadbeef"),
+                                  minor=1),
+                    TRANSFER_DONE,
+                    "minor 1 with 12 bytes of fields this decoder does not know: they are ignored",
+                    twin="transfer_done.hex", minor=1),
+        decode_only("register_minor7_trailing.hex",
+                    with_trailing(encode(REGISTER, minor=7), b"\x05\x00hello\x00\x00\x00\x00", minor=7),
+                    REGISTER,
+                    "minor 7: trailing bytes after a record list are ignored",
+                    twin="register.hex", minor=7),
+        decode_only("heartbeat_minor0_trailing.hex",
+                    with_trailing(encode(HEARTBEAT), b"\x00"),
+                    HEARTBEAT,
+                    "trailing bytes are ignored whatever the minor (here 0)",
+                    twin="heartbeat.hex"),
+        decode_only("heartbeat_flags_reserved.hex",
+                    patched(patched(encode(HEARTBEAT), 5, "<B", 0xFF), 6, "<H", 0xBEEF),
+                    HEARTBEAT,
+                    "unknown flag bits and a nonzero reserved field are ignored (flags are reported)",
+                    twin="heartbeat.hex", flags=0xFF),
+    ]
+    hb = encode(HEARTBEAT)
+    query = encode(BootstrapQuery(requester="ab"))
+    rejects = [
+        reject("reject_short_header.hex", hb[:23], "MalformedFrame", ErrorCode.MALFORMED_FRAME,
+               "23 bytes: shorter than the header"),
+        reject("reject_bad_magic.hex", b"VK" + hb[2:], "MalformedFrame", ErrorCode.MALFORMED_FRAME,
+               "magic must be 'KV'"),
+        reject("reject_major2.hex", patched(hb, 2, "<B", 2), "UnsupportedVersion",
+               ErrorCode.UNSUPPORTED_VERSION, "major 2: not spoken by a v1 receiver"),
+        reject("reject_major0.hex", patched(hb, 2, "<B", 0), "UnsupportedVersion",
+               ErrorCode.UNSUPPORTED_VERSION, "major 0 is not 1 either"),
+        reject("reject_body_len_short.hex", patched(hb, 20, "<I", 15), "MalformedFrame",
+               ErrorCode.MALFORMED_FRAME, "body_len says 15 but 16 bytes follow"),
+        reject("reject_body_len_long.hex", patched(hb, 20, "<I", 17), "MalformedFrame",
+               ErrorCode.MALFORMED_FRAME, "body_len says 17 but 16 bytes follow"),
+        reject("reject_truncated_body.hex", with_trailing(hb[:24], hb[24:-1]), "MalformedFrame",
+               ErrorCode.MALFORMED_FRAME, "a consistent body_len, but the body ends inside the last u64"),
+        reject("reject_string_overrun.hex", patched(query, 24, "<H", 3), "MalformedFrame",
+               ErrorCode.MALFORMED_FRAME, "a string length prefix longer than the body"),
+        reject("reject_invalid_utf8.hex", query[:26] + b"\xc3\x28", "MalformedFrame", ErrorCode.MALFORMED_FRAME,
+               "a string that is not UTF-8"),
+        reject("reject_utf8_surrogate.hex", with_trailing(query[:24], b"\x03\x00\xed\xa0\x80"), "MalformedFrame",
+               ErrorCode.MALFORMED_FRAME, "an encoded UTF-16 surrogate is not UTF-8"),
+        reject("reject_record_count.hex",
+               with_trailing(encode(BootstrapInfo(tp_size=2, ranks=()))[:24], b"\x02\x00\xff\xff\xff\xff"),
+               "MalformedFrame", ErrorCode.MALFORMED_FRAME, "a record count far beyond the frame"),
+        reject("reject_array_count.hex",
+               with_trailing(encode(TransferRequest(num_tokens=1, prefix_tokens=0, aux_slot=0,
+                                                    expected_writers=1))[:38], b"\x00\x00\x00\x40"),
+               "MalformedFrame", ErrorCode.MALFORMED_FRAME, "a u32[] count whose elements do not fit the frame"),
+        reject("reject_unknown_type.hex", patched(hb, 4, "<B", 200), "UnknownMessage", ErrorCode.MALFORMED_FRAME,
+               "message type 200 at minor 0: a violation"),
+        reject("reject_unknown_type_minor1.hex", patched(patched(hb, 4, "<B", 200), 3, "<B", 1),
+               "UnknownMessage", ErrorCode.MALFORMED_FRAME,
+               "message type 200 at minor 1: decoders raise UnknownMessage; endpoints ignore it (newer minor)"),
+        reject("reject_type0.hex", patched(hb, 4, "<B", 0), "UnknownMessage", ErrorCode.MALFORMED_FRAME,
+               "message type 0 is never assigned"),
+    ]
+    tags = [
+        tag("tag_kv.hex", Tag(kind=TagKind.KV, room_id=0x00C0FFEE, generation=1_000_001, link_id=7, seq=0),
+            "the first write of link 7 into room 0xC0FFEE"),
+        tag("tag_staged.hex", Tag(kind=TagKind.STAGED, room_id=1, generation=2, link_id=3, seq=4),
+            "kind STAGED"),
+        tag("tag_max.hex", Tag(kind=TagKind.KV, room_id=U64_MAX, generation=U32_MAX, link_id=U32_MAX,
+                               seq=U32_MAX), "every field at its bound"),
+    ]
+    kv = tags[0].data
+    tag_rejects = [
+        tag_reject("reject_tag_short.hex", kv[:23], "23 bytes"),
+        tag_reject("reject_tag_long.hex", kv + b"\x00", "25 bytes"),
+        tag_reject("reject_tag_magic.hex", b"KV" + kv[2:], "magic must be 'KT'"),
+        tag_reject("reject_tag_version.hex", patched(kv, 2, "<B", 2), "tag version 2"),
+        tag_reject("reject_tag_kind0.hex", patched(kv, 3, "<B", 0), "tag kind 0 is not assigned"),
+        tag_reject("reject_tag_kind3.hex", patched(kv, 3, "<B", 3), "tag kind 3 is not assigned"),
+    ]
+    # The MAX_FRAME bound is tested in tests/wire/test_fuzz.py rather than with 16 MiB files.
+    return good + tail + rejects + tags + tag_rejects
+
+
+VECTORS = _vectors()
+
+# --- writing ----------------------------------------------------------------------------------
+
+
+def to_hex(data: bytes) -> str:
+    h = data.hex()
+    return "".join(h[i : i + WRAP] + "\n" for i in range(0, len(h), WRAP)) or "\n"
+
+
+def from_hex(text: str) -> bytes:
+    return bytes.fromhex("".join(text.split()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="write nothing; report missing or differing vectors")
+    args = parser.parse_args(argv)
+
+    index: dict[str, Any] = json.loads(INDEX.read_text()) if INDEX.exists() else {
+        "spec": "kvproto wire v1",
+        "format": "lowercase hex, 64 digits per line; remove all whitespace before decoding",
+        "vectors": [],
+    }
+    entries = {e["file"]: e for e in index["vectors"]}
+    problems = 0
+    added = 0
+    names = [v.file for v in VECTORS]
+    dupes = {n for n in names if names.count(n) > 1}
+    if dupes:
+        print(f"duplicate vector names: {sorted(dupes)}", file=sys.stderr)
+        return 1
+    for vec in VECTORS:
+        path = HERE / vec.file
+        if path.exists():
+            if from_hex(path.read_text()) != vec.data:
+                print(f"DIFFERS (released, not rewritten): {vec.file}", file=sys.stderr)
+                problems += 1
+        elif args.check:
+            print(f"missing: {vec.file}", file=sys.stderr)
+            problems += 1
+        else:
+            path.write_text(to_hex(vec.data))
+            print(f"wrote {vec.file} ({len(vec.data)} bytes)")
+        old = entries.get(vec.file)
+        if old is None:
+            if not args.check:
+                index["vectors"].append(vec.entry)
+                entries[vec.file] = vec.entry
+                added += 1
+        elif old != vec.entry:
+            print(f"index entry DIFFERS (released, not rewritten): {vec.file}", file=sys.stderr)
+            problems += 1
+    if added and not args.check:
+        INDEX.write_text(json.dumps(index, indent=1, ensure_ascii=False) + "\n")
+        print(f"appended {added} entries to index.json")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""The frame codec against hand-assembled bytes, the decoding order of framing.md, and the
+encoder's refusal to coerce values (some of these tests record open bugs: see their docstrings).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+
+import pytest
+
+from kvproto.wire import (
+    HEADER_SIZE,
+    MAJOR,
+    MINOR,
+    NO_SLOT,
+    Abort,
+    BootstrapQuery,
+    ErrorCode,
+    FrameTooLarge,
+    Header,
+    Heartbeat,
+    LocalProtocolError,
+    MalformedFrame,
+    MalformedTag,
+    ProtocolError,
+    Register,
+    RemoteProtocolError,
+    TransferRequest,
+    UnknownMessage,
+    UnsupportedVersion,
+    WireGeometry,
+    decode,
+    decode_frame,
+    decode_header,
+    encode,
+)
+
+HEADER_FMT = "<2sBBBBHQII"  # framing.md: magic, major, minor, msg_type, flags, reserved, room, gen, len
+
+
+def frame_by_hand(msg_type: int, body: bytes, *, room_id: int = 0, generation: int = 0, minor: int = 0,
+                  flags: int = 0, reserved: int = 0, major: int = 1) -> bytes:
+    return struct.pack(HEADER_FMT, b"KV", major, minor, msg_type, flags, reserved, room_id, generation,
+                       len(body)) + body
+
+
+def s(text: str) -> bytes:
+    data = text.encode("utf-8")
+    return struct.pack("<H", len(data)) + data
+
+
+GEOMETRY = WireGeometry(tp_size=2, tp_rank=1, num_layers=3, num_kv_heads=8, head_dim=128, dtype=2,
+                        block_size=16, layout=1, mla=0, num_blocks=1000)
+GEOMETRY_BYTES = struct.pack("<HHIIIBIBBI", 2, 1, 3, 8, 128, 2, 16, 1, 0, 1000)
+
+
+def test_codec_header_constants() -> None:
+    """The header is 24 bytes; this build speaks major 1, minor 0."""
+    assert HEADER_SIZE == struct.calcsize(HEADER_FMT) == 24
+    assert (MAJOR, MINOR) == (1, 0)
+
+
+def test_codec_heartbeat_matches_hand_assembled_bytes() -> None:
+    """HEARTBEAT encodes as the header then two u64, little-endian."""
+    msg = Heartbeat(room_id=0, generation=0, boot_id=0x0123456789ABCDEF, seq=42)
+    assert encode(msg) == frame_by_hand(10, struct.pack("<QQ", 0x0123456789ABCDEF, 42))
+
+
+def test_codec_transfer_request_matches_hand_assembled_bytes() -> None:
+    """TRANSFER_REQUEST: room and generation in the header, four ints, then a counted u32 array."""
+    msg = TransferRequest(room_id=2**64 - 1, generation=7, num_tokens=33, prefix_tokens=16, aux_slot=NO_SLOT,
+                          expected_writers=3, dst_pages=(5, 0, 2**32 - 1))
+    body = struct.pack("<IIIH", 33, 16, 0xFFFFFFFF, 3) + struct.pack("<I3I", 3, 5, 0, 2**32 - 1)
+    assert encode(msg) == frame_by_hand(7, body, room_id=2**64 - 1, generation=7)
+    assert decode(frame_by_hand(7, body, room_id=2**64 - 1, generation=7)) == msg
+
+
+def test_codec_register_matches_hand_assembled_bytes() -> None:
+    """REGISTER: strings, a nested record without prefix, bytes and a counted record list."""
+    from kvproto.wire import WireRegion
+
+    regions = (WireRegion(kind=0, index=0, address=0x1000, length=64, device_id=3, mem_kind=1),
+               WireRegion(kind=1, index=0, address=0x2000, length=32, device_id=0, mem_kind=0))
+    msg = Register(boot_id=9, instance="inst", link_id=4, agent_name="ag€nt", model_id="m", compat_key="",
+                   geometry=GEOMETRY, aux_slots=2, aux_slot_bytes=16, transport="nixl",
+                   transport_metadata=b"\x00\xff", regions=regions)
+    body = (struct.pack("<Q", 9) + s("inst") + struct.pack("<I", 4) + s("ag€nt") + s("m") + s("")
+            + GEOMETRY_BYTES + struct.pack("<II", 2, 16) + s("nixl") + struct.pack("<I", 2) + b"\x00\xff"
+            + struct.pack("<I", 2)
+            + struct.pack("<BIQQIB", 0, 0, 0x1000, 64, 3, 1) + struct.pack("<BIQQIB", 1, 0, 0x2000, 32, 0, 0))
+    assert len(GEOMETRY_BYTES) == 27 and struct.calcsize("<BIQQIB") == 26
+    assert encode(msg) == frame_by_hand(4, body)
+    assert decode(frame_by_hand(4, body)) == msg
+
+
+def test_codec_string_length_counts_bytes_not_characters() -> None:
+    """A str field's u16 prefix is the UTF-8 byte count."""
+    frame = encode(BootstrapQuery(requester="🚀é"))
+    assert frame[HEADER_SIZE:] == struct.pack("<H", 6) + "🚀é".encode()
+
+
+def test_codec_encode_sets_version_flags_reserved() -> None:
+    """encode writes magic KV, major 1, the requested minor, flags 0 and reserved 0."""
+    frame = encode(Abort(code=1, reason=""), minor=3)
+    magic, major, minor, msg_type, flags, reserved, *_ = struct.unpack_from(HEADER_FMT, frame)
+    assert (magic, major, minor, msg_type, flags, reserved) == (b"KV", 1, 3, 9, 0, 0)
+
+
+def test_codec_decode_frame_reports_header() -> None:
+    """decode_frame returns the header as sent, including minor and unknown flags."""
+    frame = frame_by_hand(10, struct.pack("<QQ", 1, 2), room_id=5, generation=6, minor=9, flags=0x81,
+                          reserved=0xABCD)
+    header, msg = decode_frame(frame)
+    assert header == Header(msg_type=10, room_id=5, generation=6, flags=0x81, major=1, minor=9)
+    assert msg == Heartbeat(room_id=5, generation=6, boot_id=1, seq=2)
+
+
+def test_codec_decode_header_returns_body_view() -> None:
+    """decode_header splits off exactly body_len bytes of body."""
+    frame = encode(Heartbeat(boot_id=1, seq=2))
+    header, body = decode_header(frame)
+    assert header.msg_type == 10 and bytes(body) == frame[HEADER_SIZE:]
+
+
+def test_codec_message_defaults_room_and_generation_zero() -> None:
+    """room_id and generation default to 0 (no room, no generation)."""
+    msg = Heartbeat(boot_id=1, seq=1)
+    assert (msg.room_id, msg.generation) == (0, 0)
+
+
+# --- decoding order (framing.md) ----------------------------------------------------------------
+
+
+def test_codec_decode_order_size_before_everything() -> None:
+    """An oversized input is FrameTooLarge even when it is not a frame at all."""
+    with pytest.raises(FrameTooLarge):
+        decode(b"\x00" * (16 * 1024 * 1024 + 1))
+
+
+def test_codec_decode_order_short_header() -> None:
+    """Fewer than 24 bytes is MalformedFrame, whatever they are."""
+    for n in range(HEADER_SIZE):
+        with pytest.raises(MalformedFrame):
+            decode(encode(Heartbeat(boot_id=1, seq=1))[:n])
+
+
+def test_codec_decode_order_major_before_body_len() -> None:
+    """An unknown major is UnsupportedVersion even when body_len is also wrong."""
+    frame = frame_by_hand(10, b"", major=2)
+    frame = frame[:20] + struct.pack("<I", 999)
+    with pytest.raises(UnsupportedVersion) as info:
+        decode(frame)
+    assert info.value.major == 2 and info.value.code is ErrorCode.UNSUPPORTED_VERSION
+
+
+def test_codec_decode_order_magic_before_major() -> None:
+    """A bad magic is MalformedFrame even when the major is also unknown."""
+    with pytest.raises(MalformedFrame) as info:
+        decode(b"XY" + frame_by_hand(10, b"", major=7)[2:])
+    assert not isinstance(info.value, UnsupportedVersion)
+
+
+def test_codec_decode_unknown_type_carries_header() -> None:
+    """An unknown msg_type raises UnknownMessage (a MalformedFrame) holding the header."""
+    with pytest.raises(UnknownMessage) as info:
+        decode(frame_by_hand(77, b"whatever", room_id=3, minor=4))
+    assert isinstance(info.value, MalformedFrame)
+    assert (info.value.header.msg_type, info.value.header.minor, info.value.header.room_id) == (77, 4, 3)
+
+
+def test_codec_decode_rejects_invalid_utf8() -> None:
+    """A str field holding invalid UTF-8 (or an encoded surrogate) is MalformedFrame."""
+    for bad in (b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\xc0\xaf"):
+        with pytest.raises(MalformedFrame):
+            decode(frame_by_hand(1, struct.pack("<H", len(bad)) + bad))
+
+
+def test_codec_decode_rejects_body_shorter_than_fields() -> None:
+    """A body ending before a required field is MalformedFrame (v1.0 has no optional fields)."""
+    with pytest.raises(MalformedFrame):
+        decode(frame_by_hand(10, struct.pack("<Q", 1)))
+    with pytest.raises(MalformedFrame):
+        decode(frame_by_hand(8, b""))
+
+
+def test_codec_decode_ignores_trailing_bytes() -> None:
+    """Bytes after the last known field are ignored, at minor 0 as at any other minor."""
+    for minor in (0, 1, 255):
+        assert decode(frame_by_hand(10, struct.pack("<QQ", 1, 2) + b"future", minor=minor)) == Heartbeat(
+            boot_id=1, seq=2)
+
+
+def test_codec_decode_rejects_counts_beyond_the_frame() -> None:
+    """Huge record and array counts fail as MalformedFrame without allocating."""
+    with pytest.raises(MalformedFrame):
+        decode(frame_by_hand(2, struct.pack("<HI", 1, 0xFFFFFFFF)))
+    with pytest.raises(MalformedFrame):
+        decode(frame_by_hand(7, struct.pack("<IIIHI", 1, 0, 0, 1, 0xFFFFFFFF)))
+
+
+# --- exceptions and codes ----------------------------------------------------------------------
+
+
+def test_codec_errors_hierarchy_and_codes() -> None:
+    """Decode failures are RemoteProtocolErrors carrying their registry code."""
+    assert issubclass(RemoteProtocolError, ProtocolError) and issubclass(LocalProtocolError, ProtocolError)
+    assert not issubclass(RemoteProtocolError, LocalProtocolError)
+    assert MalformedFrame("x").code is ErrorCode.MALFORMED_FRAME
+    assert UnsupportedVersion("x", 2).code is ErrorCode.UNSUPPORTED_VERSION
+    assert FrameTooLarge("x").code is ErrorCode.FRAME_TOO_LARGE
+    assert issubclass(MalformedTag, MalformedFrame)
+    assert issubclass(UnknownMessage, MalformedFrame)
+
+
+def test_codec_error_code_coerce_keeps_unknown_numbers() -> None:
+    """ErrorCode.coerce gives the member for known codes and the raw int for newer ones."""
+    assert ErrorCode.coerce(5) is ErrorCode.INDEX_OUT_OF_RANGE
+    assert ErrorCode.coerce(999) == 999 and not isinstance(ErrorCode.coerce(999), ErrorCode)
+
+
+def test_codec_abort_keeps_unknown_code_number() -> None:
+    """An ABORT with a code newer than this registry decodes with the number intact."""
+    assert decode(encode(Abort(room_id=1, code=0xFFFF, reason="r"))).code == 0xFFFF
+
+
+# --- the encoder never coerces (rule: refuse, never truncate) -----------------------------------
+
+
+def test_codec_encode_rejects_non_str_for_str_field() -> None:
+    """BUG (codec._encode_field): a non-str in a str field must raise TypeError, not AttributeError."""
+    for wrong in (5, b"bytes", None):
+        with pytest.raises(TypeError):
+            encode(BootstrapQuery(requester=wrong))  # type: ignore[arg-type]
+
+
+def test_codec_encode_rejects_int_for_bytes_field() -> None:
+    """BUG (codec._encode_field): an int in a bytes field must raise TypeError, not encode n zero bytes."""
+    reg = Register(boot_id=1, instance="i", link_id=1, agent_name="a", model_id="m", compat_key="",
+                   geometry=GEOMETRY, aux_slots=0, aux_slot_bytes=0, transport="t", transport_metadata=b"",
+                   regions=())
+    with pytest.raises(TypeError):
+        encode(dataclasses.replace(reg, transport_metadata=5))
+
+
+def test_codec_encode_rejects_bytes_for_u32_array_field() -> None:
+    """BUG (codec._encode_field): bytes in a u32[] field must raise TypeError, not be reinterpreted as u32s."""
+    with pytest.raises(TypeError):
+        encode(TransferRequest(num_tokens=1, prefix_tokens=0, aux_slot=0, expected_writers=1,
+                               dst_pages=b"abcd"))  # type: ignore[arg-type]

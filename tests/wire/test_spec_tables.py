@@ -1,0 +1,195 @@
+"""The tables of spec/v1 that describe bytes (header, field lists, enumerations, tag layout)
+agree with the code, so the normative text cannot drift from the implementation."""
+
+from __future__ import annotations
+
+import re
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvproto.geometry import DType, Layout
+from kvproto.transport import MemKind
+from kvproto.wire import (
+    HEADER_SIZE,
+    MESSAGE_TYPES,
+    NO_SLOT,
+    RankAddress,
+    RegionKind,
+    TransferRequest,
+    WireGeometry,
+    WireRegion,
+    encode,
+)
+from kvproto.wire.codec import HEADER
+from kvproto.wire.tags import TAG, TagKind
+
+SPEC = Path(__file__).resolve().parents[2] / "spec" / "v1"
+RECORDS = {cls.__name__: cls for cls in (WireGeometry, WireRegion, RankAddress)}
+KIND_SIZE = {"u8": 1, "u16": 2, "u32": 4, "u64": 8}
+
+
+def md_tables(path: Path) -> list[tuple[str, list[str], list[list[str]]]]:
+    """Every pipe table of a markdown file: (the heading above it, header cells, body rows)."""
+    tables: list[tuple[str, list[str], list[list[str]]]] = []
+    heading = ""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("#"):
+            heading = line.lstrip("#").strip()
+        if line.startswith("|") and i + 1 < len(lines) and re.fullmatch(r"\|(\s*:?-+:?\s*\|)+", lines[i + 1]):
+            header = cells(line)
+            rows = []
+            i += 2
+            while i < len(lines) and lines[i].startswith("|"):
+                rows.append(cells(lines[i]))
+                i += 1
+            tables.append((heading, header, rows))
+            continue
+        i += 1
+    return tables
+
+
+def cells(line: str) -> list[str]:
+    return [c.strip().strip("`").strip() for c in line.strip().strip("|").split("|")]
+
+
+def kind_name(kind: Any) -> str:
+    if isinstance(kind, str):
+        return kind
+    if isinstance(kind, list):
+        return f"{kind[0].__name__}[]"
+    return kind.__name__
+
+
+def field_tables() -> dict[str, list[tuple[str, str]]]:
+    """messages.md: heading -> [(field, kind)] for every table with field and kind columns."""
+    out = {}
+    for heading, header, rows in md_tables(SPEC / "messages.md"):
+        if "field" in header and "kind" in header:
+            f, k = header.index("field"), header.index("kind")
+            assert heading not in out, f"two field tables under {heading!r}"
+            out[heading] = [(row[f], row[k]) for row in rows]
+    return out
+
+
+# --- framing.md --------------------------------------------------------------------------------
+
+
+def test_spec_framing_header_table_matches_codec() -> None:
+    """framing.md's header table gives the offsets, sizes and names of the codec's header struct."""
+    (table,) = [t for t in md_tables(SPEC / "framing.md") if t[0] == "Header"]
+    _, header, rows = table
+    assert header[:3] == ["offset", "size", "field"]
+    offsets, sizes, names = ([int(r[0]) for r in rows], [int(r[1]) for r in rows], [r[2] for r in rows])
+    assert names == ["magic", "major", "minor", "msg_type", "flags", "reserved", "room_id", "generation",
+                     "body_len"]
+    assert offsets == [sum(sizes[:i]) for i in range(len(sizes))]
+    assert sum(sizes) == HEADER_SIZE == HEADER.size
+    struct_sizes = [struct.calcsize("<" + c) for c in re.findall(r"\d*[a-zA-Z]", HEADER.format.lstrip("<"))]
+    assert sizes == struct_sizes
+
+
+def test_spec_framing_kind_table_matches_grammar() -> None:
+    """framing.md lists exactly the field kinds the codec knows, with their fixed sizes."""
+    (table,) = [t for t in md_tables(SPEC / "framing.md") if t[0] == "Field kinds"]
+    rows = {r[0]: r[2] for r in table[2]}
+    assert set(rows) == {"u8", "u16", "u32", "u64", "str", "bytes", "u32[]", "R", "R[]"}
+    for kind, size in KIND_SIZE.items():
+        assert rows[kind] == str(size)
+
+
+def _example_blocks() -> list[bytes]:
+    text = (SPEC / "framing.md").read_text(encoding="utf-8").split("## Worked example", 1)[1]
+    blocks = re.findall(r"```\n(.*?)```", text, flags=re.S)
+    out = []
+    for block in blocks:
+        data = bytearray()
+        for line in block.splitlines():
+            m = re.match(r"((?:[0-9a-f]{2} )*[0-9a-f]{2})(?:\s{2,}|$)", line)
+            assert m, line
+            data += bytes.fromhex(m.group(1).replace(" ", ""))
+        out.append(bytes(data))
+    return out
+
+
+def test_spec_framing_worked_examples_are_exact() -> None:
+    """The annotated bytes in framing.md are the heartbeat vector and an exact TRANSFER_REQUEST."""
+    heartbeat, request = _example_blocks()
+    vector = bytes.fromhex("".join((SPEC / "vectors" / "heartbeat.hex").read_text().split()))
+    assert heartbeat == vector
+    assert request == encode(TransferRequest(room_id=0xC0FFEE, generation=1_000_001, num_tokens=100,
+                                             prefix_tokens=32, aux_slot=5, expected_writers=2,
+                                             dst_pages=(17, 18, 19)))
+
+
+# --- messages.md -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("msg_type", sorted(MESSAGE_TYPES), ids=lambda t: MESSAGE_TYPES[t].MSG_TYPE.name)
+def test_spec_messages_field_table_matches_grammar(msg_type: int) -> None:
+    """Each message's field table in messages.md lists its FIELDS: same names, order and kinds."""
+    cls = MESSAGE_TYPES[msg_type]
+    tables = field_tables()
+    heading = f"{int(msg_type)} {cls.MSG_TYPE.name}"
+    assert heading in tables, f"messages.md has no section '### {heading}' with a field table"
+    assert tables[heading] == [(name, kind_name(kind)) for name, kind in cls.FIELDS]
+
+
+@pytest.mark.parametrize("name", sorted(RECORDS))
+def test_spec_messages_record_table_matches_grammar(name: str) -> None:
+    """Each record's field table in messages.md lists its FIELDS and fixed sizes."""
+    cls = RECORDS[name]
+    tables = field_tables()
+    assert tables[name] == [(n, kind_name(k)) for n, k in cls.FIELDS]
+    for heading, header, rows in md_tables(SPEC / "messages.md"):
+        if heading == name:
+            for row in rows:
+                kind, size = row[header.index("kind")], row[header.index("size")]
+                if kind in KIND_SIZE:
+                    assert size == str(KIND_SIZE[kind]), (name, row)
+
+
+def test_spec_messages_field_tables_name_only_known_sections() -> None:
+    """Every field table in messages.md belongs to a message type or a record."""
+    known = {f"{int(t)} {MESSAGE_TYPES[t].MSG_TYPE.name}" for t in MESSAGE_TYPES} | set(RECORDS)
+    assert set(field_tables()) == known
+
+
+@pytest.mark.parametrize("enum_cls", [RegionKind, MemKind, DType, Layout], ids=lambda e: e.__name__)
+def test_spec_messages_enumeration_tables_match(enum_cls: Any) -> None:
+    """messages.md's enumeration tables list exactly the enum's values and names."""
+    (table,) = [t for t in md_tables(SPEC / "messages.md") if t[0] == enum_cls.__name__]
+    _, header, rows = table
+    assert header[:2] == ["value", "name"]
+    assert [(int(r[0]), r[1]) for r in rows] == [(m.value, m.name) for m in enum_cls]
+
+
+def test_spec_messages_no_slot_value() -> None:
+    """messages.md's NO_SLOT is 0xFFFFFFFF, as in the code."""
+    assert "`NO_SLOT` = `0xFFFFFFFF`" in (SPEC / "messages.md").read_text(encoding="utf-8")
+    assert NO_SLOT == 0xFFFFFFFF
+
+
+# --- tags.md -------------------------------------------------------------------------------------
+
+
+def test_spec_tags_layout_table_matches_struct() -> None:
+    """tags.md's layout table gives the offsets, sizes and names of the tag struct."""
+    (table,) = [t for t in md_tables(SPEC / "tags.md") if t[0] == "Layout"]
+    rows = table[2]
+    offsets, sizes, names = [int(r[0]) for r in rows], [int(r[1]) for r in rows], [r[2] for r in rows]
+    assert names == ["magic", "version", "kind", "room_id", "generation", "link_id", "seq"]
+    assert offsets == [sum(sizes[:i]) for i in range(len(sizes))]
+    assert sum(sizes) == TAG.size == 24
+    assert sizes == [struct.calcsize("<" + c) for c in re.findall(r"\d*[a-zA-Z]", TAG.format.lstrip("<"))]
+
+
+def test_spec_tags_kind_table_matches_enum() -> None:
+    """tags.md's tag-kind table lists exactly TagKind."""
+    (table,) = [t for t in md_tables(SPEC / "tags.md") if t[0] == "Tag kinds"]
+    assert [(int(r[0]), r[1]) for r in table[2]] == [(k.value, k.name) for k in TagKind]

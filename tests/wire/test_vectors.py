@@ -1,0 +1,220 @@
+"""The golden vectors of spec/v1/vectors, checked both ways against the codec."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import kvproto.wire as wire
+from kvproto.wire import (
+    MESSAGE_TYPES,
+    ErrorCode,
+    Header,
+    MsgType,
+    decode_frame,
+    encode,
+)
+from kvproto.wire.codec import Body
+from kvproto.wire.tags import Tag, TagKind, decode_tag
+
+from .fuzzing import decode_checked, decode_tag_checked
+
+VECTORS = Path(__file__).resolve().parents[2] / "spec" / "v1" / "vectors"
+INDEX = json.loads((VECTORS / "index.json").read_text(encoding="utf-8"))
+ENTRIES: list[dict[str, Any]] = INDEX["vectors"]
+BY_FILE = {e["file"]: e for e in ENTRIES}
+
+
+def read_vector(name: str) -> bytes:
+    return bytes.fromhex("".join((VECTORS / name).read_text().split()))
+
+
+def from_json(cls: type[Body], fields: dict[str, Any], **header: int) -> Any:
+    """Build a body of ``cls`` from its JSON form (records: objects, bytes: hex, arrays: lists)."""
+    kwargs: dict[str, Any] = dict(header)
+    assert set(fields) == {name for name, _ in cls.FIELDS}, f"{cls.__name__}: fields {sorted(fields)}"
+    for name, kind in cls.FIELDS:
+        value = fields[name]
+        if kind == "bytes":
+            kwargs[name] = bytes.fromhex(value)
+        elif kind == "u32[]":
+            kwargs[name] = tuple(value)
+        elif isinstance(kind, str):
+            kwargs[name] = value
+        elif isinstance(kind, list):
+            kwargs[name] = tuple(from_json(kind[0], item) for item in value)
+        else:
+            kwargs[name] = from_json(kind, value)
+    return cls(**kwargs)
+
+
+def entry_message(entry: dict[str, Any]) -> Any:
+    cls = MESSAGE_TYPES[MsgType[entry["message"]]]
+    assert entry["msg_type"] == cls.MSG_TYPE
+    h = entry["header"]
+    return from_json(cls, entry["body"], room_id=h["room_id"], generation=h["generation"])
+
+
+def entry_tag(entry: dict[str, Any]) -> Tag:
+    t = entry["tag"]
+    return Tag(kind=TagKind[t["kind"]], room_id=t["room_id"], generation=t["generation"], link_id=t["link_id"],
+               seq=t["seq"])
+
+
+def ids(entries: list[dict[str, Any]]) -> list[str]:
+    return [e["file"].removesuffix(".hex") for e in entries]
+
+
+FRAMES_BOTH = [e for e in ENTRIES if e["kind"] == "frame" and e["check"] == "both"]
+FRAMES_DECODE = [e for e in ENTRIES if e["kind"] == "frame" and e["check"] == "decode"]
+FRAMES_REJECT = [e for e in ENTRIES if e["kind"] == "frame" and e["check"] == "reject"]
+TAGS_BOTH = [e for e in ENTRIES if e["kind"] == "tag" and e["check"] == "both"]
+TAGS_REJECT = [e for e in ENTRIES if e["kind"] == "tag" and e["check"] == "reject"]
+
+
+# --- the collection itself ----------------------------------------------------------------------
+
+
+def test_vectors_index_lists_every_file_once() -> None:
+    """Every .hex file has exactly one index entry and every entry names an existing file."""
+    files = sorted(p.name for p in VECTORS.glob("*.hex"))
+    named = [e["file"] for e in ENTRIES]
+    assert len(named) == len(set(named))
+    assert sorted(named) == files
+
+
+def test_vectors_files_are_lowercase_wrapped_hex() -> None:
+    """Vector files are lowercase hex, at most 64 digits per line, with a final newline."""
+    for path in VECTORS.glob("*.hex"):
+        text = path.read_text()
+        assert text.endswith("\n"), path.name
+        for line in text.splitlines():
+            assert re.fullmatch(r"[0-9a-f]{2,64}", line) and len(line) % 2 == 0, (path.name, line)
+
+
+def test_vectors_entries_are_well_formed() -> None:
+    """Every entry has a known kind and check, and the keys its check needs."""
+    for e in ENTRIES:
+        assert e["kind"] in ("frame", "tag") and e["check"] in ("both", "decode", "reject"), e["file"]
+        assert e.get("note"), e["file"]
+        if e["check"] == "reject":
+            assert hasattr(wire, e["error"]) and e["code"] in ErrorCode.__members__, e["file"]
+        elif e["kind"] == "frame":
+            assert set(e["header"]) == {"room_id", "generation", "minor", "flags"}, e["file"]
+
+
+def test_vectors_cover_every_message_type() -> None:
+    """At least one both-ways vector exists for every message type."""
+    assert {MsgType[e["message"]] for e in FRAMES_BOTH} == set(MsgType)
+
+
+def test_vectors_cover_every_tag_kind() -> None:
+    """At least one both-ways tag vector exists for every tag kind."""
+    assert {TagKind[e["tag"]["kind"]] for e in TAGS_BOTH} == set(TagKind)
+
+
+def test_vectors_cover_the_edge_cases() -> None:
+    """The edge cases the spec promises have vectors."""
+    both = [entry_message(e) for e in FRAMES_BOTH]
+    assert any(getattr(m, "dst_pages", None) == () for m in both), "an empty page list"
+    assert any(m.room_id == 2**64 - 1 for m in both), "room id 2**64-1"
+    assert any(getattr(m, "aux_slot", None) == wire.NO_SLOT for m in both), "NO_SLOT"
+    assert any(getattr(m, "ranks", None) == () for m in both), "an empty record list"
+    assert any(getattr(m, "transport_metadata", None) == b"" for m in both), "empty bytes"
+    strings = [v for m in both for name, kind in m.FIELDS if kind == "str" for v in [getattr(m, name)]]
+    assert any(any(ord(c) > 0xFFFF for c in v) for v in strings), "a 4-byte UTF-8 character"
+    assert any(any(0x7F < ord(c) <= 0x7FF for c in v) for v in strings), "a 2-byte UTF-8 character"
+    assert any(e["header"]["minor"] > 0 and e.get("twin") for e in FRAMES_DECODE), "newer minor + trailing bytes"
+    assert any(e["header"]["flags"] for e in FRAMES_DECODE), "unknown flag bits"
+    assert {e["error"] for e in FRAMES_REJECT} >= {"MalformedFrame", "UnsupportedVersion", "UnknownMessage"}
+
+
+def test_vectors_generator_is_in_sync() -> None:
+    """generate.py --check finds every vector present and identical (it never rewrites one)."""
+    spec = importlib.util.spec_from_file_location("kvproto_vectors_generate", VECTORS / "generate.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the script loads
+    try:
+        spec.loader.exec_module(module)
+        assert module.main(["--check"]) == 0
+    finally:
+        del sys.modules[spec.name]
+
+
+# --- frames ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("entry", FRAMES_BOTH, ids=ids(FRAMES_BOTH))
+def test_vectors_frame_decodes_to_its_fields(entry: dict[str, Any]) -> None:
+    """decode(vector) gives the header and the fields of index.json."""
+    header, msg = decode_frame(read_vector(entry["file"]))
+    h = entry["header"]
+    assert header == Header(msg_type=entry["msg_type"], room_id=h["room_id"], generation=h["generation"],
+                            flags=h["flags"], major=1, minor=h["minor"])
+    assert msg == entry_message(entry)
+
+
+@pytest.mark.parametrize("entry", FRAMES_BOTH, ids=ids(FRAMES_BOTH))
+def test_vectors_frame_encodes_to_its_bytes(entry: dict[str, Any]) -> None:
+    """encode(fields of index.json) gives exactly the vector's bytes."""
+    assert encode(entry_message(entry), minor=entry["header"]["minor"]) == read_vector(entry["file"])
+
+
+@pytest.mark.parametrize("entry", FRAMES_DECODE, ids=ids(FRAMES_DECODE))
+def test_vectors_decode_only_frame_decodes_like_its_twin(entry: dict[str, Any]) -> None:
+    """A newer-minor / trailing-bytes / flags vector decodes to its fields and to its twin's message."""
+    header, msg = decode_frame(read_vector(entry["file"]))
+    h = entry["header"]
+    assert (header.msg_type, header.room_id, header.generation, header.minor, header.flags) == (
+        entry["msg_type"], h["room_id"], h["generation"], h["minor"], h["flags"])
+    assert msg == entry_message(entry)
+    if entry.get("twin"):
+        assert BY_FILE[entry["twin"]]["check"] == "both"
+        assert decode_frame(read_vector(entry["twin"]))[1] == msg
+        assert read_vector(entry["file"]) != read_vector(entry["twin"])
+
+
+@pytest.mark.parametrize("entry", FRAMES_REJECT, ids=ids(FRAMES_REJECT))
+def test_vectors_reject_frame_raises_its_error(entry: dict[str, Any]) -> None:
+    """A reject vector raises the listed exception with the listed code."""
+    with pytest.raises(getattr(wire, entry["error"])) as info:
+        decode_frame(read_vector(entry["file"]))
+    assert info.value.code is ErrorCode[entry["code"]]
+
+
+def test_vectors_every_byte_mutation_keeps_the_decode_property() -> None:
+    """Every truncation and every one-byte change (4 values) of every frame vector decodes or is refused."""
+    for entry in FRAMES_BOTH + FRAMES_DECODE:
+        frame = read_vector(entry["file"])
+        for n in range(len(frame)):
+            assert decode_checked(frame[:n]) is None
+        for i in range(len(frame)):
+            for v in {0x00, 0xFF, frame[i] ^ 0x01, frame[i] ^ 0x80} - {frame[i]}:
+                decode_checked(frame[:i] + bytes([v]) + frame[i + 1 :])
+
+
+# --- tags ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("entry", TAGS_BOTH, ids=ids(TAGS_BOTH))
+def test_vectors_tag_both_ways(entry: dict[str, Any]) -> None:
+    """decode_tag(vector) gives the listed tag and encoding it gives the vector."""
+    data = read_vector(entry["file"])
+    assert decode_tag(data) == entry_tag(entry)
+    assert entry_tag(entry).encode() == data
+    assert decode_tag_checked(data) is not None
+
+
+@pytest.mark.parametrize("entry", TAGS_REJECT, ids=ids(TAGS_REJECT))
+def test_vectors_reject_tag_raises_malformed_tag(entry: dict[str, Any]) -> None:
+    """A reject tag vector raises MalformedTag (code MALFORMED_FRAME)."""
+    with pytest.raises(getattr(wire, entry["error"])) as info:
+        decode_tag(read_vector(entry["file"]))
+    assert info.value.code is ErrorCode[entry["code"]]
