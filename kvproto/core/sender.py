@@ -18,7 +18,9 @@ chunk ends on a page boundary. Each chunk becomes, per writer link, at most one 
 tokens ``[max(chunk start, prefix), min(chunk end, num_tokens))``; the aux slot goes as one
 more write with the last chunk. Writes of a link are numbered ``seq = 0, 1, ...``; that
 number travels in the write's tag. When the last chunk's writes are all DONE, every writer
-link gets TRANSFER_DONE with its write count and the room succeeds.
+link gets TRANSFER_DONE with its write count and the room succeeds. A DONE or failure report
+counts only for a write still in flight in this room (matched by ``seq`` and, when the I/O layer
+passes it, the write's tag): a late report of an earlier room with the same id is stale.
 
 Invariants: the sides' token counts must agree exactly (never shifted): a chunk past the
 request's ``num_tokens`` or a last chunk short of it fails with TOKEN_COUNT_MISMATCH. A
@@ -74,6 +76,8 @@ class _Peer:
     posted: int = 0
     done: int = 0
     nbytes: int = 0
+    inflight: set[int] = field(default_factory=set)
+    """Seqs posted and not yet reported DONE."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +151,19 @@ class SenderCore(CoreBase):
                 del self._parked[room_id]
                 self.timers.cancel(("parked", room_id))
 
+    def close(self, now: float) -> None:
+        """Fail every live room and refuse every parked request with ENDPOINT_CLOSED. Idempotent."""
+        if self.closed:
+            return
+        super().close(now)
+        for room_id, parked in self._parked.items():
+            self.timers.cancel(("parked", room_id))
+            for key, msg in parked:
+                self.send(key, self._abort_message(room_id, msg.generation, ErrorCode.ENDPOINT_CLOSED,
+                                                   "endpoint closed"))
+        self._parked.clear()
+        self._parked_count = 0
+
     # --- application API --------------------------------------------------------------------
     def open_room(self, room_id: int, now: float) -> SenderRoom:
         self._new_room_check(room_id)
@@ -158,8 +175,8 @@ class SenderCore(CoreBase):
             self._parked_count -= len(parked)
             self.timers.cancel(("parked", room_id))
             for key, msg in parked:
-                if room.state.terminal:
-                    break
+                # Once a replayed request has ended the room, the rest find its tombstone and are
+                # refused (UNKNOWN_ROOM) instead of being dropped unanswered.
                 self._on_request(key, msg, now)
         return room
 
@@ -236,7 +253,8 @@ class SenderCore(CoreBase):
         if room.instance is not None and room.instance != link.instance:
             self.stats.peer_violations += 1
             self.send(key, self._abort_message(msg.room_id, msg.generation, ErrorCode.DUPLICATE_ROOM,
-                                               f"room {msg.room_id} is already bound to instance {room.instance!r}"))
+                                               f"room {msg.room_id} is already bound to decode instance {room.instance!r}, "
+                                               f"not {link.instance!r} (the TP ranks of one decode engine must share EndpointConfig.instance)"))
             return
         problem = self._check_request(room, link, msg)
         if problem is not None:
@@ -292,6 +310,10 @@ class SenderCore(CoreBase):
         return None
 
     def _park(self, key: LinkKey, msg: TransferRequest, now: float) -> None:
+        if self.closed:
+            self.send(key, self._abort_message(msg.room_id, msg.generation, ErrorCode.ENDPOINT_CLOSED,
+                                               "endpoint closed"))
+            return
         if msg.room_id in self._tombstones:
             self.stats.late_messages += 1
             self.send(key, self._abort_message(msg.room_id, msg.generation, ErrorCode.UNKNOWN_ROOM,
@@ -359,22 +381,29 @@ class SenderCore(CoreBase):
             self.stats.peer_violations += 1
 
     # --- data plane ------------------------------------------------------------------------
-    def write_done(self, room_id: int, link: LinkKey, seq: int, nbytes: int, now: float) -> None:
+    def write_done(self, room_id: int, link: LinkKey, seq: int, nbytes: int, now: float, *,
+                   tag: bytes | None = None) -> None:
+        """Write ``seq`` to ``link`` is DONE. ``tag`` (the write's tag) tells it apart from a write of
+        an earlier room with the same id; without it, only ``seq`` is checked."""
         room: SenderRoom | None = self.rooms.get(room_id)
         if room is None:
             self._count_missing_room(room_id)
             return
-        peer = self._peer_by_key(room, link)
-        if peer is None:  # pragma: no cover - writes are only posted to the room's peers
+        peer = self._current_write(room, link, seq, tag)
+        if peer is None:
             return
+        peer.inflight.discard(seq)
         peer.done += 1
         peer.nbytes += nbytes
         self.apply(room, Input.ALL_WRITES_DONE if self._all_done(room) else Input.WRITE_DONE, now)
 
-    def write_failed(self, room_id: int, link: LinkKey, seq: int, reason: str, now: float) -> None:
+    def write_failed(self, room_id: int, link: LinkKey, seq: int, reason: str, now: float, *,
+                     tag: bytes | None = None) -> None:
         room = self.rooms.get(room_id)
         if room is None:
             self._count_missing_room(room_id)
+            return
+        if self._current_write(room, link, seq, tag) is None:
             return
         self.apply(room, Input.WRITE_ERROR, now, code=ErrorCode.TRANSPORT_ERROR,
                    reason=f"write {seq} failed: {reason}")
@@ -412,18 +441,31 @@ class SenderCore(CoreBase):
                     self._outputs.append(PostWrite(
                         room_id=room.room_id, link=link.key, seq=peer.posted,
                         tag=self._tag(room.room_id, peer), start_token=start, end_token=end,
-                        src_pages=room.src_pages, dst_pages=req.dst_pages))
+                        src_pages=tuple(room.src_pages), dst_pages=req.dst_pages))
+                    peer.inflight.add(peer.posted)
                     peer.posted += 1
                 if chunk.last and link.aux_owner and chunk.aux_slot is not None and req.aux_slot != NO_SLOT:
                     self._outputs.append(PostAux(
                         room_id=room.room_id, link=link.key, seq=peer.posted,
                         tag=self._tag(room.room_id, peer), src_slot=chunk.aux_slot, dst_slot=req.aux_slot))
+                    peer.inflight.add(peer.posted)
                     peer.posted += 1
 
     @staticmethod
-    def _tag(room_id: int, peer: _Peer) -> bytes:
+    def _tag(room_id: int, peer: _Peer, seq: int | None = None) -> bytes:
         return Tag(kind=TagKind.KV, room_id=room_id, generation=peer.request.generation,
-                   link_id=peer.link.link_id, seq=peer.posted).encode()
+                   link_id=peer.link.link_id, seq=peer.posted if seq is None else seq).encode()
+
+    def _current_write(self, room: SenderRoom, key: LinkKey, seq: int, tag: bytes | None) -> _Peer | None:
+        """The peer whose in-flight write ``seq`` this report is about; None (counted stale) for a
+        report of an earlier incarnation of the room id, whose writes may still complete late."""
+        peer = self._peer_by_key(room, key)
+        if peer is None or seq not in peer.inflight or (
+            tag is not None and tag != self._tag(room.room_id, peer, seq)
+        ):
+            self.stats.stale_tags += 1
+            return None
+        return peer
 
     @staticmethod
     def _all_done(room: SenderRoom) -> bool:

@@ -1,0 +1,456 @@
+"""A sans-IO harness for the protocol core: prefill and decode cores wired by hand, no I/O.
+
+Theory of operation
+-------------------
+``Net`` holds one ``SenderCore`` per prefill rank and one ``ReceiverCore`` per decode rank of
+one prefill instance and one decode instance, linked exactly as ``kvproto.aio.prefill`` (on
+REGISTER) and ``kvproto.aio.decode`` (after the handshake) link them: pairing, writers and the
+aux owner come from ``kvproto.geometry``.
+
+After every call into a core the harness pops the core's outputs (``pump``) and turns them
+into pending ``Event``s that nothing delivers until the test says so:
+
+* ``Send``      -> a control event, *encoded* with ``kvproto.wire.encode`` now and decoded with
+                   ``decode`` on delivery (the codec sits on the path). Control events of one
+                   direction of one link are FIFO, as on a ZMQ socket.
+* ``PostWrite`` / ``PostAux`` -> two independent events: ``tag`` (the receiver's
+                   notification, delivered to ``on_notification(agent, tag, now)``) and ``done``
+                   (the sender's completion, ``write_done``; ``fail`` turns it into
+                   ``write_failed``). The data plane orders neither against anything.
+* ``RoomEnded`` -> recorded per core in ``ended``.
+
+The clock is a float the test advances (``advance``); every core's ``handle_timer`` runs then.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import pytest
+
+from kvproto.core import (
+    PostAux,
+    PostWrite,
+    ReceiverCore,
+    ReceiverLink,
+    RoomEnded,
+    RoomState,
+    Send,
+    SenderCore,
+    SenderLink,
+    Timeouts,
+)
+from kvproto.geometry import (
+    DType,
+    KVGeometry,
+    Layout,
+    paired_ranks_of_decode,
+    paired_ranks_of_prefill,
+    writers,
+)
+from kvproto.wire import Message, TransferRequest, decode, encode
+
+CLUSTER = "tcp://prefill-rank0:5000"
+"""The decode side's name for the prefill instance (its bootstrap address)."""
+INSTANCE = "decode-instance-A"
+"""The prefill side's name for the decode instance."""
+
+TO_DECODE, TO_PREFILL, TAG, DONE = "to_decode", "to_prefill", "tag", "done"
+
+
+def geometry(tp: int, rank: int = 0, *, heads: int = 8, block: int = 16, blocks: int = 64,
+             mla: bool = False) -> KVGeometry:
+    return KVGeometry(
+        tp_size=tp, tp_rank=rank, num_layers=2, num_kv_heads=1 if mla else heads, head_dim=8,
+        dtype=DType.FLOAT16, block_size=block, layout=Layout.NHD, mla=mla, num_blocks=blocks,
+    )
+
+
+def pages_for(tokens: int, block: int) -> int:
+    return -(-tokens // block)
+
+
+def agent_of(p: int) -> str:
+    return f"prefill-agent-{p}"
+
+
+def link_id_of(p: int) -> int:
+    """The decode-assigned link id of prefill rank ``p`` (every decode rank counts alike)."""
+    return 1 + p
+
+
+@dataclass(eq=False)
+class Event:
+    kind: str
+    p: int
+    d: int
+    payload: Any
+    order: int
+    nbytes: int = 0
+    fail: str | None = None
+
+    @property
+    def channel(self) -> tuple[str, int, int] | None:
+        return (self.kind, self.p, self.d) if self.kind in (TO_DECODE, TO_PREFILL) else None
+
+    def message(self) -> Message:
+        assert self.kind in (TO_DECODE, TO_PREFILL)
+        return decode(self.payload)
+
+    def __repr__(self) -> str:
+        body = self.message() if self.channel else self.payload
+        return f"Event({self.kind} P{self.p}/D{self.d} {body!r})"
+
+
+@dataclass
+class Net:
+    """One prefill instance (``p_tp`` ranks) linked to one decode instance (``d_tp`` ranks)."""
+
+    p_tp: int = 1
+    d_tp: int = 1
+    heads: int = 8
+    mla: bool = False
+    p_block: int = 16
+    d_block: int = 16
+    p_blocks: int = 64
+    d_blocks: int = 64
+    aux_slots: int = 4
+    timeouts: Timeouts | None = None
+    d_timeouts: Timeouts | None = None
+    """The decode ranks' timeouts, when they differ from ``timeouts``."""
+    ready: bool = True
+    report_tags: bool = True
+    """Pass each write's tag with its DONE / failure report (as the I/O layer should)."""
+    now: float = 1000.0
+    seed: int = 7
+    senders: list[SenderCore] = field(init=False)
+    receivers: list[ReceiverCore] = field(init=False)
+    pending: list[Event] = field(init=False, default_factory=list)
+    posts: dict[int, list[PostWrite | PostAux]] = field(init=False)
+    sent: list[tuple[str, int, int, Message]] = field(init=False, default_factory=list)
+    ended: dict[tuple[str, int], list[RoomEnded]] = field(init=False)
+    delivered_tags: int = field(init=False, default=0)
+    landed: set[tuple[int, bytes]] = field(init=False, default_factory=set)
+    """(decode rank, tag) of every notification delivered so far."""
+    completed: set[tuple[int, int, bytes]] = field(init=False, default_factory=set)
+    """(prefill rank, decode rank, tag) of every write reported DONE so far."""
+    seen_at_end: dict[tuple[str, int, int], frozenset] = field(init=False, default_factory=dict)
+    """What had landed (decode) or completed (prefill) when each room ended SUCCESS."""
+
+    def __post_init__(self) -> None:
+        self._order = itertools.count()
+        self.pg = [geometry(self.p_tp, r, heads=self.heads, block=self.p_block, blocks=self.p_blocks,
+                            mla=self.mla) for r in range(self.p_tp)]
+        self.dg = [geometry(self.d_tp, r, heads=self.heads, block=self.d_block, blocks=self.d_blocks,
+                            mla=self.mla) for r in range(self.d_tp)]
+        self.senders = [
+            SenderCore(block_size=g.block_size, num_blocks=g.num_blocks, aux_slots=self.aux_slots,
+                       timeouts=self.timeouts)
+            for g in self.pg
+        ]
+        self.receivers = [
+            ReceiverCore(block_size=g.block_size, num_blocks=g.num_blocks, aux_slots=self.aux_slots,
+                         timeouts=self.d_timeouts or self.timeouts, seed=self.seed + d)
+            for d, g in enumerate(self.dg)
+        ]
+        self.posts = defaultdict(list)
+        self.ended = defaultdict(list)
+        self._given: dict[tuple[int, int], tuple[int, int]] = {}  # (p, room) -> (end token, pages)
+        # prefill side: what PrefillEndpoint._on_register computes for each registered decode rank
+        self.slinks: dict[int, list[SenderLink]] = {}
+        for p, pg in enumerate(self.pg):
+            paired = frozenset(paired_ranks_of_prefill(pg, self.dg[0]))
+            self.slinks[p] = []
+            for d in sorted(paired):
+                chosen = writers(pg, self.dg[d])
+                is_writer = p in chosen
+                link = SenderLink(
+                    key=("decode", d), link_id=link_id_of(p), instance=INSTANCE, decode_rank=d,
+                    num_blocks=self.dg[d].num_blocks, block_size=self.dg[d].block_size,
+                    aux_slots=self.aux_slots, paired_ranks=paired, writer=is_writer,
+                    aux_owner=is_writer and chosen[0] == p,
+                )
+                self.slinks[p].append(link)
+                self.senders[p].add_link(link)
+        # decode side: what DecodeEndpoint._handshake returns
+        self.rlinks: dict[int, list[ReceiverLink]] = {}
+        for d, dg in enumerate(self.dg):
+            chosen = writers(self.pg[0], dg)
+            self.rlinks[d] = [
+                ReceiverLink(key=("prefill", p), link_id=link_id_of(p), cluster=CLUSTER, prefill_rank=p,
+                             agent=agent_of(p), writer=p in chosen, aux_owner=p == chosen[0])
+                for p in paired_ranks_of_decode(self.pg[0], dg)
+            ]
+            self.receivers[d].cluster_pending(CLUSTER)
+        if self.ready:
+            self.make_ready()
+
+    # --- topology -----------------------------------------------------------------------------
+    def make_ready(self, ranks: Iterable[int] | None = None) -> None:
+        for d in self._d(ranks):
+            self.receivers[d].cluster_ready(CLUSTER, self.rlinks[d], self.now)
+        self.pump()
+
+    def writers_of(self, d: int) -> list[int]:
+        return [lk.prefill_rank for lk in self.rlinks[d] if lk.writer]
+
+    def targets_of(self, p: int) -> list[int]:
+        return [lk.decode_rank for lk in self.slinks[p] if lk.writer]
+
+    def paired(self) -> list[tuple[int, int]]:
+        return [(p, lk.decode_rank) for p in range(self.p_tp) for lk in self.slinks[p]]
+
+    def _p(self, ranks: Iterable[int] | None) -> list[int]:
+        return list(range(self.p_tp)) if ranks is None else list(ranks)
+
+    def _d(self, ranks: Iterable[int] | None) -> list[int]:
+        return list(range(self.d_tp)) if ranks is None else list(ranks)
+
+    # --- outputs into events ---------------------------------------------------------------
+    def pump(self) -> None:
+        """Turn every core's outputs into pending events (until no core has any)."""
+        for p, core in enumerate(self.senders):
+            for out in core.pop_outputs():
+                self._sender_output(p, out)
+        for d, core in enumerate(self.receivers):
+            for out in core.pop_outputs():
+                self._receiver_output(d, out)
+
+    def _event(self, kind: str, p: int, d: int, payload: Any, **kw: Any) -> Event:
+        ev = Event(kind, p, d, payload, next(self._order), **kw)
+        self.pending.append(ev)
+        return ev
+
+    def _sender_output(self, p: int, out: Any) -> None:
+        if isinstance(out, Send):
+            _, d = out.link
+            self.sent.append((TO_DECODE, p, d, out.message))
+            self._event(TO_DECODE, p, d, encode(out.message))
+        elif isinstance(out, (PostWrite, PostAux)):
+            _, d = out.link
+            self.posts[p].append(out)
+            nbytes = (out.end_token - out.start_token) * 64 if isinstance(out, PostWrite) else 32
+            self._event(TAG, p, d, out.tag)
+            self._event(DONE, p, d, out, nbytes=nbytes)
+        elif isinstance(out, RoomEnded):
+            self.ended[("P", p)].append(out)
+            if out.state is RoomState.SUCCESS:
+                self.seen_at_end[("P", p, out.room_id)] = frozenset(self.completed)
+        else:  # pragma: no cover - the core has no other outputs
+            raise AssertionError(f"unexpected sender output {out!r}")
+
+    def _receiver_output(self, d: int, out: Any) -> None:
+        if isinstance(out, Send):
+            _, p = out.link
+            self.sent.append((TO_PREFILL, p, d, out.message))
+            self._event(TO_PREFILL, p, d, encode(out.message))
+        elif isinstance(out, RoomEnded):
+            self.ended[("D", d)].append(out)
+            if out.state is RoomState.SUCCESS:
+                self.seen_at_end[("D", d, out.room_id)] = frozenset(self.landed)
+        else:
+            raise AssertionError(f"a receiver core never posts writes, got {out!r}")
+
+    # --- delivery ------------------------------------------------------------------------------
+    def deliverable(self, kinds: Iterable[str] | None = None) -> list[Event]:
+        """Pending events that may go next: the head of each control FIFO, any tag or done."""
+        wanted = set(kinds) if kinds is not None else None
+        seen: set[tuple[str, int, int]] = set()
+        out = []
+        for ev in self.pending:
+            ch = ev.channel
+            if ch is not None:
+                if ch in seen:
+                    continue
+                seen.add(ch)
+            if wanted is None or ev.kind in wanted:
+                out.append(ev)
+        return out
+
+    def deliver(self, ev: Event, *, keep: bool = False) -> None:
+        """Deliver ``ev`` now (``keep``: leave a copy pending, i.e. a duplicate)."""
+        if not keep:
+            self.pending.remove(ev)
+        if ev.kind == TO_DECODE:
+            self.receivers[ev.d].on_message(("prefill", ev.p), ev.message(), self.now)
+        elif ev.kind == TO_PREFILL:
+            self.senders[ev.p].on_message(("decode", ev.d), ev.message(), self.now)
+        elif ev.kind == TAG:
+            self.delivered_tags += 1
+            self.landed.add((ev.d, ev.payload))
+            self.receivers[ev.d].on_notification(agent_of(ev.p), ev.payload, self.now)
+        elif ev.kind == DONE:
+            out = ev.payload
+            tag = out.tag if self.report_tags else None
+            if ev.fail is not None:
+                self.senders[ev.p].write_failed(out.room_id, out.link, out.seq, ev.fail, self.now, tag=tag)
+            else:
+                self.completed.add((ev.p, ev.d, out.tag))
+                self.senders[ev.p].write_done(out.room_id, out.link, out.seq, ev.nbytes, self.now, tag=tag)
+        else:  # pragma: no cover
+            raise AssertionError(ev.kind)
+        self.pump()
+
+    def tamper(self, ev: Event, **changes: Any) -> None:
+        """Rewrite a pending control event's message (a buggy or hostile peer)."""
+        ev.payload = encode(replace(ev.message(), **changes))
+
+    def take(self, kind: str | None = None, pred: Callable[[Event], bool] | None = None) -> list[Event]:
+        """Remove and return the pending events that match (they are lost unless re-delivered)."""
+        hit = [ev for ev in self.pending if (kind is None or ev.kind == kind) and (pred is None or pred(ev))]
+        for ev in hit:
+            self.pending.remove(ev)
+        return hit
+
+    def find(self, kind: str | None = None, pred: Callable[[Event], bool] | None = None) -> list[Event]:
+        return [ev for ev in self.pending if (kind is None or ev.kind == kind) and (pred is None or pred(ev))]
+
+    def run(self, kinds: Iterable[str] | None = None, *, rng: random.Random | None = None,
+            limit: int = 100_000) -> int:
+        """Deliver events (of ``kinds``) until none is left: FIFO, or in ``rng``'s order."""
+        n = 0
+        while True:
+            ready = self.deliverable(kinds)
+            if not ready:
+                return n
+            ev = rng.choice(ready) if rng is not None else ready[0]
+            self.deliver(ev)
+            n += 1
+            assert n < limit, "the harness did not quiesce"
+
+    # --- time -----------------------------------------------------------------------------------
+    def advance(self, dt: float) -> None:
+        self.now += dt
+        for core in [*self.senders, *self.receivers]:
+            core.handle_timer(self.now)
+        self.pump()
+
+    def next_deadline(self) -> float | None:
+        deadlines = [c.next_deadline() for c in [*self.senders, *self.receivers]]
+        present = [x for x in deadlines if x is not None]
+        return min(present) if present else None
+
+    # --- application ----------------------------------------------------------------------------
+    def open(self, room: int, *, prefill: Iterable[int] | None = None, decode: Iterable[int] | None = None,
+             sides: str = "PD") -> None:
+        if "P" in sides:
+            for p in self._p(prefill):
+                self.senders[p].open_room(room, self.now)
+                self._given.pop((p, room), None)
+        if "D" in sides:
+            for d in self._d(decode):
+                self.receivers[d].open_room(room, CLUSTER, self.now)
+        self.pump()
+
+    def dst_pages(self, d: int, room: int, num_tokens: int) -> list[int]:
+        blocks = self.dg[d].num_blocks
+        return [(room * 5 + 3 * d + i) % blocks for i in range(pages_for(num_tokens, self.dg[d].block_size))]
+
+    def dest(self, room: int, num_tokens: int, *, prefix: int = 0, aux: int | None = None,
+             ranks: Iterable[int] | None = None, pages: Sequence[int] | None = None) -> None:
+        for d in self._d(ranks):
+            self.receivers[d].set_destination(
+                room, self.dst_pages(d, room, num_tokens) if pages is None else pages, num_tokens, self.now,
+                prefix_tokens=prefix, aux_slot=aux)
+        self.pump()
+
+    def chunk(self, room: int, end: int, *, last: bool = False, aux: int | None = None,
+              ranks: Iterable[int] | None = None) -> None:
+        for p in self._p(ranks):
+            _, have = self._given.get((p, room), (0, 0))
+            need = pages_for(end, self.pg[p].block_size)
+            new = [(room * 7 + i) % self.pg[p].num_blocks for i in range(have, need)]
+            self.senders[p].submit_chunk(room, new, end, self.now, last=last, aux_slot=aux)
+            self._given[(p, room)] = (end, need)
+        self.pump()
+
+    def abort(self, side: str, rank: int, room: int, reason: str = "test abort") -> None:
+        core = self.senders[rank] if side == "P" else self.receivers[rank]
+        core.abort(room, self.now, reason)
+        self.pump()
+
+    # --- observation ----------------------------------------------------------------------------
+    def cores(self) -> list[tuple[tuple[str, int], SenderCore | ReceiverCore]]:
+        return [(("P", p), c) for p, c in enumerate(self.senders)] + [
+            (("D", d), c) for d, c in enumerate(self.receivers)]
+
+    def endings(self, room: int) -> dict[tuple[str, int], list[RoomEnded]]:
+        return {who: [e for e in self.ended[who] if e.room_id == room] for who, _ in self.cores()}
+
+    def ending(self, who: tuple[str, int], room: int) -> RoomEnded:
+        """The one RoomEnded of ``room`` on core ``who`` (fails unless exactly one)."""
+        got = [e for e in self.ended[who] if e.room_id == room]
+        assert len(got) == 1, f"{who} ended room {room} {len(got)} times: {got}"
+        return got[0]
+
+    def state(self, who: tuple[str, int], room: int) -> RoomState | None:
+        side, rank = who
+        return (self.senders[rank] if side == "P" else self.receivers[rank]).room_state(room)
+
+    def assert_all_ended(self, room: int, state: RoomState, code: Any = None,
+                         who: Iterable[tuple[str, int]] | None = None) -> None:
+        for w in (who if who is not None else [w for w, _ in self.cores()]):
+            e = self.ending(w, room)
+            assert e.state is state, f"{w}: {e}"
+            if code is not None:
+                assert e.code == code, f"{w}: {e}"
+
+    def assert_ended_once(self) -> None:
+        for who, ends in self.ended.items():
+            counts = Counter(e.room_id for e in ends)
+            assert all(n == 1 for n in counts.values()), f"{who} reported rooms twice: {counts}"
+
+    def assert_clean(self) -> None:
+        """No trace of any room remains: rooms, deadlines, parked requests, room progress."""
+        for who, core in self.cores():
+            assert core.rooms == {}, f"{who} still has rooms {list(core.rooms)}"
+            assert len(core.timers) == 0, f"{who} still has deadlines"
+            assert core.next_deadline() is None, f"{who} still has a deadline"
+            if isinstance(core, SenderCore):
+                assert core._parked == {}, f"{who} still has parked requests {core._parked}"
+                assert core._parked_count == 0
+
+    def assert_no_early_success(self) -> None:
+        """No room succeeded before its writes did: decode after every tag it was sent landed,
+        prefill after every write it posted was DONE (rooms of one incarnation only)."""
+        for (side, rank, room), seen in self.seen_at_end.items():
+            if side == "D":
+                need = {(rank, o.tag) for p in range(self.p_tp) for o in self.posted(p, rank, room)}
+            else:
+                need = {(rank, o.link[1], o.tag) for o in self.posts[rank] if o.room_id == room}
+            assert need <= seen, f"{side}{rank} room {room} succeeded before {sorted(need - seen)}"
+
+    def posted(self, p: int, d: int, room: int) -> list[PostWrite | PostAux]:
+        return [o for o in self.posts[p] if o.room_id == room and o.link == ("decode", d)]
+
+    def ranges(self, p: int, d: int, room: int) -> list[tuple[int, int]]:
+        return [(o.start_token, o.end_token) for o in self.posted(p, d, room) if isinstance(o, PostWrite)]
+
+    def messages(self, kind: str, cls: type[Message] | None = None, room: int | None = None) -> list[
+            tuple[int, int, Message]]:
+        """Every message sent so far in direction ``kind`` (delivered or not)."""
+        return [(p, d, m) for k, p, d, m in self.sent
+                if k == kind and (cls is None or isinstance(m, cls)) and (room is None or m.room_id == room)]
+
+    def requests(self, room: int) -> dict[tuple[int, int], TransferRequest]:
+        return {(p, d): m for p, d, m in self.messages(TO_PREFILL, TransferRequest, room)}  # type: ignore[misc]
+
+    def total(self, stat: str) -> int:
+        return sum(getattr(core.stats, stat) for _, core in self.cores())
+
+
+@pytest.fixture(scope="session")
+def make_net() -> Callable[..., Net]:
+    """Build a ``Net`` (session-scoped factory: safe inside Hypothesis tests)."""
+    return Net
+
+
+@pytest.fixture
+def net() -> Net:
+    """A 1:1 pair (prefill TP 1, decode TP 1, block 16, 64 pages each, 4 aux slots), ready."""
+    return Net()

@@ -1,0 +1,979 @@
+"""Prefill and decode cores wired together by the harness in ``conftest``: whole rooms, no I/O."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvproto.core import PostAux, PostWrite, RoomState, Timeouts
+from kvproto.wire import Abort, ErrorCode, LocalProtocolError, Tag, TagKind, TransferDone, TransferRequest
+
+from .conftest import DONE, TAG, TO_DECODE, TO_PREFILL, Net, agent_of, link_id_of
+
+OK, FAILED = RoomState.SUCCESS, RoomState.FAILED
+B, W, T = RoomState.BOOTSTRAPPING, RoomState.WAITING_FOR_INPUT, RoomState.TRANSFERRING
+P0, D0 = ("P", 0), ("D", 0)
+
+
+def finish(net: Net, room: int, tokens: int, *, chunks=(), aux: int | None = None) -> None:
+    """Submit ``chunks`` (non-last ends) and the last chunk on every prefill rank, deliver all."""
+    for end in chunks:
+        net.chunk(room, end)
+    net.chunk(room, tokens, last=True, aux=aux)
+    net.run()
+
+
+def start(net: Net, room: int, tokens: int, **dest) -> None:
+    net.open(room)
+    net.dest(room, tokens, **dest)
+    net.run()
+
+
+# --- happy paths ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("report_tags", [True, False], ids=["done-with-tag", "done-without-tag"])
+def test_pair_happy_path_one_to_one(make_net, report_tags):
+    """1:1: request through the codec, one write plus aux, TRANSFER_DONE, SUCCESS on both sides once."""
+    net = make_net(report_tags=report_tags)
+    net.open(1)
+    net.dest(1, 40, aux=1)
+    net.run()
+    assert (net.state(P0, 1), net.state(D0, 1)) == (W, T)
+    net.chunk(1, 40, last=True, aux=2)
+    assert (net.state(P0, 1), net.state(D0, 1)) == (T, T)
+    net.run()
+    net.assert_all_ended(1, OK, None)
+    assert net.ranges(0, 0, 1) == [(0, 40)]
+    (aux,) = [o for o in net.posted(0, 0, 1) if isinstance(o, PostAux)]
+    assert (aux.src_slot, aux.dst_slot) == (2, 1)
+    ((_, _, rq),) = net.messages(TO_PREFILL, TransferRequest, 1)
+    assert (rq.num_tokens, rq.prefix_tokens, rq.aux_slot, rq.expected_writers) == (40, 0, 1, 1)
+    ((_, _, td),) = net.messages(TO_DECODE, TransferDone, 1)
+    assert (td.writes, td.generation) == (2, rq.generation)
+    net.assert_ended_once()
+    net.assert_clean()
+
+
+@pytest.mark.parametrize("deliver_between", [False, True], ids=["batched", "streamed"])
+def test_pair_chunked_prefill_three_chunks(net, deliver_between):
+    """Three chunks, the last flagged: three writes covering [0, 40) in order, then SUCCESS."""
+    start(net, 1, 40)
+    for end, last in ((16, False), (32, False), (40, True)):
+        net.chunk(1, end, last=last)
+        if deliver_between:
+            net.run()
+            if not last:
+                assert (net.state(P0, 1), net.state(D0, 1)) == (T, T)
+    net.run()
+    assert [(o.seq, o.start_token, o.end_token) for o in net.posted(0, 0, 1)] == [
+        (0, 0, 16), (1, 16, 32), (2, 32, 40)]
+    net.assert_all_ended(1, OK)
+    net.assert_clean()
+
+
+def test_pair_chunk_off_page_boundary_raises(net):
+    """A non-last chunk must end on a page boundary; the room survives the refused call."""
+    start(net, 1, 40)
+    with pytest.raises(LocalProtocolError):
+        net.chunk(1, 20)
+    assert net.state(P0, 1) is W
+    finish(net, 1, 40, chunks=(32,))
+    net.assert_all_ended(1, OK)
+
+
+def test_pair_aux_only_from_owner_with_last_chunk(make_net):
+    """P2->D1: both ranks write KV, only the aux owner (rank 0) writes aux, with the last chunk."""
+    net = make_net(p_tp=2, d_tp=1)
+    start(net, 1, 40, aux=3)
+    net.chunk(1, 16, aux=None)
+    assert not any(isinstance(o, PostAux) for p in (0, 1) for o in net.posted(p, 0, 1))
+    net.chunk(1, 40, last=True, aux=1)
+    net.run()
+    aux0 = [o for o in net.posted(0, 0, 1) if isinstance(o, PostAux)]
+    assert [(a.seq, a.src_slot, a.dst_slot) for a in aux0] == [(2, 1, 3)]
+    assert not any(isinstance(o, PostAux) for o in net.posted(1, 0, 1))
+    assert net.ranges(0, 0, 1) == net.ranges(1, 0, 1) == [(0, 16), (16, 40)]
+    net.assert_all_ended(1, OK)
+    writes = sorted((p, m.writes) for p, _, m in net.messages(TO_DECODE, TransferDone, 1))
+    assert writes == [(0, 3), (1, 2)]
+
+
+# --- ordering of the two applications ---------------------------------------------------------------
+
+
+def test_pair_request_before_open_parked_and_replayed(net):
+    """decode's request for a room prefill has not opened is parked, then replayed on open."""
+    net.open(1, sides="D")
+    net.dest(1, 40)
+    net.run()
+    assert net.state(P0, 1) is None and net.senders[0]._parked_count == 1
+    net.advance(29.0)
+    net.open(1, sides="P")
+    assert net.state(P0, 1) is W
+    net.advance(29.0)  # the parked deadline was cancelled on open
+    finish(net, 1, 40)
+    net.assert_all_ended(1, OK)
+    net.assert_clean()
+
+
+@pytest.mark.parametrize("steps", [(30.0,), (30 - 2**-10, 2**-10)], ids=["one-step", "two-steps"])
+def test_pair_parked_request_expires_unknown_room(net, steps):
+    """An unanswered parked request is refused UNKNOWN_ROOM exactly after the parked timeout."""
+    net.open(1, sides="D")
+    net.dest(1, 40)
+    net.run()
+    for dt in steps[:-1]:
+        net.advance(dt)
+        assert net.pending == []
+    net.advance(steps[-1])
+    net.run()
+    e = net.ending(D0, 1)
+    assert (e.state, e.code) == (FAILED, ErrorCode.UNKNOWN_ROOM)
+    assert net.ended[P0] == []
+    assert net.senders[0].stats.unknown_room_messages == 1
+    net.assert_clean()
+
+
+def test_pair_chunks_before_request_are_queued(net):
+    """Chunks given before decode's request are posted all at once when it arrives."""
+    net.open(1, sides="P")
+    net.chunk(1, 16)
+    net.chunk(1, 40, last=True)
+    assert net.posts == {}
+    net.open(1, sides="D")
+    net.dest(1, 40)
+    net.run(kinds=[TO_PREFILL])
+    assert net.ranges(0, 0, 1) == [(0, 16), (16, 40)]
+    net.run()
+    net.assert_all_ended(1, OK)
+    net.assert_clean()
+
+
+def test_pair_destination_before_cluster_ready(make_net):
+    """decode's destination while its cluster bootstraps is sent once the links are ready."""
+    net = make_net(ready=False)
+    net.open(1)
+    net.dest(1, 40)
+    assert net.pending == [] and net.state(D0, 1) is B
+    net.make_ready()
+    net.run()
+    finish(net, 1, 40)
+    net.assert_all_ended(1, OK)
+
+
+# --- prefix hits ---------------------------------------------------------------------------------------
+
+
+def test_pair_prefix_hit_moves_only_tokens_past_prefix(net):
+    """With a 32-token prefix cached on decode only [32, 64) moves."""
+    start(net, 1, 64, prefix=32)
+    finish(net, 1, 64, chunks=(16, 32, 48))
+    assert net.ranges(0, 0, 1) == [(32, 48), (48, 64)]
+    assert [m.writes for _, _, m in net.messages(TO_DECODE, TransferDone, 1)] == [2]
+    net.assert_all_ended(1, OK)
+
+
+def test_pair_full_prefix_hit_completes_without_writes(net):
+    """prefix == num_tokens: zero writes, TRANSFER_DONE(writes=0), SUCCESS both sides."""
+    start(net, 1, 32, prefix=32)
+    finish(net, 1, 32, chunks=(16,))
+    assert net.posts == {}
+    assert [(m.writes, m.nbytes) for _, _, m in net.messages(TO_DECODE, TransferDone, 1)] == [(0, 0)]
+    net.assert_all_ended(1, OK)
+    net.assert_clean()
+
+
+def test_pair_prefix_with_different_block_sizes(make_net):
+    """Prefill blocks of 16, decode blocks of 64: a 64-token prefix clips the first chunks."""
+    net = make_net(p_block=16, d_block=64, d_blocks=16)
+    start(net, 1, 100, prefix=64)
+    finish(net, 1, 100, chunks=(48, 80))
+    assert net.ranges(0, 0, 1) == [(64, 80), (80, 100)]
+    net.assert_all_ended(1, OK)
+
+
+# --- token counts --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [((16,), 30), ((48,), None), ((), 41), ((16, 32), 38)],
+    ids=["last-short", "chunk-beyond", "last-beyond", "last-short-after-two"],
+)
+def test_pair_token_count_mismatch_fails_both(net, chunks):
+    """A last chunk short of, or a chunk beyond, decode's num_tokens fails both TOKEN_COUNT_MISMATCH."""
+    start(net, 1, 40)
+    middle, last = chunks
+    for end in middle:
+        net.chunk(1, end)
+    if last is not None:
+        net.chunk(1, last, last=True)
+    net.run()
+    net.assert_all_ended(1, FAILED, ErrorCode.TOKEN_COUNT_MISMATCH)
+    assert all(o.end_token <= 40 for o in net.posts[0] if isinstance(o, PostWrite))
+    net.assert_clean()
+
+
+@pytest.mark.parametrize("p_tp, d_tp, heads", [(1, 2, 8), (4, 2, 1)], ids=["P1-D2", "P4-D2-gqa"])
+def test_pair_decode_ranks_disagree_fails_all(make_net, p_tp, d_tp, heads):
+    """Decode ranks asking for different token counts fail every rank TOKEN_COUNT_MISMATCH."""
+    net = make_net(p_tp=p_tp, d_tp=d_tp, heads=heads)
+    net.open(1)
+    net.dest(1, 40, ranks=[0])
+    net.dest(1, 48, ranks=[1])
+    net.run()
+    net.chunk(1, 48, last=True)  # prefill's rooms are over: the chunk is late, not an error
+    net.run()
+    net.assert_all_ended(1, FAILED, ErrorCode.TOKEN_COUNT_MISMATCH)
+    assert net.posts == {}
+    net.assert_clean()
+
+
+# --- trust nothing from the wire --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [dict(dst_pages=(0, 1, 64)), dict(dst_pages=(0, 70, 1)), dict(aux_slot=4), dict(prefix_tokens=8),
+     dict(prefix_tokens=48)],
+    ids=["dst-page", "dst-page-middle", "aux-slot", "prefix-not-block", "prefix-beyond"],
+)
+@pytest.mark.parametrize("chunks_first", [False, True], ids=["request-first", "chunks-first"])
+def test_pair_out_of_range_request_fails_both_without_writes(net, changes, chunks_first):
+    """An out-of-range index in a request fails the room INDEX_OUT_OF_RANGE on both sides; no write."""
+    net.open(1)
+    if chunks_first:
+        net.chunk(1, 16)
+        net.chunk(1, 40, last=True, aux=0)
+    net.dest(1, 40, aux=1)
+    (ev,) = net.find(TO_PREFILL)
+    net.tamper(ev, **changes)
+    net.run()
+    if not chunks_first:
+        net.chunk(1, 16)
+        net.chunk(1, 40, last=True, aux=0)
+        net.run()
+    net.assert_all_ended(1, FAILED, ErrorCode.INDEX_OUT_OF_RANGE)
+    assert net.posts == {}
+    net.assert_clean()
+
+
+# --- deadlines -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("steps", [(30.0,), (30 - 2**-20, 2**-20)], ids=["one-step", "two-steps"])
+def test_pair_bootstrap_deadline_both_sides(make_net, steps):
+    """Nobody completes the handshake: both sides fail BOOTSTRAP_TIMEOUT exactly at +30 s."""
+    net = make_net(ready=False)
+    net.open(1)
+    net.dest(1, 40)
+    for dt in steps[:-1]:
+        net.advance(dt)
+        assert (net.state(P0, 1), net.state(D0, 1)) == (B, B)
+    net.advance(steps[-1])
+    net.run()
+    net.assert_all_ended(1, FAILED, ErrorCode.BOOTSTRAP_TIMEOUT)
+    net.assert_clean()
+
+
+def test_pair_prefill_bootstrap_deadline_tells_partial_peers(make_net):
+    """P1->D2: with only D0's request in, prefill times out at +30 s and D0 hears BOOTSTRAP_TIMEOUT."""
+    net = make_net(p_tp=1, d_tp=2, d_timeouts=Timeouts(transfer=None))
+    net.open(1)
+    net.dest(1, 40, ranks=[0])
+    net.run()
+    net.advance(30.0)
+    net.run()
+    for who in (P0, D0):
+        assert net.ending(who, 1).code == ErrorCode.BOOTSTRAP_TIMEOUT
+    assert net.state(("D", 1), 1) is W
+
+
+def test_pair_waiting_deadline_prefill(make_net):
+    """prefill never gets its KV: WAITING_TIMEOUT at +300 s, and decode hears it."""
+    net = make_net(d_timeouts=Timeouts(transfer=None))
+    start(net, 1, 40)
+    net.advance(300 - 2**-10)
+    assert net.state(P0, 1) is W
+    net.advance(2**-10)
+    net.run()
+    net.assert_all_ended(1, FAILED, ErrorCode.WAITING_TIMEOUT)
+    net.assert_clean()
+
+
+def test_pair_waiting_deadline_decode(net):
+    """decode never gets its destination: WAITING_TIMEOUT at +300 s on decode, nothing on the wire."""
+    net.open(1, sides="D")
+    net.advance(300.0)
+    e = net.ending(D0, 1)
+    assert (e.state, e.code) == (FAILED, ErrorCode.WAITING_TIMEOUT)
+    assert net.pending == []
+
+
+def test_pair_transfer_deadline_refreshes_on_progress(make_net):
+    """prefill's TRANSFER_TIMEOUT counts from the last DONE; decode hears TRANSFER_TIMEOUT."""
+    net = make_net(d_timeouts=Timeouts(transfer=None))
+    start(net, 1, 48)
+    net.chunk(1, 16)
+    net.chunk(1, 32)
+    dones = net.take(DONE)
+    net.advance(200.0)
+    net.pending.append(dones[0])
+    net.run()  # first write DONE at +200: deadline +500
+    net.advance(300 - 2**-10)
+    assert net.state(P0, 1) is T
+    net.advance(2**-10)
+    net.run()
+    net.assert_all_ended(1, FAILED, ErrorCode.TRANSFER_TIMEOUT)
+    net.pending.append(dones[1])
+    net.run()  # the last DONE after the end: absorbed
+    assert net.senders[0].stats.late_messages == 1
+    net.assert_clean()
+
+
+def test_pair_decode_transfer_deadline_refreshes_on_arrivals(make_net):
+    """decode's TRANSFER_TIMEOUT counts from its last arrival; prefill hears it."""
+    net = make_net(timeouts=Timeouts(transfer=None), d_timeouts=Timeouts(transfer=300.0))
+    start(net, 1, 48)
+    net.chunk(1, 16)
+    net.advance(250.0)
+    net.run()  # tag of write 0 arrives at +250
+    net.advance(299.0)
+    assert net.state(D0, 1) is T
+    net.advance(1.0)
+    net.run()
+    net.assert_all_ended(1, FAILED, ErrorCode.TRANSFER_TIMEOUT)
+
+
+# --- aborts ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("state", [W, T])
+def test_pair_prefill_abort_reaches_decode(net, state):
+    """prefill aborts while WAITING_FOR_INPUT or TRANSFERRING: decode fails ABORTED."""
+    start(net, 1, 40)
+    if state is T:
+        net.chunk(1, 16)
+        net.run()
+    assert net.state(P0, 1) is state
+    net.abort("P", 0, 1)
+    net.run()
+    net.assert_all_ended(1, FAILED, ErrorCode.ABORTED)
+    net.assert_clean()
+
+
+@pytest.mark.parametrize("decode_state", [B, W])
+def test_pair_prefill_abort_before_request_refuses_it(make_net, decode_state):
+    """prefill aborts before decode asked: decode's later request is refused at once (UNKNOWN_ROOM,
+    as spec v1 says for a request for an ended room).
+
+    Known gap (see report): decode learns the room is gone, but not that it was ABORTED.
+    """
+    net = make_net(ready=decode_state is not B)
+    net.open(1)
+    assert net.state(D0, 1) is decode_state
+    net.abort("P", 0, 1)
+    assert net.pending == []
+    net.make_ready()
+    net.dest(1, 40)
+    net.run()
+    assert (net.ending(P0, 1).state, net.ending(P0, 1).code) == (FAILED, ErrorCode.ABORTED)
+    assert (net.ending(D0, 1).state, net.ending(D0, 1).code) == (FAILED, ErrorCode.UNKNOWN_ROOM)
+    assert net.senders[0].stats.late_messages == 1
+    net.assert_clean()
+
+
+def test_pair_prefill_abort_with_partial_requests_reaches_all(make_net):
+    """P1->D2: prefill aborts with only D0's request in; D0 hears ABORTED at once, D1's later
+    request is refused UNKNOWN_ROOM."""
+    net = make_net(p_tp=1, d_tp=2)
+    net.open(1)
+    net.dest(1, 40, ranks=[0])
+    net.run()
+    assert net.state(P0, 1) is B
+    net.abort("P", 0, 1)
+    net.run()
+    assert net.ending(D0, 1).code == ErrorCode.ABORTED
+    net.dest(1, 40, ranks=[1])
+    net.run()
+    assert net.ending(("D", 1), 1).code == ErrorCode.UNKNOWN_ROOM
+    net.assert_ended_once()
+    net.assert_clean()
+
+
+@pytest.mark.parametrize("prefill_state", [B, W, T])
+def test_pair_decode_abort_reaches_prefill(net, prefill_state):
+    """decode aborts while TRANSFERRING (prefill BOOTSTRAPPING, WAITING or TRANSFERRING): ABORTED."""
+    net.open(1)
+    net.dest(1, 40)
+    if prefill_state is not B:
+        net.run()
+    if prefill_state is T:
+        net.chunk(1, 16)
+        net.run()
+    assert net.state(P0, 1) is prefill_state
+    net.abort("D", 0, 1)
+    net.run()  # FIFO: the request (if still in flight) arrives before the ABORT
+    net.assert_all_ended(1, FAILED, ErrorCode.ABORTED)
+    net.assert_clean()
+
+
+def test_pair_decode_abort_withdraws_parked_request(net):
+    """decode aborts while its request is parked: prefill forgets it; a later open waits and times out.
+
+    Known gap (see report): prefill is not told the room is dead, only its bootstrap deadline ends it.
+    """
+    net.open(1, sides="D")
+    net.dest(1, 40)
+    net.run()
+    net.abort("D", 0, 1)
+    net.run()
+    assert net.senders[0]._parked_count == 0 and net.senders[0].next_deadline() is None
+    net.open(1, sides="P")
+    net.advance(30.0)
+    assert net.ending(P0, 1).code == ErrorCode.BOOTSTRAP_TIMEOUT
+    assert net.ending(D0, 1).code == ErrorCode.ABORTED
+
+
+@pytest.mark.parametrize("decode_state", [B, W])
+def test_pair_decode_abort_before_request_is_silent(make_net, decode_state):
+    """decode aborts before it has sent a request: nothing goes on the wire; prefill times out.
+
+    Known gap (see report): without a generation, decode has no way to tell prefill.
+    """
+    net = make_net(ready=decode_state is not B)
+    net.open(1)
+    assert net.state(D0, 1) is decode_state
+    net.abort("D", 0, 1)
+    assert net.pending == []
+    net.advance(30.0)
+    assert net.ending(P0, 1).code == ErrorCode.BOOTSTRAP_TIMEOUT
+    assert net.ending(D0, 1).code == ErrorCode.ABORTED
+
+
+def test_pair_write_failed_is_transport_error_on_both(net):
+    """A failed write fails prefill TRANSPORT_ERROR; decode hears TRANSPORT_ERROR."""
+    start(net, 1, 40)
+    net.chunk(1, 16)
+    net.chunk(1, 40, last=True)
+    net.find(DONE)[1].fail = "remote NIC reset"
+    net.run()
+    net.assert_all_ended(1, FAILED, ErrorCode.TRANSPORT_ERROR)
+    net.assert_clean()
+
+
+# --- late, stale, duplicate ----------------------------------------------------------------------------
+
+
+def test_pair_late_messages_after_end_are_counted(net):
+    """Tags, DONEs and ABORTs for a room that already ended are absorbed and counted."""
+    start(net, 1, 40)
+    net.chunk(1, 16)
+    net.chunk(1, 40, last=True)
+    held = net.take(TAG) + net.take(DONE)
+    net.abort("D", 0, 1)
+    net.run()
+    net.assert_all_ended(1, FAILED, ErrorCode.ABORTED)
+    net.pending.extend(held)
+    net.run()
+    assert net.senders[0].stats.late_messages == 2
+    assert net.receivers[0].stats.late_messages == 2
+    net.abort("P", 0, 1)
+    net.senders[0].on_message(("decode", 0), Abort(room_id=1, generation=1, code=10, reason=""), net.now)
+    assert net.senders[0].stats.late_messages == 3
+    net.assert_ended_once()
+    net.assert_clean()
+
+
+def test_pair_duplicate_tags_idempotent(net):
+    """Every tag delivered three times before the end counts once: one SUCCESS each side, no violation."""
+    start(net, 1, 40)
+    net.chunk(1, 16)
+    net.chunk(1, 40, last=True)
+    for ev in net.find(TAG):
+        net.deliver(ev, keep=True)
+        net.deliver(ev, keep=True)
+    net.run()
+    net.assert_all_ended(1, OK)
+    net.assert_ended_once()
+    assert net.receivers[0].stats.late_messages == 0
+    assert net.receivers[0].stats.peer_violations == 0
+
+
+def test_pair_reused_room_id_never_completes_from_old_generation(net):
+    """Room 1 fails with writes in flight and is reopened: old tags, DONE reports and messages never count.
+
+    Regression: prefill used to count a DONE of the old incarnation's write toward the new one.
+    """
+    start(net, 1, 40)
+    net.chunk(1, 16)
+    old = net.take(TAG) + net.take(DONE)
+    net.abort("D", 0, 1)
+    net.run()
+    net.assert_all_ended(1, FAILED, ErrorCode.ABORTED)
+    old_gen = net.requests(1)[(0, 0)].generation
+    start(net, 1, 40)
+    new_gen = [m.generation for _, _, m in net.messages(TO_PREFILL, TransferRequest, 1)][-1]
+    assert new_gen != old_gen
+    net.chunk(1, 40, last=True)  # one write, seq 0, like the old incarnation's pending one
+    net.pending[:0] = old  # the old incarnation's notifications and completions come first
+    net.run(kinds=[TAG])
+    assert net.receivers[0].stats.stale_tags == 1
+    for ev in [e for e in old if e.kind == DONE]:
+        net.deliver(ev)  # must be a no-op for the new incarnation
+    assert net.state(P0, 1) is T and net.state(D0, 1) is T
+    assert net.messages(TO_DECODE, TransferDone, 1) == []
+    # an old-generation TRANSFER_DONE forged from the old request does not complete decode either
+    net.receivers[0].on_message(("prefill", 0), TransferDone(room_id=1, generation=old_gen, writes=0,
+                                                            nbytes=0), net.now)
+    assert net.state(D0, 1) is T
+    net.run()
+    assert [e.state for e in net.endings(1)[P0]] == [FAILED, OK]
+    assert [e.state for e in net.endings(1)[D0]] == [FAILED, OK]
+    net.assert_clean()
+
+
+def test_pair_tag_from_non_writer_fails_room(make_net):
+    """P4->D2 (2 heads): a tag from paired non-writer P1 fails D0 PEER_PROTOCOL_ERROR; P0, P1 hear it."""
+    net = make_net(p_tp=4, d_tp=2, heads=2)
+    assert net.writers_of(0) == [0] and [lk.prefill_rank for lk in net.rlinks[0]] == [0, 1]
+    start(net, 1, 40)
+    gen = net.requests(1)[(1, 0)].generation
+    forged = Tag(kind=TagKind.KV, room_id=1, generation=gen, link_id=link_id_of(1), seq=0).encode()
+    net.receivers[0].on_notification(agent_of(1), forged, net.now)
+    net.pump()
+    net.run()
+    for who in (D0, P0, ("P", 1)):
+        assert net.ending(who, 1).code == ErrorCode.PEER_PROTOCOL_ERROR
+    assert net.state(("D", 1), 1) is T
+
+
+def test_pair_tag_seq_beyond_writes_fails_room(net):
+    """A tag with seq >= the writer's TRANSFER_DONE count fails decode PEER_PROTOCOL_ERROR."""
+    start(net, 1, 40)
+    net.chunk(1, 40, last=True)
+    (tag_ev,) = net.take(TAG)
+    net.run()  # DONE -> TRANSFER_DONE(writes=1) reaches decode; prefill is SUCCESS
+    gen = net.requests(1)[(0, 0)].generation
+    forged = Tag(kind=TagKind.KV, room_id=1, generation=gen, link_id=link_id_of(0), seq=1).encode()
+    net.receivers[0].on_notification(agent_of(0), forged, net.now)
+    net.pump()
+    assert net.ending(D0, 1).code == ErrorCode.PEER_PROTOCOL_ERROR
+    net.run()
+    assert net.ending(P0, 1).state is OK
+    assert net.senders[0].stats.late_messages == 1  # decode's ABORT came after prefill's end
+    net.pending.append(tag_ev)
+    net.run()
+    assert net.receivers[0].stats.late_messages == 1
+
+
+def test_pair_spoofed_agent_tag_ignored(net):
+    """A valid tag reported from the wrong agent is ignored; the genuine one completes the room."""
+    start(net, 1, 40)
+    net.chunk(1, 40, last=True)
+    (ev,) = net.find(TAG)
+    net.receivers[0].on_notification("impostor", ev.payload, net.now)
+    net.run(kinds=[DONE, TO_DECODE])
+    assert net.state(D0, 1) is T
+    net.run()
+    net.assert_all_ended(1, OK)
+    assert net.receivers[0].stats.peer_violations == 1
+
+
+def test_pair_completion_counted_per_writer(make_net):
+    """P2->D1: one writer's tags twice never stand in for the other writer's."""
+    net = make_net(p_tp=2, d_tp=1)
+    start(net, 1, 40)
+    net.chunk(1, 16)
+    net.chunk(1, 40, last=True)
+    mine = [ev for ev in net.pending if ev.p == 0]
+    theirs = [ev for ev in net.pending if ev.p == 1]
+    for ev in mine:
+        net.deliver(ev)
+    net.run(kinds=[TO_DECODE])
+    assert net.ending(P0, 1).state is OK
+    for ev in [e for e in mine if e.kind == TAG]:
+        net.deliver(ev, keep=True)  # P0's two tags again: four tags, as many as both writers'
+    assert net.state(D0, 1) is T
+    assert net.pending == theirs
+    for ev in [e for e in theirs if e.kind != TAG]:
+        net.deliver(ev)
+    net.run(kinds=[TO_DECODE])
+    assert net.state(D0, 1) is T
+    net.run()
+    net.assert_all_ended(1, OK)
+
+
+# --- multi-rank ----------------------------------------------------------------------------------------
+
+TOPOLOGIES = [
+    dict(p_tp=1, d_tp=1),
+    dict(p_tp=2, d_tp=1),
+    dict(p_tp=1, d_tp=2),
+    dict(p_tp=4, d_tp=2, heads=2),
+    dict(p_tp=4, d_tp=2, heads=1),
+    dict(p_tp=2, d_tp=4),
+    dict(p_tp=2, d_tp=4, mla=True),
+    dict(p_tp=4, d_tp=1, p_block=16, d_block=32, d_blocks=32),
+]
+
+
+@pytest.mark.parametrize("topo", TOPOLOGIES, ids=lambda t: "-".join(f"{k}{v}" for k, v in t.items()))
+@pytest.mark.parametrize("seed", range(3))
+def test_pair_multi_rank_every_writer_covers_every_token(make_net, topo, seed):
+    """Any TP pairing: each writer covers [prefix, n) exactly once per decode rank; all ranks succeed."""
+    net = make_net(**topo)
+    rng = random.Random(seed)
+    prefix = 32 * seed
+    net.open(1)
+    net.dest(1, 100, prefix=prefix, aux=2)
+    net.chunk(1, 32)
+    net.run(rng=rng)
+    net.chunk(1, 64)
+    net.chunk(1, 100, last=True, aux=1)
+    net.run(rng=rng)
+    net.assert_all_ended(1, OK)
+    for d in range(net.d_tp):
+        writers = net.writers_of(d)
+        for p in range(net.p_tp):
+            spans = net.ranges(p, d, 1)
+            if p in writers:
+                assert spans[0][0] == prefix and spans[-1][1] == 100
+                assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+            else:
+                assert net.posted(p, d, 1) == []
+        aux = [(p, o) for p in range(net.p_tp) for o in net.posted(p, d, 1) if isinstance(o, PostAux)]
+        assert [(p, o.dst_slot) for p, o in aux] == [(writers[0], 2)]
+    for p in range(net.p_tp):  # non-writer paired ranks still got their requests
+        assert {d for (q, d) in net.requests(1) if q == p} == {lk.decode_rank for lk in net.slinks[p]}
+    net.assert_ended_once()
+    net.assert_no_early_success()
+    net.assert_clean()
+
+
+def test_pair_gqa_replica_ranks_succeed_without_writes(make_net):
+    """P4->D2 with 2 heads: P1 and P2 are paired replicas, get requests, write nothing, succeed."""
+    net = make_net(p_tp=4, d_tp=2, heads=2)
+    assert [net.writers_of(d) for d in (0, 1)] == [[0], [3]]
+    assert [net.targets_of(p) for p in range(4)] == [[0], [], [], [1]]
+    start(net, 1, 40)
+    finish(net, 1, 40, chunks=(16,))
+    net.assert_all_ended(1, OK)
+    assert net.posts[1] == [] and net.posts[2] == []
+    assert {p for p, _, _ in net.messages(TO_DECODE, TransferDone, 1)} == {0, 3}
+
+
+# --- links going away, closing -----------------------------------------------------------------------------
+
+
+def test_pair_prefill_remove_link_fails_rooms_using_it(make_net):
+    """P1->D2: prefill loses D1's link; rooms bound to the instance fail PEER_GONE, D0 hears it."""
+    net = make_net(p_tp=1, d_tp=2)
+    start(net, 1, 40)  # WAITING
+    start(net, 2, 40)
+    net.chunk(2, 16)  # TRANSFERRING
+    net.open(3)
+    net.dest(3, 40, ranks=[0])
+    net.run()  # BOOTSTRAPPING with D0's request only
+    net.open(4, sides="P")  # no request: bound to no instance yet
+    net.senders[0].remove_link(("decode", 1), net.now)
+    net.pump()
+    net.run()
+    for room in (1, 2, 3):
+        assert net.ending(P0, room).code == ErrorCode.PEER_GONE
+        assert net.ending(D0, room).code == ErrorCode.PEER_GONE
+    assert net.state(P0, 4) is B
+    assert net.ended[("D", 1)] == []
+
+
+def test_pair_decode_remove_link_fails_rooms_using_it(make_net):
+    """P2->D1: decode loses P1's link; its rooms fail PEER_GONE and P0 hears it; P1 is not told."""
+    net = make_net(p_tp=2, d_tp=1)
+    start(net, 1, 40)
+    net.open(2, sides="D")  # WAITING, no request sent
+    net.receivers[0].remove_link(("prefill", 1), net.now)
+    net.pump()
+    net.run()
+    assert net.ending(D0, 1).code == ErrorCode.PEER_GONE
+    assert net.ending(D0, 2).code == ErrorCode.PEER_GONE
+    assert net.ending(P0, 1).code == ErrorCode.PEER_GONE
+    assert net.state(("P", 1), 1) is W
+    assert net.receivers[0].cluster_status(net.rlinks[0][0].cluster) == "failed"
+
+
+@pytest.mark.parametrize("side", ["P", "D"])
+def test_pair_close_fails_every_live_room_once(net, side):
+    """close() on one side fails all its live rooms ENDPOINT_CLOSED once; the peer hears about requests."""
+    start(net, 1, 40)  # P W, D T
+    start(net, 2, 40)
+    net.chunk(2, 16)
+    net.run()  # both T
+    start(net, 3, 16)
+    finish(net, 3, 16)  # SUCCESS: not reported again
+    core = net.senders[0] if side == "P" else net.receivers[0]
+    core.close(net.now)
+    core.close(net.now)
+    net.pump()
+    net.run()
+    for room in (1, 2):
+        net.assert_all_ended(room, FAILED, ErrorCode.ENDPOINT_CLOSED)
+    net.assert_all_ended(3, OK)
+    net.assert_ended_once()
+    net.assert_clean()
+
+
+def test_pair_close_refuses_parked_requests(net):
+    """Regression: prefill closing with a parked request tells decode ENDPOINT_CLOSED at once."""
+    net.open(1, sides="D")
+    net.dest(1, 40)
+    net.run()
+    net.senders[0].close(net.now)
+    net.pump()
+    net.run()
+    assert net.ending(D0, 1).code == ErrorCode.ENDPOINT_CLOSED
+    net.assert_clean()
+
+
+# --- API misuse ---------------------------------------------------------------------------------------------
+
+
+def test_pair_local_protocol_errors(net):
+    """Duplicate open, unknown room, double last chunk, destination twice: LocalProtocolError, no harm."""
+    start(net, 1, 40)
+    with pytest.raises(LocalProtocolError):
+        net.open(1, sides="P")
+    with pytest.raises(LocalProtocolError):
+        net.open(1, sides="D")
+    with pytest.raises(LocalProtocolError):
+        net.chunk(9, 16)
+    with pytest.raises(LocalProtocolError):
+        net.dest(1, 40)
+    net.chunk(1, 40, last=True)
+    with pytest.raises(LocalProtocolError):
+        net.senders[0].submit_chunk(1, [], 40, net.now, last=True)
+    net.run()
+    net.assert_all_ended(1, OK)
+    net.assert_clean()
+
+
+# --- many rooms, mixed fates ---------------------------------------------------------------------------------
+
+
+def test_pair_many_rooms_mixed_outcomes_leave_no_trace(make_net):
+    """Twenty rooms on P2->D1 with random fates: each ends exactly once per core, nothing remains."""
+    net = make_net(p_tp=2, d_tp=1, d_timeouts=Timeouts(transfer=600.0))
+    rng = random.Random(5)
+    kinds = ["ok", "abort-p", "abort-d", "fail-write", "mismatch", "timeout"] * 4
+    rng.shuffle(kinds)
+    fates = dict(zip(range(1, 21), kinds))
+    failing: dict[int, int] = {}
+    for room in fates:
+        net.open(room)
+        net.dest(room, 48, prefix=16 * rng.randrange(3))
+    net.run(rng=rng)
+    for room, fate in fates.items():
+        if fate == "timeout":
+            continue
+        net.chunk(room, 32)
+        if fate == "abort-p":
+            net.abort("P", rng.randrange(2), room)
+        elif fate == "abort-d":
+            net.abort("D", 0, room)
+        elif fate == "mismatch":
+            net.chunk(room, 47, last=True)
+        else:
+            net.chunk(room, 48, last=True)
+            if fate == "fail-write":
+                dones = net.find(DONE, lambda e, r=room: e.payload.room_id == r)
+                if dones:
+                    victim = rng.choice(dones)
+                    victim.fail = "boom"
+                    failing[room] = victim.p
+                else:
+                    fates[room] = "ok"
+    net.run(rng=rng)
+    net.advance(300.0)
+    net.run(rng=rng)
+    codes = {"ok": None, "abort-p": ErrorCode.ABORTED, "abort-d": ErrorCode.ABORTED,
+             "fail-write": ErrorCode.TRANSPORT_ERROR, "mismatch": ErrorCode.TOKEN_COUNT_MISMATCH,
+             "timeout": ErrorCode.WAITING_TIMEOUT}
+    for room, fate in fates.items():
+        if fate == "fail-write":  # the other prefill rank may have finished before hearing of it
+            net.assert_all_ended(room, FAILED, ErrorCode.TRANSPORT_ERROR, who=[D0, ("P", failing[room])])
+            other = net.ending(("P", 1 - failing[room]), room)
+            assert (other.state, other.code) in ((OK, None), (FAILED, ErrorCode.TRANSPORT_ERROR))
+        else:
+            net.assert_all_ended(room, OK if fate == "ok" else FAILED, codes[fate])
+    assert set(fates.values()) == set(codes)
+    net.assert_ended_once()
+    net.assert_clean()
+
+
+# --- random schedules ----------------------------------------------------------------------------------------
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), topo=st.sampled_from([(1, 1), (2, 1), (1, 2)]), p_block=st.sampled_from([4, 16]),
+       d_block=st.sampled_from([4, 8, 16]), ready=st.booleans(), report_tags=st.booleans())
+def test_pair_random_schedules_always_succeed(make_net, data, topo, p_block, d_block, ready, report_tags):
+    """1:1, 2:1 (and 1:2): random chunking, any causal delivery order, duplicated tags: every room
+    succeeds once on every core, and each writer covers [prefix, num_tokens) exactly once."""
+    p_tp, d_tp = topo
+    net = make_net(p_tp=p_tp, d_tp=d_tp, p_block=p_block, d_block=d_block, ready=ready, report_tags=report_tags)
+    rooms = {}
+    scripts: dict[tuple, list] = {}
+    for room in range(1, data.draw(st.integers(1, 3), label="rooms") + 1):
+        n = data.draw(st.integers(1, 120), label="num_tokens")
+        prefix = d_block * data.draw(st.integers(0, n // d_block), label="prefix blocks")
+        ends = sorted(set(data.draw(st.lists(st.sampled_from(range(p_block, n + 1, p_block)), max_size=3),
+                                    label="chunk ends"))) if n >= p_block else []
+        d_aux = data.draw(st.sampled_from([None, 0, 3]), label="decode aux")
+        p_aux = data.draw(st.sampled_from([None, 1]), label="prefill aux")
+        rooms[room] = (n, prefix, d_aux, p_aux)
+        for p in range(p_tp):
+            scripts[("P", p, room)] = [("open",)] + [("chunk", e, False) for e in ends] + [("chunk", n, True)]
+        for d in range(d_tp):
+            scripts[("D", d, room)] = [("open",), ("dest",)]
+    if not ready:
+        for d in range(d_tp):
+            scripts[("ready", d)] = [("ready",)]
+    duplicated: set[int] = set()
+    while True:
+        apps = [key for key, todo in scripts.items() if todo]
+        events = net.deliverable()
+        if not apps and not events:
+            break
+        i = data.draw(st.integers(0, len(apps) + len(events) - 1), label="next")
+        if i < len(apps):
+            key = apps[i]
+            action = scripts[key].pop(0)
+            if key[0] == "ready":
+                net.make_ready([key[1]])
+                continue
+            side, rank, room = key
+            n, prefix, d_aux, p_aux = rooms[room]
+            if action[0] == "open":
+                net.open(room, sides=side, prefill=[rank], decode=[rank])
+            elif action[0] == "dest":
+                net.dest(room, n, prefix=prefix, aux=d_aux, ranks=[rank])
+            else:
+                _, end, last = action
+                net.chunk(room, end, last=last, aux=p_aux if last else None, ranks=[rank])
+        else:
+            ev = events[i - len(apps)]
+            dup = ev.kind == TAG and ev.order not in duplicated and data.draw(st.booleans(), label="duplicate")
+            if dup:
+                duplicated.add(ev.order)
+            net.deliver(ev, keep=dup)
+    for room, (n, prefix, d_aux, p_aux) in rooms.items():
+        net.assert_all_ended(room, OK, None)
+        for d in range(d_tp):
+            writers = net.writers_of(d)
+            for p in range(p_tp):
+                spans = net.ranges(p, d, room)
+                if prefix == n or p not in writers:
+                    assert spans == []
+                else:
+                    assert spans[0][0] == prefix and spans[-1][1] == n
+                    assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(spans, spans[1:]))
+                aux = [o for o in net.posted(p, d, room) if isinstance(o, PostAux)]
+                wants_aux = p == writers[0] and d_aux is not None and p_aux is not None
+                assert [(a.src_slot, a.dst_slot) for a in aux] == ([(p_aux, d_aux)] if wants_aux else [])
+    net.assert_ended_once()
+    net.assert_no_early_success()
+    net.assert_clean()
+    assert net.total("peer_violations") == 0
+    assert net.total("unknown_room_messages") == 0
+
+
+def test_pair_parked_requests_all_answered_when_replay_fails_room(make_net):
+    """Regression: P1->D2, both requests parked, D0's invalid: on open, D1's request is refused too
+    instead of being dropped unanswered (D1 used to wait for a reply that never came)."""
+    net = make_net(p_tp=1, d_tp=2, d_timeouts=Timeouts(transfer=None))
+    net.open(1, sides="D")
+    net.dest(1, 40)
+    (bad,) = net.find(TO_PREFILL, lambda e: e.d == 0)
+    net.tamper(bad, dst_pages=(0, 1, 99))
+    net.run()
+    assert net.senders[0]._parked_count == 2
+    net.open(1, sides="P")
+    net.run()
+    net.assert_all_ended(1, FAILED, ErrorCode.INDEX_OUT_OF_RANGE, who=[P0, D0])
+    assert net.ending(("D", 1), 1).code == ErrorCode.UNKNOWN_ROOM
+    net.assert_clean()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), topo=st.sampled_from([(1, 1), (2, 1), (1, 2)]), ready=st.booleans())
+def test_pair_random_faults_end_every_room_once(make_net, data, topo, ready):
+    """Random schedules with aborts on either side, failed writes and lost tags, then the clock runs
+    out: every room ends exactly once on every core, decode succeeds only if all its writers did,
+    and no trace of any room remains."""
+    p_tp, d_tp = topo
+    net = make_net(p_tp=p_tp, d_tp=d_tp, p_block=8, d_block=8, ready=ready)
+    rooms = {}
+    scripts: dict[tuple, list] = {}
+    for room in range(1, data.draw(st.integers(1, 3), label="rooms") + 1):
+        n = data.draw(st.integers(1, 64), label="num_tokens")
+        ends = sorted(set(data.draw(st.lists(st.sampled_from(range(8, n + 1, 8)), max_size=2),
+                                    label="chunk ends"))) if n >= 8 else []
+        rooms[room] = n
+        for p in range(p_tp):
+            scripts[("P", p, room)] = [("open",)] + [("chunk", e, False) for e in ends] + [("chunk", n, True)]
+        for d in range(d_tp):
+            scripts[("D", d, room)] = [("open",), ("dest",)]
+    if not ready:
+        for d in range(d_tp):
+            scripts[("ready", d)] = [("ready",)]
+    faults = data.draw(st.integers(0, 2), label="aborts")
+    while True:
+        apps = [key for key, todo in scripts.items() if todo]
+        events = net.deliverable()
+        if not apps and not events:
+            deadline = net.next_deadline()
+            if deadline is None:
+                break
+            net.advance(deadline - net.now)
+            continue
+        i = data.draw(st.integers(0, len(apps) + len(events) - (0 if faults else 1)), label="next")
+        if i == len(apps) + len(events):
+            faults -= 1
+            side = data.draw(st.sampled_from("PD"), label="abort side")
+            rank = data.draw(st.integers(0, (p_tp if side == "P" else d_tp) - 1), label="abort rank")
+            net.abort(side, rank, data.draw(st.sampled_from(sorted(rooms)), label="abort room"))
+        elif i < len(apps):
+            key = apps[i]
+            action = scripts[key].pop(0)
+            if key[0] == "ready":
+                net.make_ready([key[1]])
+                continue
+            side, rank, room = key
+            if action[0] == "open":
+                net.open(room, sides=side, prefill=[rank], decode=[rank])
+            elif action[0] == "dest":
+                net.dest(room, rooms[room], ranks=[rank])
+            else:
+                net.chunk(room, action[1], last=action[2], ranks=[rank])
+        else:
+            ev = events[i - len(apps)]
+            what = data.draw(st.sampled_from(["deliver", "deliver", "deliver", "fail" if ev.kind == DONE else
+                                              "lose" if ev.kind == TAG else "deliver"]), label="how")
+            if what == "lose":
+                net.pending.remove(ev)
+            else:
+                if what == "fail":
+                    ev.fail = "injected"
+                net.deliver(ev)
+    for room in rooms:
+        for d in range(d_tp):
+            if net.ending(("D", d), room).state is OK:
+                assert all(net.ending(("P", p), room).state is OK for p in net.writers_of(d))
+        for p in range(p_tp):
+            net.ending(("P", p), room)
+    net.assert_ended_once()
+    net.assert_no_early_success()
+    net.assert_clean()

@@ -1,0 +1,969 @@
+"""``SenderCore`` (a prefill rank) on its own: hand-made requests in, outputs checked, fake clock."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+import kvproto.core.base as core_base
+from kvproto.core import (
+    PostAux,
+    PostWrite,
+    RoomEnded,
+    RoomState,
+    Send,
+    SenderCore,
+    SenderLink,
+    Timeouts,
+)
+from kvproto.wire import (
+    NO_SLOT,
+    Abort,
+    ErrorCode,
+    LocalProtocolError,
+    Tag,
+    TagKind,
+    TransferDone,
+    TransferRequest,
+    decode,
+    decode_tag,
+    encode,
+)
+
+BLOCK = 16
+T0 = 500.0
+INSTANCE = "decode-A"
+
+
+def make_core(**kw) -> SenderCore:
+    kw.setdefault("block_size", BLOCK)
+    kw.setdefault("num_blocks", 64)
+    kw.setdefault("aux_slots", 4)
+    return SenderCore(**kw)
+
+
+def make_link(d: int = 0, *, paired=(0,), writer: bool = True, aux_owner: bool = True, block: int = BLOCK,
+              blocks: int = 32, aux: int = 2, instance: str = INSTANCE, link_id: int | None = None,
+              key=None) -> SenderLink:
+    return SenderLink(key=key if key is not None else f"d{d}", link_id=link_id if link_id is not None else 40 + d,
+                      instance=instance, decode_rank=d, num_blocks=blocks, block_size=block, aux_slots=aux,
+                      paired_ranks=frozenset(paired), writer=writer, aux_owner=aux_owner)
+
+
+def req(room: int, n: int = 40, *, gen: int = 11, prefix: int = 0, aux: int = NO_SLOT, pages=None,
+        block: int = BLOCK, writers: int = 1) -> TransferRequest:
+    if pages is None:
+        pages = tuple(range(-(-n // block)))
+    return TransferRequest(room_id=room, generation=gen, num_tokens=n, prefix_tokens=prefix, aux_slot=aux,
+                           expected_writers=writers, dst_pages=tuple(pages))
+
+
+@dataclass
+class Out:
+    sends: list[Send]
+    writes: list[PostWrite]
+    aux: list[PostAux]
+    ended: list[RoomEnded]
+
+    def to(self, key) -> list:
+        """Messages sent to ``key``, round-tripped through the codec."""
+        return [decode(encode(s.message)) for s in self.sends if s.link == key]
+
+    @property
+    def posts(self) -> list:
+        return [*self.writes, *self.aux]
+
+
+def pop(core: SenderCore) -> Out:
+    outs = core.pop_outputs()
+    o = Out([x for x in outs if isinstance(x, Send)], [x for x in outs if isinstance(x, PostWrite)],
+            [x for x in outs if isinstance(x, PostAux)], [x for x in outs if isinstance(x, RoomEnded)])
+    assert len(o.sends) + len(o.posts) + len(o.ended) == len(outs)
+    return o
+
+
+def assert_clean(core: SenderCore) -> None:
+    assert core.rooms == {}
+    assert len(core.timers) == 0 and core.next_deadline() is None
+    assert core._parked == {} and core._parked_count == 0
+
+
+def ready_core(room: int = 1, n: int = 40, *, link: SenderLink | None = None, **kw) -> tuple[SenderCore, SenderLink]:
+    """A core with one link and ``room`` open with its request accepted (WAITING_FOR_INPUT)."""
+    core = make_core()
+    link = link or make_link()
+    core.add_link(link)
+    core.open_room(room, T0)
+    core.on_message(link.key, req(room, n, **kw), T0)
+    assert core.room_state(room) is RoomState.WAITING_FOR_INPUT
+    return core, link
+
+
+def finish_writes(core: SenderCore, outs: list, now: float = T0) -> None:
+    for w in outs:
+        core.write_done(w.room_id, w.link, w.seq, 100, now)
+
+
+# --- happy paths -------------------------------------------------------------------------------
+
+
+def test_sender_happy_path_one_write_then_transfer_done():
+    """Request, one last chunk, write DONE: TRANSFER_DONE(writes=1) and SUCCESS, once."""
+    core, link = ready_core(1, 40)
+    assert pop(core).sends == []
+    core.submit_chunk(1, [5, 6, 7], 40, T0, last=True)
+    o = pop(core)
+    assert core.room_state(1) is RoomState.TRANSFERRING
+    (w,) = o.writes
+    assert (w.room_id, w.link, w.seq, w.start_token, w.end_token) == (1, "d0", 0, 0, 40)
+    assert list(w.src_pages) == [5, 6, 7] and tuple(w.dst_pages) == (0, 1, 2)
+    tag = decode_tag(w.tag)
+    assert (tag.kind, tag.room_id, tag.generation, tag.link_id, tag.seq) == (TagKind.KV, 1, 11, 40, 0)
+    assert o.sends == [] and o.ended == []
+    core.write_done(1, "d0", 0, 1234, T0 + 1)
+    o = pop(core)
+    assert o.to("d0") == [TransferDone(room_id=1, generation=11, writes=1, nbytes=1234)]
+    assert o.ended == [RoomEnded(room_id=1, state=RoomState.SUCCESS)]
+    assert core.room_state(1) is RoomState.SUCCESS
+    assert core.stats.rooms_succeeded == 1
+    assert_clean(core)
+
+
+def test_sender_chunked_prefill_three_chunks():
+    """Three chunks (the last flagged) become three writes, seq 0..2; DONE counts all three."""
+    core, _ = ready_core(1, 40)
+    core.submit_chunk(1, [1], 16, T0, last=False)
+    core.submit_chunk(1, [2], 32, T0, last=False)
+    o1 = pop(core)
+    assert [(w.seq, w.start_token, w.end_token) for w in o1.writes] == [(0, 0, 16), (1, 16, 32)]
+    finish_writes(core, o1.writes)
+    assert pop(core).sends == []
+    assert core.room_state(1) is RoomState.TRANSFERRING  # all DONE, but the last chunk is missing
+    core.submit_chunk(1, [3], 40, T0, last=True)
+    o2 = pop(core)
+    assert [(w.seq, w.start_token, w.end_token) for w in o2.writes] == [(2, 32, 40)]
+    finish_writes(core, o2.writes)
+    o = pop(core)
+    assert o.to("d0") == [TransferDone(room_id=1, generation=11, writes=3, nbytes=300)]
+    assert [e.state for e in o.ended] == [RoomState.SUCCESS]
+
+
+def test_sender_writes_done_out_of_order_complete():
+    """DONE reports may come in any order; completion needs all of them."""
+    core, _ = ready_core(1, 48)
+    core.submit_chunk(1, [1], 16, T0, last=False)
+    core.submit_chunk(1, [2], 32, T0, last=False)
+    core.submit_chunk(1, [3], 48, T0, last=True)
+    ws = pop(core).writes
+    finish_writes(core, [ws[2], ws[0]])
+    assert core.room_state(1) is RoomState.TRANSFERRING
+    finish_writes(core, [ws[1]])
+    assert core.room_state(1) is RoomState.SUCCESS
+
+
+def test_sender_empty_last_chunk_finishes():
+    """A last chunk that adds no tokens (end == previous end) just closes the room's input."""
+    core, _ = ready_core(1, 32)
+    core.submit_chunk(1, [1, 2], 32, T0, last=False)
+    ws = pop(core).writes
+    finish_writes(core, ws)
+    assert core.room_state(1) is RoomState.TRANSFERRING
+    core.submit_chunk(1, [], 32, T0, last=True)
+    o = pop(core)
+    assert o.writes == []
+    assert o.to("d0") == [TransferDone(room_id=1, generation=11, writes=1, nbytes=100)]
+
+
+def test_sender_src_pages_snapshot_per_write():
+    """Regression: each PostWrite carries the source pages as they were when it was posted."""
+    core, _ = ready_core(1, 40)
+    core.submit_chunk(1, [9], 16, T0, last=False)
+    (w0,) = pop(core).writes
+    core.submit_chunk(1, [8, 7], 40, T0, last=True)
+    (w1,) = pop(core).writes
+    assert list(w0.src_pages) == [9]
+    assert list(w1.src_pages) == [9, 8, 7]
+
+
+# --- aux ---------------------------------------------------------------------------------------
+
+
+def test_sender_aux_written_with_last_chunk_only():
+    """The aux slot goes as one extra write after the last chunk's KV write, not before."""
+    core, _ = ready_core(1, 40, aux=1)
+    core.submit_chunk(1, [1], 16, T0, last=False)
+    o1 = pop(core)
+    assert o1.aux == [] and len(o1.writes) == 1
+    core.submit_chunk(1, [2, 3], 40, T0, last=True, aux_slot=3)
+    o = pop(core)
+    (a,) = o.aux
+    assert (a.seq, a.src_slot, a.dst_slot) == (2, 3, 1)
+    assert decode_tag(a.tag).seq == 2
+    finish_writes(core, [*o1.writes, *o.writes, a])
+    assert pop(core).to("d0")[0].writes == 3
+
+
+@pytest.mark.parametrize(
+    "aux_owner, prefill_slot, decode_slot, expect",
+    [(True, 0, 1, 1), (False, 0, 1, 0), (True, None, 1, 0), (True, 0, NO_SLOT, 0)],
+    ids=["owner", "not-owner", "prefill-gives-none", "decode-wants-none"],
+)
+def test_sender_aux_needs_owner_and_both_slots(aux_owner, prefill_slot, decode_slot, expect):
+    """Only the aux owner writes aux, and only when both sides name a slot."""
+    core, _ = ready_core(1, 16, link=make_link(aux_owner=aux_owner), aux=decode_slot)
+    core.submit_chunk(1, [1], 16, T0, last=True, aux_slot=prefill_slot)
+    o = pop(core)
+    assert len(o.aux) == expect
+    finish_writes(core, o.posts)
+    assert pop(core).to("d0")[0].writes == 1 + expect
+
+
+def test_sender_aux_slot_on_non_last_chunk_raises():
+    """An aux slot with a non-last chunk is API misuse."""
+    core, _ = ready_core(1, 40)
+    with pytest.raises(LocalProtocolError):
+        core.submit_chunk(1, [1], 16, T0, last=False, aux_slot=0)
+    assert core.room_state(1) is RoomState.WAITING_FOR_INPUT
+
+
+# --- chunk validation ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "chunks, code",
+    [
+        ([([1], 20, False)], ErrorCode.PEER_PROTOCOL_ERROR),  # non-last chunk off a page boundary
+        ([([1], 16, False), ([], 16, False)], ErrorCode.PEER_PROTOCOL_ERROR),  # does not advance
+        ([([1], 16, False), ([], 10, True)], ErrorCode.PEER_PROTOCOL_ERROR),  # goes backwards
+        ([([1, 2], 16, False)], ErrorCode.PEER_PROTOCOL_ERROR),  # too many pages
+        ([([], 16, False)], ErrorCode.PEER_PROTOCOL_ERROR),  # too few pages
+        ([([64], 16, False)], ErrorCode.INDEX_OUT_OF_RANGE),  # page outside the pool
+        ([([-1], 16, False)], ErrorCode.INDEX_OUT_OF_RANGE),
+        ([([1, 2, 3], 40, True, 4)], ErrorCode.PEER_PROTOCOL_ERROR),  # aux slot outside [0, 4)
+        ([([1, 2, 3], 40, True), ([], 40, True)], ErrorCode.PEER_PROTOCOL_ERROR),  # second last chunk
+    ],
+    ids=["off-boundary", "no-advance", "backwards", "extra-page", "missing-page", "page-oob", "page-neg",
+         "aux-oob", "double-last"],
+)
+def test_sender_submit_chunk_misuse_raises(chunks, code):
+    """Misused submit_chunk raises LocalProtocolError (with its code) and changes nothing."""
+    core, _ = ready_core(1, 40)
+    *good, bad = chunks
+    for pages, end, last, *aux in good:
+        core.submit_chunk(1, pages, end, T0, last=last, aux_slot=aux[0] if aux else None)
+    before = (core.room_state(1), len(core.rooms[1].chunks), list(core.rooms[1].src_pages))
+    pop(core)
+    pages, end, last, *aux = bad
+    with pytest.raises(LocalProtocolError) as info:
+        core.submit_chunk(1, pages, end, T0, last=last, aux_slot=aux[0] if aux else None)
+    assert info.value.code is code
+    assert (core.room_state(1), len(core.rooms[1].chunks), list(core.rooms[1].src_pages)) == before
+    o = pop(core)
+    assert o.posts == [] and o.sends == [] and o.ended == []
+
+
+def test_sender_submit_chunk_unknown_room_raises():
+    """A chunk for a room never opened raises UNKNOWN_ROOM; for an ended room it is counted."""
+    core, _ = ready_core(1, 16)
+    with pytest.raises(LocalProtocolError) as info:
+        core.submit_chunk(2, [1], 16, T0, last=True)
+    assert info.value.code is ErrorCode.UNKNOWN_ROOM
+    core.abort(1, T0)
+    core.submit_chunk(1, [1], 16, T0, last=True)
+    assert core.stats.late_messages == 1
+
+
+def test_sender_open_room_misuse_raises():
+    """Duplicate live room id, id 0 and ids >= 2**64 raise; a room id may be reused after it ends."""
+    core = make_core()
+    core.open_room(1, T0)
+    with pytest.raises(LocalProtocolError) as info:
+        core.open_room(1, T0)
+    assert info.value.code is ErrorCode.DUPLICATE_ROOM
+    for bad in (0, -1, 2**64):
+        with pytest.raises(LocalProtocolError):
+            core.open_room(bad, T0)
+    core.abort(1, T0)
+    core.open_room(1, T0)
+    assert core.room_state(1) is RoomState.BOOTSTRAPPING
+
+
+# --- parking -------------------------------------------------------------------------------------
+
+
+def test_sender_request_before_open_is_parked_and_replayed():
+    """A request for an unopened room waits (no reply), then replays when the room opens."""
+    core = make_core()
+    link = make_link()
+    core.add_link(link)
+    core.on_message("d0", req(3, 16), T0)
+    assert pop(core).sends == []
+    assert core.room_state(3) is None and core._parked_count == 1
+    assert core.next_deadline() == T0 + 30.0
+    core.open_room(3, T0 + 10)
+    assert core.room_state(3) is RoomState.WAITING_FOR_INPUT
+    assert core._parked == {} and core._parked_count == 0
+    assert core.next_deadline() == T0 + 10 + 300.0  # the parked deadline is gone, WAITING's is armed
+
+
+def test_sender_parked_request_expires_with_unknown_room():
+    """A parked request is answered ABORT(UNKNOWN_ROOM) exactly when the parked timeout passes."""
+    core = make_core(timeouts=Timeouts(parked=30.0))
+    core.add_link(make_link())
+    core.on_message("d0", req(3, 16, gen=77), T0)
+    core.handle_timer(T0 + 29.999)
+    assert pop(core).sends == []
+    core.handle_timer(T0 + 30.0)
+    (msg,) = pop(core).to("d0")
+    assert isinstance(msg, Abort)
+    assert (msg.room_id, msg.generation, msg.code) == (3, 77, ErrorCode.UNKNOWN_ROOM)
+    assert core.stats.unknown_room_messages == 1
+    assert_clean(core)
+    core.open_room(3, T0 + 31)  # too late: the room now waits for a request that will not come
+    assert core.room_state(3) is RoomState.BOOTSTRAPPING
+
+
+def test_sender_parked_requests_bounded():
+    """Past max_parked, a request for an unopened room is refused at once with UNKNOWN_ROOM."""
+    core = make_core(max_parked=2)
+    for d in range(3):
+        core.add_link(make_link(d, paired=(0, 1, 2)))
+    core.on_message("d0", req(1), T0)
+    core.on_message("d1", req(1), T0)
+    core.on_message("d2", req(2), T0)
+    o = pop(core)
+    assert o.to("d0") == [] and o.to("d1") == []
+    assert [m.code for m in o.to("d2")] == [ErrorCode.UNKNOWN_ROOM]
+    assert core._parked_count == 2
+
+
+def test_sender_abort_withdraws_parked_request():
+    """decode's ABORT for a parked request (same link and generation) withdraws it and its deadline."""
+    core = make_core()
+    core.add_link(make_link())
+    core.on_message("d0", req(3, gen=5), T0)
+    core.on_message("d0", Abort(room_id=3, generation=6, code=ErrorCode.ABORTED, reason="x"), T0)
+    assert core._parked_count == 1  # another generation: not this request
+    core.on_message("d0", Abort(room_id=3, generation=5, code=ErrorCode.ABORTED, reason="x"), T0)
+    assert_clean(core)
+    assert pop(core).sends == []
+
+
+def test_sender_remove_link_drops_its_parked_requests():
+    """Removing a link forgets its parked requests (and their deadline) but not other links'."""
+    core = make_core()
+    core.add_link(make_link(0, paired=(0, 1)))
+    core.add_link(make_link(1, paired=(0, 1)))
+    core.on_message("d0", req(3), T0)
+    core.on_message("d1", req(3), T0)
+    core.on_message("d0", req(4), T0)
+    core.remove_link("d0", T0)
+    assert core._parked_count == 1 and list(core._parked) == [3]
+    core.remove_link("d1", T0)
+    assert_clean(core)
+
+
+def test_sender_chunks_before_request_are_queued_then_posted():
+    """Chunks submitted while BOOTSTRAPPING are kept, and posted when the request arrives."""
+    core = make_core()
+    core.add_link(make_link())
+    core.open_room(1, T0)
+    core.submit_chunk(1, [1], 16, T0, last=False)
+    core.submit_chunk(1, [2, 3], 40, T0, last=True)
+    assert pop(core).posts == []
+    assert core.room_state(1) is RoomState.BOOTSTRAPPING
+    core.on_message("d0", req(1, 40), T0)
+    o = pop(core)
+    assert [(w.seq, w.start_token, w.end_token) for w in o.writes] == [(0, 0, 16), (1, 16, 40)]
+    assert core.room_state(1) is RoomState.TRANSFERRING
+    finish_writes(core, o.writes)
+    assert core.room_state(1) is RoomState.SUCCESS
+
+
+# --- prefix hits ---------------------------------------------------------------------------------
+
+
+def test_sender_prefix_hit_moves_only_tokens_past_prefix():
+    """With a 32-token decode prefix, only [32, 40) moves, clipped inside the chunk that holds it."""
+    core, _ = ready_core(1, 40, prefix=32)
+    core.submit_chunk(1, [1], 16, T0, last=False)
+    core.submit_chunk(1, [2], 32, T0, last=False)
+    assert pop(core).writes == []
+    core.submit_chunk(1, [3], 40, T0, last=True)
+    (w,) = pop(core).writes
+    assert (w.seq, w.start_token, w.end_token) == (0, 32, 40)
+
+
+def test_sender_prefix_inside_chunk_clips_write():
+    """A prefix inside a chunk clips that chunk's write to start at the prefix."""
+    core, _ = ready_core(1, 64, prefix=16)
+    core.submit_chunk(1, [1, 2], 32, T0, last=False)
+    core.submit_chunk(1, [3, 4], 64, T0, last=True)
+    assert [(w.start_token, w.end_token) for w in pop(core).writes] == [(16, 32), (32, 64)]
+
+
+def test_sender_full_prefix_hit_completes_with_zero_writes():
+    """prefix == num_tokens: no write at all, TRANSFER_DONE(writes=0), SUCCESS."""
+    core, _ = ready_core(1, 32, prefix=32)
+    core.submit_chunk(1, [1, 2], 32, T0, last=True)
+    o = pop(core)
+    assert o.posts == []
+    assert o.to("d0") == [TransferDone(room_id=1, generation=11, writes=0, nbytes=0)]
+    assert [e.state for e in o.ended] == [RoomState.SUCCESS]
+
+
+def test_sender_non_writer_link_succeeds_without_writes():
+    """A paired non-writer rank posts nothing, sends no TRANSFER_DONE, and succeeds."""
+    core, _ = ready_core(1, 40, link=make_link(writer=False, aux_owner=False), aux=0)
+    core.submit_chunk(1, [1, 2, 3], 40, T0, last=True, aux_slot=1)
+    o = pop(core)
+    assert o.posts == [] and o.sends == []
+    assert [e.state for e in o.ended] == [RoomState.SUCCESS]
+
+
+# --- token counts ------------------------------------------------------------------------------
+
+
+def _failed(o: Out, code: ErrorCode) -> None:
+    assert [(e.state, e.code) for e in o.ended] == [(RoomState.FAILED, code)]
+
+
+def test_sender_chunk_beyond_num_tokens_fails_mismatch():
+    """A chunk past the request's num_tokens fails the room TOKEN_COUNT_MISMATCH and aborts decode."""
+    core, _ = ready_core(1, 20)
+    core.submit_chunk(1, [1, 2], 32, T0, last=False)
+    o = pop(core)
+    assert o.posts == []
+    _failed(o, ErrorCode.TOKEN_COUNT_MISMATCH)
+    (ab,) = o.to("d0")
+    assert isinstance(ab, Abort) and ab.code == ErrorCode.TOKEN_COUNT_MISMATCH and ab.generation == 11
+    assert_clean(core)
+
+
+def test_sender_last_chunk_short_fails_mismatch():
+    """A last chunk that ends before num_tokens fails TOKEN_COUNT_MISMATCH (never shifted)."""
+    core, _ = ready_core(1, 40)
+    core.submit_chunk(1, [1], 16, T0, last=False)
+    pop(core)
+    core.submit_chunk(1, [2], 30, T0, last=True)
+    o = pop(core)
+    assert o.posts == []
+    _failed(o, ErrorCode.TOKEN_COUNT_MISMATCH)
+    assert [m.code for m in o.to("d0")] == [ErrorCode.TOKEN_COUNT_MISMATCH]
+
+
+def test_sender_queued_chunk_beyond_late_request_fails_mismatch():
+    """Queued chunks are checked against a request that arrives later."""
+    core = make_core()
+    core.add_link(make_link())
+    core.open_room(1, T0)
+    core.submit_chunk(1, [1, 2, 3], 40, T0, last=True)
+    core.on_message("d0", req(1, 48), T0)
+    o = pop(core)
+    assert o.posts == []
+    _failed(o, ErrorCode.TOKEN_COUNT_MISMATCH)
+    assert [m.code for m in o.to("d0")] == [ErrorCode.TOKEN_COUNT_MISMATCH]
+
+
+def test_sender_decode_ranks_disagree_fails_mismatch():
+    """Two paired decode ranks asking for different token counts fail the room on both links."""
+    core = make_core()
+    core.add_link(make_link(0, paired=(0, 1)))
+    core.add_link(make_link(1, paired=(0, 1)))
+    core.open_room(1, T0)
+    core.on_message("d0", req(1, 40, gen=3), T0)
+    assert core.room_state(1) is RoomState.BOOTSTRAPPING
+    core.on_message("d1", req(1, 41, gen=4), T0)
+    o = pop(core)
+    _failed(o, ErrorCode.TOKEN_COUNT_MISMATCH)
+    assert [(m.generation, m.code) for m in o.to("d0")] == [(3, ErrorCode.TOKEN_COUNT_MISMATCH)]
+    assert [(m.generation, m.code) for m in o.to("d1")] == [(4, ErrorCode.TOKEN_COUNT_MISMATCH)]
+
+
+# --- request validation (house rule 7) --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "request_kw, code",
+    [
+        (dict(pages=(0, 1, 32)), ErrorCode.INDEX_OUT_OF_RANGE),  # dst page outside 32 registered
+        (dict(aux=2), ErrorCode.INDEX_OUT_OF_RANGE),  # aux slot outside 2 registered
+        (dict(prefix=8), ErrorCode.INDEX_OUT_OF_RANGE),  # prefix not a whole decode block
+        (dict(n=16, prefix=32, pages=(0,)), ErrorCode.INDEX_OUT_OF_RANGE),  # prefix beyond num_tokens
+        (dict(pages=(0, 1)), ErrorCode.TOKEN_COUNT_MISMATCH),  # 40 tokens need 3 pages
+        (dict(gen=0), ErrorCode.PEER_PROTOCOL_ERROR),  # no generation
+    ],
+    ids=["dst-page", "aux-slot", "prefix-block", "prefix-beyond", "page-count", "generation-0"],
+)
+@pytest.mark.parametrize("with_chunks", [False, True], ids=["no-input", "input-queued"])
+def test_sender_bad_request_fails_room_without_writes(request_kw, code, with_chunks):
+    """A request with an out-of-range index fails the room with its code; nothing is posted."""
+    core = make_core()
+    core.add_link(make_link())
+    core.open_room(1, T0)
+    if with_chunks:
+        core.submit_chunk(1, [1, 2, 3], 40, T0, last=True)
+    kw = dict(n=40) | request_kw
+    core.on_message("d0", req(1, kw.pop("n"), **kw), T0)
+    o = pop(core)
+    assert o.posts == []
+    _failed(o, code)
+    (ab,) = o.to("d0")
+    assert isinstance(ab, Abort) and ab.code == code
+    assert_clean(core)
+
+
+def test_sender_second_request_from_same_rank_fails_room():
+    """A second TRANSFER_REQUEST from one decode rank is a peer violation."""
+    core, _ = ready_core(1, 40)
+    core.on_message("d0", req(1, 40, gen=12), T0)
+    o = pop(core)
+    _failed(o, ErrorCode.PEER_PROTOCOL_ERROR)
+    assert core.stats.peer_violations == 1
+
+
+def test_sender_request_from_unpaired_rank_fails_room():
+    """A request from a decode rank that does not pair with this prefill rank fails the room."""
+    core = make_core()
+    core.add_link(make_link(3, paired=(0,)))
+    core.open_room(1, T0)
+    core.on_message("d3", req(1), T0)
+    _failed(pop(core), ErrorCode.PEER_PROTOCOL_ERROR)
+
+
+def test_sender_request_from_other_instance_refused_room_kept():
+    """A request from a second decode instance is refused DUPLICATE_ROOM; the room is untouched."""
+    core, _ = ready_core(1, 40)
+    core.add_link(make_link(0, key="other", instance="decode-B"))
+    core.on_message("other", req(1, 40, gen=99), T0)
+    o = pop(core)
+    assert [(m.generation, m.code) for m in o.to("other")] == [(99, ErrorCode.DUPLICATE_ROOM)]
+    assert o.ended == []
+    assert core.room_state(1) is RoomState.WAITING_FOR_INPUT
+
+
+def test_sender_request_on_unregistered_link_refused():
+    """A request on a link that never registered is answered NOT_REGISTERED and not parked."""
+    core = make_core()
+    core.on_message("stranger", req(1), T0)
+    (m,) = pop(core).to("stranger")
+    assert m.code == ErrorCode.NOT_REGISTERED
+    assert_clean(core)
+
+
+def test_sender_unexpected_message_type_answered_with_abort():
+    """A message a prefill rank does not accept is answered PEER_PROTOCOL_ERROR and counted."""
+    core, _ = ready_core(1, 40)
+    core.on_message("d0", TransferDone(room_id=1, generation=11, writes=1, nbytes=0), T0)
+    (m,) = pop(core).to("d0")
+    assert m.code == ErrorCode.PEER_PROTOCOL_ERROR
+    assert core.stats.peer_violations == 1
+
+
+def test_sender_peer_violation_fails_room_of_that_link():
+    """peer_violation() from a link of the room fails it with the code given."""
+    core, _ = ready_core(1, 40)
+    core.peer_violation("d0", 1, 11, ErrorCode.MALFORMED_FRAME, "bad frame", T0)
+    o = pop(core)
+    _failed(o, ErrorCode.MALFORMED_FRAME)
+    assert core.stats.peer_violations == 1
+
+
+def test_sender_peer_violation_from_foreign_link_only_answers():
+    """peer_violation() from a link of another instance answers it but keeps the room."""
+    core, _ = ready_core(1, 40)
+    core.add_link(make_link(0, key="other", instance="decode-B"))
+    core.peer_violation("other", 1, 5, ErrorCode.MALFORMED_FRAME, "bad frame", T0)
+    o = pop(core)
+    assert [m.code for m in o.to("other")] == [ErrorCode.MALFORMED_FRAME]
+    assert o.ended == [] and core.room_state(1) is RoomState.WAITING_FOR_INPUT
+
+
+# --- deadlines -----------------------------------------------------------------------------------
+
+
+def test_sender_bootstrap_deadline_fires_exactly():
+    """A room without its requests fails BOOTSTRAP_TIMEOUT exactly 30 s after opening."""
+    core = make_core()
+    core.add_link(make_link(0, paired=(0, 1)))
+    core.add_link(make_link(1, paired=(0, 1)))
+    core.open_room(1, T0)
+    core.on_message("d0", req(1, gen=3), T0 + 10)  # partial: the deadline is not refreshed
+    assert core.next_deadline() == T0 + 30.0
+    core.handle_timer(T0 + 29.999999)
+    assert core.room_state(1) is RoomState.BOOTSTRAPPING
+    core.handle_timer(T0 + 30.0)
+    o = pop(core)
+    _failed(o, ErrorCode.BOOTSTRAP_TIMEOUT)
+    assert [(m.generation, m.code) for m in o.to("d0")] == [(3, ErrorCode.BOOTSTRAP_TIMEOUT)]
+    assert o.to("d1") == []
+    assert_clean(core)
+
+
+def test_sender_waiting_deadline_fires_exactly():
+    """A room whose chunks never come fails WAITING_TIMEOUT exactly 300 s after its requests."""
+    core, _ = ready_core(1, 40)
+    core.handle_timer(T0 + 299.0)
+    assert core.room_state(1) is RoomState.WAITING_FOR_INPUT
+    core.handle_timer(T0 + 300.0)
+    o = pop(core)
+    _failed(o, ErrorCode.WAITING_TIMEOUT)
+    assert [m.code for m in o.to("d0")] == [ErrorCode.WAITING_TIMEOUT]
+
+
+def test_sender_transfer_deadline_refreshes_on_write_done():
+    """TRANSFERRING fails TRANSFER_TIMEOUT after 300 s without progress; a DONE re-arms it."""
+    core, _ = ready_core(1, 40)
+    core.submit_chunk(1, [1], 16, T0, last=False)
+    core.submit_chunk(1, [2], 32, T0, last=False)
+    ws = pop(core).writes
+    assert core.next_deadline() == T0 + 300.0
+    core.write_done(1, "d0", 0, 1, T0 + 200.0)
+    assert core.next_deadline() == T0 + 500.0
+    core.handle_timer(T0 + 300.0)
+    assert core.room_state(1) is RoomState.TRANSFERRING
+    core.handle_timer(T0 + 499.9)
+    assert core.room_state(1) is RoomState.TRANSFERRING
+    core.handle_timer(T0 + 500.0)
+    o = pop(core)
+    _failed(o, ErrorCode.TRANSFER_TIMEOUT)
+    assert [m.code for m in o.to("d0")] == [ErrorCode.TRANSFER_TIMEOUT]
+    core.write_done(1, "d0", ws[1].seq, 1, T0 + 501)  # a late completion is absorbed
+    assert core.stats.late_messages == 1
+
+
+def test_sender_large_clock_step_fires_the_current_deadline():
+    """One 30 s step fires BOOTSTRAP_TIMEOUT; a huge step after a state change fires only the new one."""
+    core = make_core()
+    core.add_link(make_link())
+    core.open_room(1, T0)
+    core.open_room(2, T0)
+    core.on_message("d0", req(2), T0 + 1)
+    core.handle_timer(T0 + 30.0)
+    assert core.room_state(1) is RoomState.FAILED
+    assert core.room_state(2) is RoomState.WAITING_FOR_INPUT
+    core.handle_timer(T0 + 1e6)
+    ended = pop(core).ended
+    assert [(e.room_id, e.code) for e in ended] == [(1, ErrorCode.BOOTSTRAP_TIMEOUT),
+                                                   (2, ErrorCode.WAITING_TIMEOUT)]
+
+
+def test_sender_no_deadline_when_timeouts_none():
+    """With every timeout None, nothing ever fires."""
+    core = make_core(timeouts=Timeouts(bootstrap=None, waiting=None, transfer=None))
+    core.add_link(make_link())
+    core.open_room(1, T0)
+    assert core.next_deadline() is None
+    core.on_message("d0", req(1), T0)
+    core.submit_chunk(1, [1], 16, T0, last=False)
+    core.handle_timer(T0 + 1e9)
+    assert core.room_state(1) is RoomState.TRANSFERRING
+    assert len(core.timers) == 0
+
+
+# --- failures, aborts, close ----------------------------------------------------------------------
+
+
+def test_sender_write_failed_is_transport_error():
+    """A failed write fails the room TRANSPORT_ERROR and tells decode."""
+    core, _ = ready_core(1, 40)
+    core.submit_chunk(1, [1, 2, 3], 40, T0, last=True)
+    (w,) = pop(core).writes
+    core.write_failed(1, "d0", w.seq, "nic on fire", T0)
+    o = pop(core)
+    _failed(o, ErrorCode.TRANSPORT_ERROR)
+    assert [m.code for m in o.to("d0")] == [ErrorCode.TRANSPORT_ERROR]
+    core.write_failed(1, "d0", w.seq, "again", T0)
+    core.write_done(77, "d0", 0, 1, T0)
+    assert core.stats.late_messages == 1 and core.stats.unknown_room_messages == 1
+
+
+def _to_state(core: SenderCore, state: RoomState) -> None:
+    """Drive room 1 (link d0 of paired (0, 1); d1 registered) to ``state``."""
+    core.open_room(1, T0)
+    if state is RoomState.BOOTSTRAPPING:
+        return
+    core.on_message("d0", req(1, 40, gen=3), T0)
+    core.on_message("d1", req(1, 40, gen=4), T0)
+    if state is RoomState.TRANSFERRING:
+        core.submit_chunk(1, [1], 16, T0, last=False)
+
+
+@pytest.mark.parametrize("state", [RoomState.BOOTSTRAPPING, RoomState.WAITING_FOR_INPUT, RoomState.TRANSFERRING])
+def test_sender_local_abort_in_each_state(state):
+    """abort() fails the room ABORTED once and sends ABORT to every peer that has asked; idempotent."""
+    core = make_core()
+    core.add_link(make_link(0, paired=(0, 1)))
+    core.add_link(make_link(1, paired=(0, 1)))
+    _to_state(core, state)
+    assert core.room_state(1) is state
+    pop(core)
+    core.abort(1, T0, "user said so")
+    o = pop(core)
+    _failed(o, ErrorCode.ABORTED)
+    asked = state is not RoomState.BOOTSTRAPPING
+    assert [(m.generation, m.code) for m in o.to("d0")] == ([(3, ErrorCode.ABORTED)] if asked else [])
+    assert [(m.generation, m.code) for m in o.to("d1")] == ([(4, ErrorCode.ABORTED)] if asked else [])
+    core.abort(1, T0)
+    core.abort(12345, T0)
+    assert pop(core).ended == []
+    assert_clean(core)
+
+
+@pytest.mark.parametrize("state", [RoomState.BOOTSTRAPPING, RoomState.WAITING_FOR_INPUT, RoomState.TRANSFERRING])
+def test_sender_peer_abort_in_each_state(state):
+    """decode's ABORT fails the room with decode's code; the other peer is told, the sender is not."""
+    core = make_core()
+    core.add_link(make_link(0, paired=(0, 1)))
+    core.add_link(make_link(1, paired=(0, 1)))
+    if state is RoomState.BOOTSTRAPPING:
+        core.open_room(1, T0)
+        core.on_message("d0", req(1, 40, gen=3), T0)
+    else:
+        _to_state(core, state)
+    pop(core)
+    core.on_message("d0", Abort(room_id=1, generation=3, code=ErrorCode.ABORTED, reason="bye"), T0)
+    o = pop(core)
+    _failed(o, ErrorCode.ABORTED)
+    assert o.to("d0") == []
+    expect_d1 = [] if state is RoomState.BOOTSTRAPPING else [(4, ErrorCode.ABORTED)]
+    assert [(m.generation, m.code) for m in o.to("d1")] == expect_d1
+
+
+def test_sender_peer_abort_of_other_generation_is_stale():
+    """An ABORT naming another generation (or an unregistered link) does not touch the room."""
+    core, _ = ready_core(1, 40)
+    core.on_message("d0", Abort(room_id=1, generation=12, code=ErrorCode.ABORTED, reason=""), T0)
+    core.on_message("zz", Abort(room_id=1, generation=11, code=ErrorCode.ABORTED, reason=""), T0)
+    assert core.room_state(1) is RoomState.WAITING_FOR_INPUT
+    assert core.stats.stale_tags == 2
+
+
+def test_sender_peer_abort_with_unknown_code_keeps_raw_code():
+    """A code newer than this build is kept as a raw int."""
+    core, _ = ready_core(1, 40)
+    core.on_message("d0", Abort(room_id=1, generation=11, code=999, reason="future"), T0)
+    (e,) = pop(core).ended
+    assert e.code == 999 and e.state is RoomState.FAILED
+
+
+def test_sender_abort_after_end_is_counted_not_raised():
+    """ABORT, requests and DONEs for an ended room are absorbed and counted as late."""
+    core, _ = ready_core(1, 16)
+    core.submit_chunk(1, [1], 16, T0, last=True)
+    finish_writes(core, pop(core).writes)
+    pop(core)
+    core.on_message("d0", Abort(room_id=1, generation=11, code=ErrorCode.ABORTED, reason=""), T0)
+    core.write_done(1, "d0", 0, 1, T0)
+    core.on_message("d0", req(1, 16, gen=11), T0)
+    o = pop(core)
+    assert [m.code for m in o.to("d0")] == [ErrorCode.UNKNOWN_ROOM]  # the late request is answered
+    assert core.stats.late_messages == 3
+    assert o.ended == []
+    assert_clean(core)
+
+
+def test_sender_remove_link_fails_exactly_rooms_using_it():
+    """remove_link fails rooms with that peer or expecting its rank (PEER_GONE), not the others."""
+    core = make_core()
+    core.add_link(make_link(0, paired=(0, 1)))
+    core.add_link(make_link(1, paired=(0, 1)))
+    core.add_link(make_link(0, key="b0", instance="decode-B", paired=(0,)))
+    core.open_room(1, T0)
+    core.on_message("d0", req(1, gen=3), T0)  # partial, expects d1 too
+    core.open_room(2, T0)
+    core.on_message("d0", req(2, gen=5), T0)
+    core.on_message("d1", req(2, gen=6), T0)
+    core.open_room(3, T0)
+    core.on_message("b0", req(3, gen=7), T0)
+    core.open_room(4, T0)  # no request yet: bound to no instance
+    pop(core)
+    core.remove_link("d1", T0)
+    o = pop(core)
+    assert sorted((e.room_id, e.code) for e in o.ended) == [(1, ErrorCode.PEER_GONE), (2, ErrorCode.PEER_GONE)]
+    assert sorted((m.room_id, m.generation) for m in o.to("d0")) == [(1, 3), (2, 5)]
+    assert o.to("d1") == [] and o.to("b0") == []
+    assert core.room_state(3) is RoomState.WAITING_FOR_INPUT
+    assert core.room_state(4) is RoomState.BOOTSTRAPPING
+    core.remove_link("d1", T0)  # twice: nothing
+    assert pop(core).ended == []
+
+
+def test_sender_close_fails_every_live_room_once():
+    """close() fails each live room ENDPOINT_CLOSED once, tells peers, is idempotent, then refuses."""
+    core, _ = ready_core(1, 40)
+    core.open_room(2, T0)
+    core.open_room(3, T0)
+    core.abort(3, T0)
+    pop(core)
+    core.close(T0)
+    o = pop(core)
+    assert sorted((e.room_id, e.code) for e in o.ended) == [(1, ErrorCode.ENDPOINT_CLOSED),
+                                                           (2, ErrorCode.ENDPOINT_CLOSED)]
+    assert [(m.room_id, m.code) for m in o.to("d0")] == [(1, ErrorCode.ENDPOINT_CLOSED)]
+    core.close(T0)
+    assert pop(core).ended == []
+    with pytest.raises(LocalProtocolError) as info:
+        core.open_room(9, T0)
+    assert info.value.code is ErrorCode.ENDPOINT_CLOSED
+    assert_clean(core)
+
+
+def test_sender_close_answers_parked_requests():
+    """Regression: close() answers parked requests ENDPOINT_CLOSED and forgets them and their deadline."""
+    core = make_core()
+    core.add_link(make_link())
+    core.on_message("d0", req(5, gen=42), T0)
+    pop(core)
+    core.close(T0)
+    o = pop(core)
+    assert [(m.room_id, m.generation, m.code) for m in o.to("d0")] == [(5, 42, ErrorCode.ENDPOINT_CLOSED)]
+    assert_clean(core)
+    core.handle_timer(T0 + 1e6)
+    assert pop(core).sends == []
+    core.on_message("d0", req(6, gen=43), T0)  # a request after close is refused, not parked
+    assert [(m.room_id, m.code) for m in pop(core).to("d0")] == [(6, ErrorCode.ENDPOINT_CLOSED)]
+    assert_clean(core)
+
+
+def test_sender_room_traces_released_on_end():
+    """An ended room keeps only a tombstone: no room, deadline, peers, pages or chunks."""
+    core, _ = ready_core(1, 40)
+    room = core.rooms[1]
+    core.submit_chunk(1, [1, 2, 3], 40, T0, last=True)
+    core.abort(1, T0)
+    assert room.peers == {} and list(room.src_pages) == [] and room.chunks == []
+    assert core.room_state(1) is RoomState.FAILED
+    assert_clean(core)
+
+
+def test_sender_tombstones_are_bounded(monkeypatch):
+    """Only the newest TOMBSTONES ended rooms are remembered; older ones read as unknown."""
+    monkeypatch.setattr(core_base, "TOMBSTONES", 3)
+    core = make_core()
+    for room in range(1, 6):
+        core.open_room(room, T0)
+        core.abort(room, T0)
+    assert [core.room_state(r) for r in range(1, 6)] == [None, None] + [RoomState.FAILED] * 3
+    core.write_done(1, "d0", 0, 1, T0)
+    core.write_done(5, "d0", 0, 1, T0)
+    assert core.stats.unknown_room_messages == 1 and core.stats.late_messages == 1
+
+
+# --- write reports that are not this room's -------------------------------------------------------
+
+
+def _reopen_with_old_write(state: RoomState) -> tuple[SenderCore, PostWrite]:
+    """Room 1 fails with write seq 0 in flight, then is opened again and driven to ``state``."""
+    core, _ = ready_core(1, 40, gen=11)
+    core.submit_chunk(1, [1, 2, 3], 40, T0, last=True)
+    (old,) = pop(core).writes
+    core.on_message("d0", Abort(room_id=1, generation=11, code=ErrorCode.ABORTED, reason=""), T0)
+    core.open_room(1, T0)
+    if state is not RoomState.BOOTSTRAPPING:
+        core.on_message("d0", req(1, 40, gen=12), T0)
+    if state is RoomState.TRANSFERRING:
+        core.submit_chunk(1, [4, 5, 6], 40, T0, last=True)
+    pop(core)
+    assert core.room_state(1) is state
+    return core, old
+
+
+@pytest.mark.parametrize("state", [RoomState.BOOTSTRAPPING, RoomState.WAITING_FOR_INPUT])
+@pytest.mark.parametrize("report", ["done", "failed"])
+def test_sender_old_write_report_does_not_touch_reopened_room(state, report):
+    """Regression: a DONE/failure of an earlier room's write, even without its tag, is dropped as stale.
+
+    It used to fail the reopened room INTERNAL_ERROR (a write report while BOOTSTRAPPING/WAITING).
+    """
+    core, old = _reopen_with_old_write(state)
+    if report == "done":
+        core.write_done(1, "d0", old.seq, 1, T0)
+    else:
+        core.write_failed(1, "d0", old.seq, "late failure", T0)
+    assert core.room_state(1) is state
+    assert pop(core).ended == []
+    assert core.stats.stale_tags == 1
+
+
+@pytest.mark.parametrize("report", ["done", "failed"])
+def test_sender_old_write_report_with_tag_does_not_complete_reopened_room(report):
+    """Regression: with the write's tag, an earlier room's report of the same seq is told apart.
+
+    It used to complete the new room (TRANSFER_DONE, SUCCESS) while its own write was in flight.
+    """
+    core, old = _reopen_with_old_write(RoomState.TRANSFERRING)
+    new = core.rooms[1].peers[0].inflight
+    assert new == {old.seq}  # the same (room, link, seq): only the tag differs
+    if report == "done":
+        core.write_done(1, "d0", old.seq, 1, T0, tag=old.tag)
+    else:
+        core.write_failed(1, "d0", old.seq, "late failure", T0, tag=old.tag)
+    assert core.room_state(1) is RoomState.TRANSFERRING
+    assert pop(core).sends == []
+    assert core.stats.stale_tags == 1
+    new_tag = Tag(kind=TagKind.KV, room_id=1, generation=12, link_id=40, seq=old.seq).encode()
+    core.write_done(1, "d0", old.seq, 1, T0, tag=new_tag)
+    assert core.room_state(1) is RoomState.SUCCESS
+
+
+def test_sender_duplicate_or_unknown_write_done_ignored():
+    """A second DONE for one write, or a DONE for a seq never posted, neither counts nor completes."""
+    core, _ = ready_core(1, 40)
+    core.submit_chunk(1, [1], 16, T0, last=False)
+    core.submit_chunk(1, [2, 3], 40, T0, last=True)
+    w0, w1 = pop(core).writes
+    core.write_done(1, "d0", w0.seq, 1, T0, tag=w0.tag)
+    core.write_done(1, "d0", w0.seq, 1, T0, tag=w0.tag)
+    core.write_done(1, "d0", 7, 1, T0)
+    core.write_done(1, "elsewhere", w1.seq, 1, T0)
+    assert core.room_state(1) is RoomState.TRANSFERRING
+    assert core.stats.stale_tags == 3
+    core.write_done(1, "d0", w1.seq, 1, T0)
+    o = pop(core)
+    assert o.to("d0") == [TransferDone(room_id=1, generation=11, writes=2, nbytes=2)]
+
+
+def test_sender_late_request_for_failed_room_refused_unknown_room():
+    """A request for a room that already failed here is refused UNKNOWN_ROOM at once and counted late."""
+    core = make_core()
+    core.add_link(make_link())
+    core.open_room(1, T0)
+    core.abort(1, T0)
+    pop(core)
+    core.on_message("d0", req(1, gen=5), T0 + 1)
+    assert [(m.room_id, m.generation, m.code) for m in pop(core).to("d0")] == [(1, 5, ErrorCode.UNKNOWN_ROOM)]
+    assert core.stats.late_messages == 1
+    assert_clean(core)
+
+
+def test_sender_parked_replay_answers_every_request_when_room_fails():
+    """Regression: if a replayed parked request fails the room, the requests parked after it are
+    refused (UNKNOWN_ROOM: the room has ended) instead of being dropped unanswered."""
+    core = make_core()
+    core.add_link(make_link(0, paired=(0, 1)))
+    core.add_link(make_link(1, paired=(0, 1)))
+    core.on_message("d0", req(1, gen=3, pages=(0, 1, 99)), T0)
+    core.on_message("d1", req(1, gen=4), T0)
+    core.open_room(1, T0)
+    o = pop(core)
+    _failed(o, ErrorCode.INDEX_OUT_OF_RANGE)
+    assert [(m.generation, m.code) for m in o.to("d0")] == [(3, ErrorCode.INDEX_OUT_OF_RANGE)]
+    assert [(m.generation, m.code) for m in o.to("d1")] == [(4, ErrorCode.UNKNOWN_ROOM)]
+    assert_clean(core)
+
+
+def test_sender_peer_violation_from_paired_rank_before_its_request_fails_room():
+    """peer_violation() from a paired rank of the room's instance that has not asked yet fails the room
+    and answers that link."""
+    core = make_core()
+    core.add_link(make_link(0, paired=(0, 1)))
+    core.add_link(make_link(1, paired=(0, 1)))
+    core.open_room(1, T0)
+    core.on_message("d0", req(1, gen=3), T0)
+    core.peer_violation("d1", 1, 9, ErrorCode.MALFORMED_FRAME, "garbled", T0)
+    o = pop(core)
+    _failed(o, ErrorCode.MALFORMED_FRAME)
+    assert [(m.generation, m.code) for m in o.to("d1")] == [(9, ErrorCode.MALFORMED_FRAME)]
+    assert [(m.generation, m.code) for m in o.to("d0")] == [(3, ErrorCode.MALFORMED_FRAME)]
