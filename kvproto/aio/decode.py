@@ -70,6 +70,7 @@ class _Link:
     registered: bool = False
     beats: int = 0
     watcher: asyncio.Task[None] | None = None
+    monitor: zmq.asyncio.Socket | None = None
 
 
 class _BootstrapFailed(Exception):
@@ -165,6 +166,7 @@ class DecodeEndpoint(EndpointBase):
         self._next_link_id += 1
         self._links[link.link_id] = link
         monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        link.monitor = monitor
         sock.connect(endpoint)
         self._spawn(self._reader(link), f"link-{link.link_id}")
         link.watcher = self._spawn(self._watch_handshake(link, monitor), f"monitor-{link.link_id}")
@@ -181,9 +183,7 @@ class DecodeEndpoint(EndpointBase):
                 link.inbox.put_nowait(Abort(code=ErrorCode.AUTH_FAILED,
                                             reason=f"prefill at {link.endpoint} refused the {reason}"))
         except zmq.ZMQError:
-            pass
-        finally:
-            monitor.close(linger=0)
+            pass  # the monitor was closed: the link was discarded
 
     def _discard_link(self, link: _Link, linger: int = 0) -> None:
         if self._links.pop(link.link_id, None) is None:
@@ -191,6 +191,8 @@ class DecodeEndpoint(EndpointBase):
         if link.watcher is not None:
             link.watcher.cancel()
         link.sock.disable_monitor()
+        if link.monitor is not None:
+            link.monitor.close(linger=0)
         link.sock.close(linger=linger)
 
     async def _reader(self, link: _Link) -> None:

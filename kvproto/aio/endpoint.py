@@ -165,7 +165,7 @@ class EndpointBase:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._close_io()
         assert self._ctx is not None
-        self._ctx.term()
+        self._ctx.destroy(linger=0)  # sockets closed above keep their own linger; nothing else may block
         assert self.transport is not None
         self.transport.close()
 

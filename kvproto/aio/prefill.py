@@ -83,6 +83,7 @@ class _Pending:
     room_id: int
     link: bytes
     seq: int
+    tag: bytes
     posted: Posted
 
 
@@ -383,7 +384,7 @@ class PrefillEndpoint(EndpointBase):
         link = self._links.get(out.link)  # type: ignore[arg-type]
         now = self._now()
         if link is None:
-            self.core.write_failed(out.room_id, out.link, out.seq, "link is gone", now)
+            self.core.write_failed(out.room_id, out.link, out.seq, "link is gone", now, tag=out.tag)
             return
         try:
             if isinstance(out, PostWrite):
@@ -391,9 +392,9 @@ class PrefillEndpoint(EndpointBase):
             else:
                 posted = link.path.post_aux(out.tag, out.src_slot, out.dst_slot)
         except (TransportError, ValueError) as exc:
-            self.core.write_failed(out.room_id, out.link, out.seq, str(exc), now)
+            self.core.write_failed(out.room_id, out.link, out.seq, str(exc), now, tag=out.tag)
             return
-        self._pending[posted.xfer] = _Pending(out.room_id, link.ident, out.seq, posted)
+        self._pending[posted.xfer] = _Pending(out.room_id, link.ident, out.seq, out.tag, posted)
         handle = self._handles.get(out.room_id)
         if handle is not None:
             handle.stats.writes += 1
@@ -415,9 +416,11 @@ class PrefillEndpoint(EndpointBase):
             del self._pending[xfer]
             self.transport.release(xfer)
             if state is XferState.DONE:
-                self.core.write_done(pending.room_id, pending.link, pending.seq, pending.posted.nbytes, now)
+                self.core.write_done(pending.room_id, pending.link, pending.seq, pending.posted.nbytes, now,
+                                     tag=pending.tag)
             else:
-                self.core.write_failed(pending.room_id, pending.link, pending.seq, "transport reported ERR", now)
+                self.core.write_failed(pending.room_id, pending.link, pending.seq, "transport reported ERR", now,
+                                       tag=pending.tag)
         self.core.handle_timer(now)
         limit = self.config.heartbeat_timeout
         for link in [lk for lk in self._links.values() if now - lk.last_seen > limit]:
