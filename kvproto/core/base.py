@@ -30,6 +30,15 @@ _TIMEOUT_CODE = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class Tombstone:
+    """What is remembered of an ended room: enough to answer late messages with its code."""
+
+    state: RoomState
+    code: ErrorCode | int | None
+    generations: frozenset[int]
+
+
 @dataclass(slots=True, kw_only=True)
 class RoomBase:
     room_id: int
@@ -50,7 +59,7 @@ class CoreBase:
         self.timers = Timers()
         self.stats = CoreStats()
         self._outputs: list[Output] = []
-        self._tombstones: OrderedDict[int, RoomState] = OrderedDict()
+        self._tombstones: OrderedDict[int, Tombstone] = OrderedDict()
         self.closed = False
 
     # --- outputs -----------------------------------------------------------------------------
@@ -66,7 +75,8 @@ class CoreBase:
         room = self.rooms.get(room_id)
         if room is not None:
             return room.state
-        return self._tombstones.get(room_id)
+        ended = self._tombstones.get(room_id)
+        return None if ended is None else ended.state
 
     def next_deadline(self) -> float | None:
         return self.timers.next_deadline()
@@ -112,7 +122,7 @@ class CoreBase:
         if inp is Input.TIMEOUT and code is None:
             code = _TIMEOUT_CODE[room.state]
             reason = reason or f"room {room.room_id} timed out while {room.state.name}"
-        if effect is Effect.ABORT_PEERS:
+        if effect in (Effect.ABORT_PEERS, Effect.ABORT_AND_DRAIN):
             room.code = code if code is not None else ErrorCode.INTERNAL_ERROR
             room.reason = reason
             if inp is Input.PEER_VIOLATION:
@@ -123,7 +133,10 @@ class CoreBase:
         if nxt.terminal:
             self._end(room, now)
             return
-        if entered or (effect is Effect.RECORD and nxt is RoomState.TRANSFERRING):
+        progress = effect in (Effect.RECORD, Effect.POST_CHUNK) and nxt is RoomState.TRANSFERRING
+        if effect is Effect.ABORT_AND_DRAIN:
+            self.timers.schedule(room.room_id, now + self.timeouts.drain)
+        elif (entered or progress) and not getattr(room, "failing", False):
             self.timers.schedule(room.room_id, self._deadline(nxt, now))
         if follow is not None:
             self.apply(room, follow, now)
@@ -140,8 +153,9 @@ class CoreBase:
         room.ended = now
         self.rooms.pop(room.room_id, None)
         self.timers.cancel(room.room_id)
+        generations = self._generations(room)
         self._forget(room)
-        self._tombstones[room.room_id] = room.state
+        self._tombstones[room.room_id] = Tombstone(room.state, room.code, generations)
         if len(self._tombstones) > TOMBSTONES:
             self._tombstones.popitem(last=False)
         if room.state is RoomState.SUCCESS:
@@ -183,6 +197,10 @@ class CoreBase:
 
     def _forget(self, room: Any) -> None:
         """Drop every trace of an ended room from the subclass's maps."""
+
+    def _generations(self, room: Any) -> frozenset[int]:
+        """The generations the room was known under (to tell late messages from a new incarnation)."""
+        return frozenset()
 
     def _other_timer(self, key: Any, now: float) -> None:
         """A timer that is not a room's deadline fired."""

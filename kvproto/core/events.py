@@ -28,6 +28,8 @@ class Timeouts:
     """A TRANSFERRING room fails after this long without progress."""
     parked: float = 30.0
     """A transfer request for a room not yet opened is kept this long."""
+    drain: float = 10.0
+    """A failing decode room waits this long for its writers to settle before reporting FAILED."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +70,35 @@ class PostAux:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class PostStaged:
+    """Sender: gather tokens ``[start_token, end_token)`` of the pair's head slice into local
+    staging and write them to the decode rank's staging region at ``remote_offset``."""
+
+    room_id: int
+    link: LinkKey
+    seq: int
+    tag: bytes
+    start_token: int
+    end_token: int
+    src_pages: Sequence[int]
+    remote_offset: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Scatter:
+    """Receiver: a staged piece landed at ``offset``; scatter tokens ``[start_token, end_token)``
+    of the writer's head slice into ``dst_pages``, then report ``scatter_done``."""
+
+    room_id: int
+    link: LinkKey
+    seq: int
+    offset: int
+    start_token: int
+    end_token: int
+    dst_pages: Sequence[int]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RoomEnded:
     """The room reached SUCCESS or FAILED; the core has forgotten it."""
 
@@ -77,7 +108,7 @@ class RoomEnded:
     reason: str = ""
 
 
-Output = Send | PostWrite | PostAux | RoomEnded
+Output = Send | PostWrite | PostAux | PostStaged | Scatter | RoomEnded
 
 
 @dataclass(slots=True)

@@ -17,6 +17,15 @@ the room's current generation, on the link whose agent name the transport report
 sender. Duplicated tags are idempotent; tags of another generation are stale and dropped; a
 tag or TRANSFER_DONE from a link that is not an expected writer, or a ``seq >= n``, is a peer
 violation that fails the room.
+
+Staging (a writer that asks): STAGING_REQUESTs of a writer must cover its tokens in order; the
+ring grants them FIFO; a STAGED tag turns into a ``Scatter`` output and counts as arrived only
+at ``scatter_done``, which releases the region and answers with a STAGING_WATERMARK.
+
+Failure while writes may land (see ``state``): a TRANSFERRING room with unsettled writers or a
+scatter running is classified DRAIN instead of failing; it keeps its pages and staging
+regions until every writer settles (completes, answers with ABORT, or its link goes) and no
+scatter runs, or the drain deadline passes; then it fails with the original code.
 """
 
 from __future__ import annotations
@@ -26,7 +35,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from kvproto.core.base import CoreBase, RoomBase
-from kvproto.core.events import LinkKey, Timeouts
+from kvproto.core.events import LinkKey, Scatter, Timeouts
+from kvproto.core.staging import StagingRing
 from kvproto.core.state import Effect, Input, Role, RoomState
 from kvproto.wire import (
     NO_SLOT,
@@ -35,10 +45,17 @@ from kvproto.wire import (
     LocalProtocolError,
     MalformedTag,
     Message,
+    StagingGrant,
+    StagingRequest,
+    StagingWatermark,
+    TagKind,
     TransferDone,
     TransferRequest,
     decode_tag,
 )
+
+_FAILURES = frozenset({Input.PEER_ABORT, Input.PEER_GONE, Input.PEER_VIOLATION, Input.LOCAL_ABORT,
+                       Input.TIMEOUT, Input.CLOSE})
 
 ClusterKey = Hashable
 
@@ -52,6 +69,8 @@ class ReceiverLink:
     agent: str
     writer: bool
     aux_owner: bool
+    stage_unit: int = 0
+    """Bytes per token of this writer's staged pieces (0: it cannot stage into this rank)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -67,6 +86,10 @@ class _Progress:
     writes: int | None = None
     seqs: set[int] = field(default_factory=set)
     nbytes: int = 0
+    stage_next: int = 0
+    """The first token of this writer's next staging request."""
+    asking: int | None = None
+    """Seq of this writer's staging request not yet granted."""
 
     def complete(self) -> bool:
         return self.writes is not None and len(self.seqs) == self.writes
@@ -79,6 +102,12 @@ class ReceiverRoom(RoomBase):
     destination: Destination | None = None
     links: tuple[ReceiverLink, ...] = ()
     writers: dict[int, _Progress] = field(default_factory=dict)
+    staged: dict[tuple[int, int], tuple[int, int, int]] = field(default_factory=dict)
+    """(link_id, seq) -> (offset, start, end) of granted staging regions not yet consumed."""
+    scattering: set[tuple[int, int]] = field(default_factory=set)
+    failing: bool = False
+    settled: set[int] = field(default_factory=set)
+    """Writers (link ids) that can no longer write into this room: answered ABORT or gone."""
 
 
 @dataclass(slots=True)
@@ -99,11 +128,13 @@ class ReceiverCore(CoreBase):
         aux_slots: int = 0,
         timeouts: Timeouts | None = None,
         seed: int | None = None,
+        staging: StagingRing | None = None,
     ) -> None:
         super().__init__(timeouts=timeouts)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.aux_slots = aux_slots
+        self.ring = staging
         self.clusters: dict[ClusterKey, _Cluster] = {}
         self.links_by_id: dict[int, ReceiverLink] = {}
         self._generation = random.Random(seed).randrange(1, 2**31)
@@ -145,13 +176,15 @@ class ReceiverCore(CoreBase):
             return
         reason = reason or f"prefill rank {gone.prefill_rank} is gone"
         for room in [r for r in self.rooms.values() if gone in r.links]:
+            room.settled.add(gone.link_id)
             self.apply(room, Input.PEER_GONE, now, code=code, reason=reason, origin=key)
         self.cluster_failed(gone.cluster, code, reason, now)
 
     # --- application API ----------------------------------------------------------------------
     def open_room(self, room_id: int, cluster: ClusterKey, now: float) -> ReceiverRoom:
         self._new_room_check(room_id)
-        room = ReceiverRoom(room_id=room_id, cluster=cluster, created=now)
+        self._generation = self._generation % 0xFFFFFFFF + 1
+        room = ReceiverRoom(room_id=room_id, cluster=cluster, created=now, generation=self._generation)
         self.rooms[room_id] = room
         self.timers.schedule(room_id, self._deadline(RoomState.BOOTSTRAPPING, now))
         state = self.clusters.get(cluster)
@@ -210,10 +243,13 @@ class ReceiverCore(CoreBase):
             self.stats.stale_tags += 1
             return
         if isinstance(msg, Abort):
+            room.settled.add(link.link_id)  # a prefill rank aborts only with none of its writes in flight
             self.apply(room, Input.PEER_ABORT, now, code=ErrorCode.coerce(msg.code),
                        reason=f"prefill rank {link.prefill_rank} aborted: {msg.reason}", origin=key)
         elif isinstance(msg, TransferDone):
             self._on_done(room, link, msg, now)
+        elif isinstance(msg, StagingRequest):
+            self._on_staging_request(room, link, msg, now)
         else:
             self.apply(room, Input.PEER_VIOLATION, now, code=ErrorCode.PEER_PROTOCOL_ERROR,
                        reason=f"{type(msg).__name__} is not a message a decode rank accepts")
@@ -227,6 +263,9 @@ class ReceiverCore(CoreBase):
             problem = f"second TRANSFER_DONE from prefill rank {link.prefill_rank}"
         elif progress.seqs and max(progress.seqs) >= msg.writes:
             problem = f"prefill rank {link.prefill_rank} reported {msg.writes} writes after write {max(progress.seqs)}"
+        elif msg.writes == 0 and room.destination is not None and \
+                room.destination.num_tokens > room.destination.prefix_tokens:
+            problem = f"prefill rank {link.prefill_rank} reported no writes, but tokens past the prefix must move"
         if problem or progress is None:
             self.apply(room, Input.PEER_VIOLATION, now, code=ErrorCode.PEER_PROTOCOL_ERROR, reason=problem or "")
             return
@@ -268,8 +307,84 @@ class ReceiverCore(CoreBase):
             self.apply(room, Input.PEER_VIOLATION, now, code=ErrorCode.PEER_PROTOCOL_ERROR,
                        reason=f"unexpected write {tag.seq} from prefill rank {link.prefill_rank}")
             return
+        if tag.kind is TagKind.STAGED:
+            self._on_staged(room, link, tag.seq, now)
+            return
         progress.seqs.add(tag.seq)
         self.apply(room, self._arrival_input(room, Input.ARRIVAL), now)
+
+    # --- staging -----------------------------------------------------------------------------------
+    def _on_staging_request(self, room: ReceiverRoom, link: ReceiverLink, msg: StagingRequest, now: float) -> None:
+        progress = room.writers.get(link.link_id)
+        dest = room.destination
+        problem = None
+        if self.ring is None or not link.stage_unit:
+            problem = ErrorCode.PEER_PROTOCOL_ERROR, "staging request, but this rank offers no staging to that writer"
+        elif progress is None or dest is None:
+            problem = ErrorCode.PEER_PROTOCOL_ERROR, f"prefill rank {link.prefill_rank} is not a writer of this room"
+        elif progress.asking is not None or msg.seq in progress.seqs or (link.link_id, msg.seq) in room.staged:
+            problem = ErrorCode.PEER_PROTOCOL_ERROR, f"staging request {msg.seq} overlaps an earlier one"
+        elif msg.start_token != progress.stage_next or not msg.start_token < msg.end_token <= dest.num_tokens:
+            problem = ErrorCode.INDEX_OUT_OF_RANGE, (
+                f"staging request for tokens [{msg.start_token}, {msg.end_token}); expected to start at "
+                f"{progress.stage_next} and end by {dest.num_tokens}")
+        if problem is not None:
+            self.apply(room, Input.PEER_VIOLATION, now, code=problem[0], reason=problem[1])
+            return
+        assert self.ring is not None
+        progress.asking = msg.seq
+        self.ring.request((room.room_id, link.link_id, msg.seq), room.room_id, unit=link.stage_unit,
+                          units=msg.end_token - msg.start_token)
+        self._grant()
+
+    def _grant(self) -> None:
+        """Send every grant the ring can make now."""
+        assert self.ring is not None
+        for grant in self.ring.take_grants():
+            room_id, link_id, seq = grant.key  # type: ignore[misc]
+            room: ReceiverRoom = self.rooms[room_id]
+            progress = room.writers[link_id]
+            link = self.links_by_id[link_id]
+            start = progress.stage_next
+            end = start + grant.units
+            progress.stage_next, progress.asking = end, None
+            room.staged[(link_id, seq)] = (grant.offset, start, end)
+            self.send(link.key, StagingGrant(room_id=room_id, generation=room.generation, seq=seq,
+                                             start_token=start, end_token=end, offset=grant.offset))
+
+    def _on_staged(self, room: ReceiverRoom, link: ReceiverLink, seq: int, now: float) -> None:
+        key = (link.link_id, seq)
+        region = room.staged.get(key)
+        if region is None:
+            if seq in room.writers[link.link_id].seqs or key in room.scattering:
+                return  # a duplicate tag
+            self.apply(room, Input.PEER_VIOLATION, now, code=ErrorCode.PEER_PROTOCOL_ERROR,
+                       reason=f"staged write {seq} from prefill rank {link.prefill_rank} was never granted")
+            return
+        if key in room.scattering:
+            return
+        room.scattering.add(key)
+        offset, start, end = region
+        assert room.destination is not None
+        self._outputs.append(Scatter(room_id=room.room_id, link=link.key, seq=seq, offset=offset,
+                                     start_token=start, end_token=end, dst_pages=room.destination.pages))
+
+    def scatter_done(self, room_id: int, link_id: int, seq: int, now: float) -> None:
+        """The I/O layer finished scattering staged write ``seq`` of ``link_id`` into the pages."""
+        room: ReceiverRoom | None = self.rooms.get(room_id)
+        if room is None or (link_id, seq) not in room.scattering:
+            return  # pragma: no cover - a scatter outlives its room only through a bug in the caller
+        room.scattering.discard((link_id, seq))
+        del room.staged[(link_id, seq)]
+        assert self.ring is not None
+        self.ring.release((room_id, link_id, seq))
+        link = self.links_by_id.get(link_id)
+        if link is not None:
+            self.send(link.key, StagingWatermark(room_id=room_id, generation=room.generation, seq=seq,
+                                                 watermark=self.ring.watermark))
+        room.writers[link_id].seqs.add(seq)
+        self.apply(room, self._arrival_input(room, Input.ARRIVAL), now)
+        self._grant()
 
     @staticmethod
     def _arrival_input(room: ReceiverRoom, partial: Input) -> Input:
@@ -277,27 +392,65 @@ class ReceiverCore(CoreBase):
             return Input.ALL_ARRIVED
         return partial
 
+    # --- failing with writes in flight ---------------------------------------------------------------
+    def apply(self, room: ReceiverRoom, inp: Input, now: float, **kw) -> None:  # type: ignore[override]
+        """Classify failures of a TRANSFERRING room that may still receive writes as DRAIN, and
+        every input of a draining room as DRAIN_PROGRESS or DRAINED (see the module docstring)."""
+        if room.failing:
+            if inp in (Input.TIMEOUT, Input.CLOSE):
+                room.settled.update(room.writers)  # drain deadline, or memory about to be deregistered
+                room.scattering.clear()
+            inp = Input.DRAINED if self._drained(room) else Input.DRAIN_PROGRESS
+            kw = {}
+        elif room.state is RoomState.TRANSFERRING and inp in _FAILURES:
+            if inp is Input.TIMEOUT and (room.staged or any(p.asking is not None for p in room.writers.values())):
+                kw.setdefault("code", ErrorCode.STAGING_STALLED)
+                kw.setdefault("reason", f"room {room.room_id} timed out waiting on staged writes")
+            # Closing deregisters this rank's memory, so nothing can land after it: no drain.
+            if inp is not Input.CLOSE and not self._drained(room):
+                if inp is Input.TIMEOUT:
+                    kw.setdefault("code", ErrorCode.TRANSFER_TIMEOUT)
+                    kw.setdefault("reason", f"room {room.room_id} timed out while TRANSFERRING")
+                inp = Input.DRAIN
+        super().apply(room, inp, now, **kw)
+
+    @staticmethod
+    def _drained(room: ReceiverRoom) -> bool:
+        """No writer can still write into the room and no scatter is running."""
+        return not room.scattering and all(
+            p.complete() or link_id in room.settled for link_id, p in room.writers.items())
+
     # --- effects -----------------------------------------------------------------------------------
     def _effect(self, room: ReceiverRoom, effect: Effect, now: float, origin: LinkKey | None) -> Input | None:
         if effect is Effect.SEND_REQUESTS:
             dest = room.destination
             assert dest is not None
-            self._generation = self._generation % 0xFFFFFFFF + 1
-            room.generation = self._generation
             writers = [link for link in room.links if link.writer]
-            room.writers = {link.link_id: _Progress() for link in writers}
+            room.writers = {link.link_id: _Progress(stage_next=dest.prefix_tokens) for link in writers}
             for link in room.links:
                 self.send(link.key, TransferRequest(
                     room_id=room.room_id, generation=room.generation, num_tokens=dest.num_tokens,
                     prefix_tokens=dest.prefix_tokens,
                     aux_slot=NO_SLOT if dest.aux_slot is None else dest.aux_slot,
                     expected_writers=len(writers), dst_pages=dest.pages))
-        elif effect is Effect.ABORT_PEERS and room.generation:
+        elif effect in (Effect.ABORT_PEERS, Effect.ABORT_AND_DRAIN):
             for link in room.links:
                 if link.key != origin:
                     self.send(link.key, self._abort_message(room.room_id, room.generation, room.code, room.reason))
+            if effect is Effect.ABORT_AND_DRAIN:
+                room.failing = True
+                if self.ring is not None:
+                    self.ring.cancel_queued(room.room_id)
         return None
 
+    def _generations(self, room: ReceiverRoom) -> frozenset[int]:
+        return frozenset({room.generation})
+
     def _forget(self, room: ReceiverRoom) -> None:
+        if self.ring is not None:
+            self.ring.cancel_owner(room.room_id)  # safe: the room ended drained (or never wrote)
+            if self.rooms:
+                self._grant()
         room.writers.clear()
+        room.staged.clear()
         room.links = ()

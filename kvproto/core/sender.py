@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvproto.core.base import CoreBase, RoomBase
-from kvproto.core.events import LinkKey, PostAux, PostWrite, Timeouts
+from kvproto.core.events import LinkKey, PostAux, PostStaged, PostWrite, Timeouts
 from kvproto.core.state import Effect, Input, Role, RoomState
 from kvproto.wire import (
     NO_SLOT,
@@ -41,10 +41,14 @@ from kvproto.wire import (
     ErrorCode,
     LocalProtocolError,
     Message,
+    StagingGrant,
+    StagingRequest,
+    StagingWatermark,
     Tag,
     TagKind,
     TransferDone,
     TransferRequest,
+    decode_tag,
 )
 
 MAX_PARKED = 65536
@@ -67,6 +71,12 @@ class SenderLink:
     """Decode ranks of this instance that pair with this prefill rank (all send requests)."""
     writer: bool
     aux_owner: bool
+    stage_unit: int = 0
+    """Bytes per token of this pair's staged piece; 0: this link moves bytes directly."""
+    stage_capacity: int = 0
+    """The decode rank's staging region size in bytes (grants are checked against it)."""
+    stage_max_units: int = 0
+    """Most tokens one staged write may carry (this rank's own staging capacity)."""
 
 
 @dataclass(slots=True)
@@ -77,7 +87,26 @@ class _Peer:
     done: int = 0
     nbytes: int = 0
     inflight: set[int] = field(default_factory=set)
-    """Seqs posted and not yet reported DONE."""
+    """Seqs posted to the transport and not yet reported DONE or failed."""
+    stage_next: int = 0
+    """Staged links: the first token not yet granted."""
+    stage_end: int = 0
+    """Staged links: tokens available so far (chunks submitted, clipped to the request)."""
+    outstanding: tuple[int, int, int] | None = None
+    """Staged links: the (seq, start, end) of the staging request awaiting its grant."""
+    consumed: int = 0
+    """Staged links: watermarks received (pieces scattered on decode)."""
+
+
+@dataclass(slots=True)
+class _Drain:
+    """A failed room's link whose writes are still in flight: its ABORT waits for them."""
+
+    generation: int
+    link_id: int
+    inflight: set[int]
+    code: ErrorCode | int | None
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +155,7 @@ class SenderCore(CoreBase):
         self.links: dict[LinkKey, SenderLink] = {}
         self._parked: dict[int, list[tuple[LinkKey, TransferRequest]]] = {}
         self._parked_count = 0
+        self._draining: dict[tuple[int, LinkKey], _Drain] = {}
 
     # --- links ----------------------------------------------------------------------------
     def add_link(self, link: SenderLink) -> None:
@@ -137,6 +167,8 @@ class SenderCore(CoreBase):
         if link is None:
             return
         reason = reason or f"decode rank {link.decode_rank} of {link.instance!r} is gone"
+        for drain_key in [k for k in self._draining if k[1] == key]:
+            del self._draining[drain_key]  # nothing more can land through a dead link
         for room in list(self.rooms.values()):
             if any(p.link.key == key for p in room.peers.values()) or (
                 room.instance == link.instance and link.decode_rank in room.expected
@@ -163,6 +195,12 @@ class SenderCore(CoreBase):
                                                    "endpoint closed"))
         self._parked.clear()
         self._parked_count = 0
+
+    def abandon_drains(self) -> None:
+        """Send the ABORTs still waiting for writes to finish (the endpoint is going away)."""
+        for (room_id, key), drain in self._draining.items():
+            self.send(key, self._abort_message(room_id, drain.generation, drain.code, drain.reason))
+        self._draining.clear()
 
     # --- application API --------------------------------------------------------------------
     def open_room(self, room_id: int, now: float) -> SenderRoom:
@@ -231,6 +269,10 @@ class SenderCore(CoreBase):
             self._on_request(key, msg, now)
         elif isinstance(msg, Abort):
             self._on_abort(key, msg, now)
+        elif isinstance(msg, StagingGrant):
+            self._on_grant(key, msg, now)
+        elif isinstance(msg, StagingWatermark):
+            self._on_watermark(key, msg)
         else:
             self.stats.peer_violations += 1
             self.send(key, self._abort_message(
@@ -264,7 +306,7 @@ class SenderCore(CoreBase):
             return
         room.instance = link.instance
         room.expected = link.paired_ranks
-        room.peers[link.decode_rank] = _Peer(link, msg)
+        room.peers[link.decode_rank] = _Peer(link, msg, stage_next=msg.prefix_tokens, stage_end=msg.prefix_tokens)
         mismatch = self._token_mismatch(room)
         if mismatch:
             self.apply(room, Input.PEER_VIOLATION, now, code=ErrorCode.TOKEN_COUNT_MISMATCH, reason=mismatch)
@@ -314,10 +356,14 @@ class SenderCore(CoreBase):
             self.send(key, self._abort_message(msg.room_id, msg.generation, ErrorCode.ENDPOINT_CLOSED,
                                                "endpoint closed"))
             return
-        if msg.room_id in self._tombstones:
+        ended = self._tombstones.get(msg.room_id)
+        if ended is not None and (msg.generation in ended.generations or not ended.generations):
+            # A late request for the room that ended here (not a new incarnation of the id): tell
+            # decode why it ended (e.g. ABORTED before decode's request arrived).
             self.stats.late_messages += 1
-            self.send(key, self._abort_message(msg.room_id, msg.generation, ErrorCode.UNKNOWN_ROOM,
-                                               f"room {msg.room_id} already ended here"))
+            code = ended.code if ended.state is RoomState.FAILED and ended.code is not None else ErrorCode.UNKNOWN_ROOM
+            self.send(key, self._abort_message(msg.room_id, msg.generation, code,
+                                               f"room {msg.room_id} already ended here ({ended.state.name})"))
             return
         if self._parked_count >= self.max_parked:
             self.send(key, self._abort_message(msg.room_id, msg.generation, ErrorCode.UNKNOWN_ROOM,
@@ -354,7 +400,12 @@ class SenderCore(CoreBase):
             return
         link = self.links.get(key)
         peer = room.peers.get(link.decode_rank) if link else None
-        if peer is None or peer.link.key != key or peer.request.generation != msg.generation:
+        if peer is None:
+            # Decode may abort before its request reached us: accept it from a paired rank.
+            if link is None or room.instance not in (None, link.instance) or link.decode_rank not in link.paired_ranks:
+                self.stats.stale_tags += 1
+                return
+        elif peer.link.key != key or peer.request.generation != msg.generation:
             self.stats.stale_tags += 1
             return
         code = ErrorCode.coerce(msg.code)
@@ -387,7 +438,7 @@ class SenderCore(CoreBase):
         an earlier room with the same id; without it, only ``seq`` is checked."""
         room: SenderRoom | None = self.rooms.get(room_id)
         if room is None:
-            self._count_missing_room(room_id)
+            self._drained_write(room_id, link, seq, tag)
             return
         peer = self._current_write(room, link, seq, tag)
         if peer is None:
@@ -401,12 +452,80 @@ class SenderCore(CoreBase):
                      tag: bytes | None = None) -> None:
         room = self.rooms.get(room_id)
         if room is None:
-            self._count_missing_room(room_id)
+            self._drained_write(room_id, link, seq, tag)
             return
-        if self._current_write(room, link, seq, tag) is None:
+        peer = self._current_write(room, link, seq, tag)
+        if peer is None:
             return
+        peer.inflight.discard(seq)
         self.apply(room, Input.WRITE_ERROR, now, code=ErrorCode.TRANSPORT_ERROR,
                    reason=f"write {seq} failed: {reason}")
+
+    def _drained_write(self, room_id: int, key: LinkKey, seq: int, tag: bytes | None) -> None:
+        """A write of an ended room finished; its link's ABORT goes out once none remain."""
+        drain = self._draining.get((room_id, key))
+        if drain is None or seq not in drain.inflight or (
+            tag is not None and decode_tag(tag).generation != drain.generation
+        ):
+            self._count_missing_room(room_id)
+            return
+        drain.inflight.discard(seq)
+        if not drain.inflight:
+            del self._draining[(room_id, key)]
+            self.send(key, self._abort_message(room_id, drain.generation, drain.code, drain.reason))
+
+    # --- staging -------------------------------------------------------------------------------
+    def _request_staging(self, room: SenderRoom, peer: _Peer) -> None:
+        """Ask for the next staged piece of ``peer``'s tokens, if any is available and none asked."""
+        if peer.outstanding is not None or peer.stage_next >= peer.stage_end:
+            return
+        link = peer.link
+        end = min(peer.stage_end, peer.stage_next + max(1, link.stage_max_units or peer.stage_end))
+        seq = peer.posted
+        peer.posted += 1  # the seq is reserved now; its write is posted once granted
+        peer.outstanding = (seq, peer.stage_next, end)
+        self.send(link.key, StagingRequest(room_id=room.room_id, generation=peer.request.generation, seq=seq,
+                                           start_token=peer.stage_next, end_token=end))
+
+    def _on_grant(self, key: LinkKey, msg: StagingGrant, now: float) -> None:
+        room: SenderRoom | None = self.rooms.get(msg.room_id)
+        if room is None:
+            self._count_missing_room(msg.room_id)
+            return
+        peer = self._peer_by_key(room, key)
+        if peer is None or peer.request.generation != msg.generation:
+            self.stats.stale_tags += 1
+            return
+        link, want = peer.link, peer.outstanding
+        problem = None
+        if want is None or want[0] != msg.seq or want[1] != msg.start_token:
+            problem = ErrorCode.PEER_PROTOCOL_ERROR, f"grant for write {msg.seq} at token {msg.start_token} was not asked for"
+        elif not want[1] < msg.end_token <= want[2]:
+            problem = ErrorCode.INDEX_OUT_OF_RANGE, (
+                f"grant of tokens [{msg.start_token}, {msg.end_token}) outside the request [{want[1]}, {want[2]})")
+        elif msg.offset + (msg.end_token - msg.start_token) * link.stage_unit > link.stage_capacity:
+            problem = ErrorCode.INDEX_OUT_OF_RANGE, (
+                f"grant at offset {msg.offset} overruns the {link.stage_capacity}-byte staging region")
+        if problem is not None:
+            self.apply(room, Input.PEER_VIOLATION, now, code=problem[0], reason=problem[1])
+            return
+        peer.outstanding = None
+        peer.stage_next = msg.end_token
+        self._outputs.append(PostStaged(
+            room_id=room.room_id, link=key, seq=msg.seq,
+            tag=self._tag(room.room_id, peer, msg.seq, TagKind.STAGED),
+            start_token=msg.start_token, end_token=msg.end_token, src_pages=tuple(room.src_pages),
+            remote_offset=msg.offset))
+        peer.inflight.add(msg.seq)
+        self._request_staging(room, peer)
+
+    def _on_watermark(self, key: LinkKey, msg: StagingWatermark) -> None:
+        room: SenderRoom | None = self.rooms.get(msg.room_id)
+        peer = self._peer_by_key(room, key) if room is not None else None
+        if peer is None or peer.request.generation != msg.generation:
+            self._count_missing_room(msg.room_id)
+            return
+        peer.consumed += 1
 
     # --- effects -------------------------------------------------------------------------------
     def _effect(self, room: SenderRoom, effect: Effect, now: float, origin: LinkKey | None) -> Input | None:
@@ -421,8 +540,13 @@ class SenderCore(CoreBase):
                         room_id=room.room_id, generation=peer.request.generation,
                         writes=peer.posted, nbytes=peer.nbytes))
         elif effect is Effect.ABORT_PEERS:
+            # Every requester hears the code, the origin too (it waits for this answer before
+            # reusing its memory); a link with writes in flight hears it once they are all over.
             for peer in room.peers.values():
-                if peer.link.key != origin:
+                if peer.inflight:
+                    self._draining[(room.room_id, peer.link.key)] = _Drain(
+                        peer.request.generation, peer.link.link_id, set(peer.inflight), room.code, room.reason)
+                else:
                     self.send(peer.link.key, self._abort_message(
                         room.room_id, peer.request.generation, room.code, room.reason))
         return None
@@ -437,7 +561,10 @@ class SenderCore(CoreBase):
                     continue
                 start = max(chunk.start, req.prefix_tokens)
                 end = min(chunk.end, req.num_tokens)
-                if start < end:
+                if link.stage_unit and start < end:
+                    peer.stage_end = end
+                    self._request_staging(room, peer)
+                elif start < end:
                     self._outputs.append(PostWrite(
                         room_id=room.room_id, link=link.key, seq=peer.posted,
                         tag=self._tag(room.room_id, peer), start_token=start, end_token=end,
@@ -452,8 +579,8 @@ class SenderCore(CoreBase):
                     peer.posted += 1
 
     @staticmethod
-    def _tag(room_id: int, peer: _Peer, seq: int | None = None) -> bytes:
-        return Tag(kind=TagKind.KV, room_id=room_id, generation=peer.request.generation,
+    def _tag(room_id: int, peer: _Peer, seq: int | None = None, kind: TagKind = TagKind.KV) -> bytes:
+        return Tag(kind=kind, room_id=room_id, generation=peer.request.generation,
                    link_id=peer.link.link_id, seq=peer.posted if seq is None else seq).encode()
 
     def _current_write(self, room: SenderRoom, key: LinkKey, seq: int, tag: bytes | None) -> _Peer | None:
@@ -478,6 +605,9 @@ class SenderCore(CoreBase):
     @staticmethod
     def _peer_by_key(room: SenderRoom, key: LinkKey) -> _Peer | None:
         return next((p for p in room.peers.values() if p.link.key == key), None)
+
+    def _generations(self, room: SenderRoom) -> frozenset[int]:
+        return frozenset(p.request.generation for p in room.peers.values())
 
     def _forget(self, room: SenderRoom) -> None:
         room.peers.clear()

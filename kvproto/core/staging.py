@@ -151,6 +151,10 @@ class StagingRing:
         region.released = True
         self._reclaim()
 
+    def cancel_queued(self, owner: Hashable) -> None:
+        """Drop ``owner``'s queued requests; its granted regions stay reserved."""
+        self._queue = deque(q for q in self._queue if q.owner != owner)
+
     def cancel_owner(self, owner: Hashable) -> None:
         """Drop ``owner``'s queued requests and release its regions (no write may still land)."""
         self._queue = deque(q for q in self._queue if q.owner != owner)

@@ -22,6 +22,15 @@ Rooms classify what happened into an ``Input`` (e.g. a request that completes th
 ``spec/v1/states.md`` lists the same rows). Terminal states absorb every input: a late
 message for an ended room is dropped and counted, never raised (house rule 4).
 
+A RECEIVER that fails while TRANSFERRING with writers that may still be writing into its
+pages (or staging regions) does not enter FAILED at once: the failure is classified ``DRAIN``,
+which sends ABORT to the writers and keeps the room TRANSFERRING, its memory out of reuse, while
+every later event is classified ``DRAIN_PROGRESS`` until each writer has *settled* (completed,
+answered with its own ABORT, which a prefill rank sends only once none of its writes into this
+rank remains in flight, or gone) and no local scatter is running; then ``DRAINED`` enters
+FAILED and the failure is reported, once, with the original code. The application therefore
+never sees FAILED while a write may still land in the pages it would free.
+
 Effects name what the room must do on the way; the room carries the data (which chunk, which
 code). ``LOCAL_ERROR`` means the application misused the API: the room raises
 ``LocalProtocolError`` and keeps its state. ``INTERNAL_ERROR`` marks triples that the
@@ -73,6 +82,10 @@ class Input(enum.Enum):
     # receiver: from the data plane
     ARRIVAL = "arrival"
     ALL_ARRIVED = "all_arrived"
+    # receiver: failing while writes may still land in its memory
+    DRAIN = "drain"
+    DRAIN_PROGRESS = "drain_progress"
+    DRAINED = "drained"
     # both
     PEER_ABORT = "peer_abort"
     PEER_GONE = "peer_gone"
@@ -92,6 +105,7 @@ class Effect(enum.Enum):
     SEND_DONE = "send_done"  # sender: every write DONE; TRANSFER_DONE to the writers
     COMPLETE = "complete"  # receiver: every expected writer's bytes arrived
     ABORT_PEERS = "abort_peers"  # fail, and send ABORT with the code to the other links
+    ABORT_AND_DRAIN = "abort_and_drain"  # receiver: send ABORT, keep memory until writers settle
     ABSORB = "absorb"  # input after the end: drop and count
     LOCAL_ERROR = "local_error"  # raise LocalProtocolError; state unchanged
     INTERNAL_ERROR = "internal_error"  # unreachable by construction; fail safely
@@ -109,7 +123,7 @@ SENDER_INPUTS = frozenset({
 })
 RECEIVER_INPUTS = frozenset({
     I.LINKS_READY, I.LINKS_READY_WITH_INPUT, I.WRITER_DONE, I.DESTINATION, I.ARRIVAL,
-    I.ALL_ARRIVED,
+    I.ALL_ARRIVED, I.DRAIN, I.DRAIN_PROGRESS, I.DRAINED,
     I.PEER_ABORT, I.PEER_GONE, I.PEER_VIOLATION, I.LOCAL_ABORT, I.TIMEOUT, I.CLOSE,
 })
 INPUTS = {S: SENDER_INPUTS, R: RECEIVER_INPUTS}
@@ -166,6 +180,9 @@ TABLE: dict[tuple[Role, RoomState, Input], tuple[Effect, RoomState]] = {
     (R, B, I.WRITER_DONE):                 (E.INTERNAL_ERROR, FAILED),
     (R, B, I.ARRIVAL):                     (E.INTERNAL_ERROR, FAILED),
     (R, B, I.ALL_ARRIVED):                 (E.INTERNAL_ERROR, FAILED),
+    (R, B, I.DRAIN):                       (E.INTERNAL_ERROR, FAILED),
+    (R, B, I.DRAIN_PROGRESS):              (E.INTERNAL_ERROR, FAILED),
+    (R, B, I.DRAINED):                     (E.INTERNAL_ERROR, FAILED),
     (R, B, I.PEER_ABORT):                  (E.ABORT_PEERS,    FAILED),
     (R, B, I.PEER_GONE):                   (E.ABORT_PEERS,    FAILED),
     (R, B, I.PEER_VIOLATION):              (E.ABORT_PEERS,    FAILED),
@@ -179,6 +196,9 @@ TABLE: dict[tuple[Role, RoomState, Input], tuple[Effect, RoomState]] = {
     (R, W, I.WRITER_DONE):                 (E.INTERNAL_ERROR, FAILED),
     (R, W, I.ARRIVAL):                     (E.INTERNAL_ERROR, FAILED),
     (R, W, I.ALL_ARRIVED):                 (E.INTERNAL_ERROR, FAILED),
+    (R, W, I.DRAIN):                       (E.INTERNAL_ERROR, FAILED),
+    (R, W, I.DRAIN_PROGRESS):              (E.INTERNAL_ERROR, FAILED),
+    (R, W, I.DRAINED):                     (E.INTERNAL_ERROR, FAILED),
     (R, W, I.PEER_ABORT):                  (E.ABORT_PEERS,    FAILED),
     (R, W, I.PEER_GONE):                   (E.ABORT_PEERS,    FAILED),
     (R, W, I.PEER_VIOLATION):              (E.ABORT_PEERS,    FAILED),
@@ -192,6 +212,9 @@ TABLE: dict[tuple[Role, RoomState, Input], tuple[Effect, RoomState]] = {
     (R, T, I.WRITER_DONE):                 (E.RECORD,         T),
     (R, T, I.ARRIVAL):                     (E.RECORD,         T),
     (R, T, I.ALL_ARRIVED):                 (E.COMPLETE,       OK),
+    (R, T, I.DRAIN):                       (E.ABORT_AND_DRAIN, T),
+    (R, T, I.DRAIN_PROGRESS):              (E.RECORD,         T),
+    (R, T, I.DRAINED):                     (E.NONE,           FAILED),
     (R, T, I.PEER_ABORT):                  (E.ABORT_PEERS,    FAILED),
     (R, T, I.PEER_GONE):                   (E.ABORT_PEERS,    FAILED),
     (R, T, I.PEER_VIOLATION):              (E.ABORT_PEERS,    FAILED),

@@ -29,6 +29,10 @@ class MsgType(enum.IntEnum):
     TRANSFER_DONE = 8
     ABORT = 9
     HEARTBEAT = 10
+    # minor 1: staging
+    STAGING_REQUEST = 11
+    STAGING_GRANT = 12
+    STAGING_WATERMARK = 13
 
 
 class RegionKind(enum.IntEnum):
@@ -252,6 +256,42 @@ class Heartbeat(Message):
     FIELDS: ClassVar = (("boot_id", "u64"), ("seq", "u64"))
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StagingRequest(Message):
+    """prefill rank → decode rank (minor 1): stage tokens ``[start_token, end_token)`` of my head
+    slice as my write ``seq``; grant me room in your staging ring."""
+
+    MSG_TYPE: ClassVar = MsgType.STAGING_REQUEST
+    seq: int
+    start_token: int
+    end_token: int
+    FIELDS: ClassVar = (("seq", "u32"), ("start_token", "u32"), ("end_token", "u32"))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StagingGrant(Message):
+    """decode rank → prefill rank (minor 1): write tokens ``[start_token, end_token)`` (a prefix of
+    the request's range) as write ``seq`` at byte ``offset`` of my staging region."""
+
+    MSG_TYPE: ClassVar = MsgType.STAGING_GRANT
+    seq: int
+    start_token: int
+    end_token: int
+    offset: int
+    FIELDS: ClassVar = (("seq", "u32"), ("start_token", "u32"), ("end_token", "u32"), ("offset", "u64"))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StagingWatermark(Message):
+    """decode rank → prefill rank (minor 1): your staged write ``seq`` is scattered into my pages
+    and its region released; my ring's watermark is now ``watermark`` (a byte position)."""
+
+    MSG_TYPE: ClassVar = MsgType.STAGING_WATERMARK
+    seq: int
+    watermark: int
+    FIELDS: ClassVar = (("seq", "u32"), ("watermark", "u64"))
+
+
 MESSAGE_TYPES: dict[int, type[Message]] = {
     cls.MSG_TYPE: cls
     for cls in (
@@ -265,6 +305,9 @@ MESSAGE_TYPES: dict[int, type[Message]] = {
         TransferDone,
         Abort,
         Heartbeat,
+        StagingRequest,
+        StagingGrant,
+        StagingWatermark,
     )
 }
 

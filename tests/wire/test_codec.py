@@ -26,6 +26,9 @@ from kvproto.wire import (
     ProtocolError,
     Register,
     RemoteProtocolError,
+    StagingGrant,
+    StagingRequest,
+    StagingWatermark,
     TransferRequest,
     UnknownMessage,
     UnsupportedVersion,
@@ -41,6 +44,7 @@ HEADER_FMT = "<2sBBBBHQII"  # framing.md: magic, major, minor, msg_type, flags, 
 
 def frame_by_hand(msg_type: int, body: bytes, *, room_id: int = 0, generation: int = 0, minor: int = 0,
                   flags: int = 0, reserved: int = 0, major: int = 1) -> bytes:
+    """A frame assembled from framing.md's header table; a version 1.0 header (minor 0) unless told."""
     return struct.pack(HEADER_FMT, b"KV", major, minor, msg_type, flags, reserved, room_id, generation,
                        len(body)) + body
 
@@ -56,15 +60,17 @@ GEOMETRY_BYTES = struct.pack("<HHIIIBIBBI", 2, 1, 3, 8, 128, 2, 16, 1, 0, 1000)
 
 
 def test_codec_header_constants() -> None:
-    """The header is 24 bytes; this build speaks major 1, minor 0."""
+    """The header is 24 bytes; this build speaks major 1, minor 1 (version 1.1: staging)."""
     assert HEADER_SIZE == struct.calcsize(HEADER_FMT) == 24
-    assert (MAJOR, MINOR) == (1, 0)
+    assert (MAJOR, MINOR) == (1, 1)
 
 
 def test_codec_heartbeat_matches_hand_assembled_bytes() -> None:
-    """HEARTBEAT encodes as the header then two u64, little-endian."""
+    """HEARTBEAT encodes as the header (minor 1 by default, 0 on request) then two u64, little-endian."""
     msg = Heartbeat(room_id=0, generation=0, boot_id=0x0123456789ABCDEF, seq=42)
-    assert encode(msg) == frame_by_hand(10, struct.pack("<QQ", 0x0123456789ABCDEF, 42))
+    body = struct.pack("<QQ", 0x0123456789ABCDEF, 42)
+    assert encode(msg) == frame_by_hand(10, body, minor=1)
+    assert encode(msg, minor=0) == frame_by_hand(10, body, minor=0)
 
 
 def test_codec_transfer_request_matches_hand_assembled_bytes() -> None:
@@ -72,8 +78,10 @@ def test_codec_transfer_request_matches_hand_assembled_bytes() -> None:
     msg = TransferRequest(room_id=2**64 - 1, generation=7, num_tokens=33, prefix_tokens=16, aux_slot=NO_SLOT,
                           expected_writers=3, dst_pages=(5, 0, 2**32 - 1))
     body = struct.pack("<IIIH", 33, 16, 0xFFFFFFFF, 3) + struct.pack("<I3I", 3, 5, 0, 2**32 - 1)
-    assert encode(msg) == frame_by_hand(7, body, room_id=2**64 - 1, generation=7)
-    assert decode(frame_by_hand(7, body, room_id=2**64 - 1, generation=7)) == msg
+    assert encode(msg) == frame_by_hand(7, body, room_id=2**64 - 1, generation=7, minor=1)
+    assert encode(msg, minor=0) == frame_by_hand(7, body, room_id=2**64 - 1, generation=7, minor=0)
+    for minor in (0, 1):
+        assert decode(frame_by_hand(7, body, room_id=2**64 - 1, generation=7, minor=minor)) == msg
 
 
 def test_codec_register_matches_hand_assembled_bytes() -> None:
@@ -90,8 +98,58 @@ def test_codec_register_matches_hand_assembled_bytes() -> None:
             + struct.pack("<I", 2)
             + struct.pack("<BIQQIB", 0, 0, 0x1000, 64, 3, 1) + struct.pack("<BIQQIB", 1, 0, 0x2000, 32, 0, 0))
     assert len(GEOMETRY_BYTES) == 27 and struct.calcsize("<BIQQIB") == 26
-    assert encode(msg) == frame_by_hand(4, body)
+    assert encode(msg) == frame_by_hand(4, body, minor=1)
+    assert encode(msg, minor=0) == frame_by_hand(4, body, minor=0)
     assert decode(frame_by_hand(4, body)) == msg
+
+
+def test_codec_register_carries_a_staging_region() -> None:
+    """A REGISTER memory table may list a STAGING region (RegionKind 2, minor 1): one more 26-byte record."""
+    from kvproto.wire import RegionKind, WireRegion
+
+    staging = WireRegion(kind=RegionKind.STAGING, index=0, address=0x7F0000000000, length=1 << 26, device_id=1,
+                         mem_kind=1)
+    msg = Register(boot_id=9, instance="i", link_id=4, agent_name="a", model_id="m", compat_key="",
+                   geometry=GEOMETRY, aux_slots=0, aux_slot_bytes=0, transport="nixl", transport_metadata=b"",
+                   regions=(staging,))
+    frame = encode(msg)
+    assert frame[-26:] == struct.pack("<BIQQIB", 2, 0, 0x7F0000000000, 1 << 26, 1, 1)
+    assert frame[-30:-26] == struct.pack("<I", 1)
+    assert decode(frame) == msg
+
+
+def test_codec_staging_request_matches_hand_assembled_bytes() -> None:
+    """STAGING_REQUEST (type 11, minor 1): room and generation in the header, then seq, start, end as u32."""
+    msg = StagingRequest(room_id=0xC0FFEE, generation=5, seq=3, start_token=64, end_token=2**32 - 1)
+    body = struct.pack("<III", 3, 64, 0xFFFFFFFF)
+    assert encode(msg) == frame_by_hand(11, body, room_id=0xC0FFEE, generation=5, minor=1)
+    assert decode(frame_by_hand(11, body, room_id=0xC0FFEE, generation=5, minor=1)) == msg
+
+
+def test_codec_staging_grant_matches_hand_assembled_bytes() -> None:
+    """STAGING_GRANT (type 12, minor 1): seq, start, end as u32, then the byte offset as u64."""
+    msg = StagingGrant(room_id=1, generation=2, seq=3, start_token=64, end_token=80, offset=2**64 - 1)
+    body = struct.pack("<IIIQ", 3, 64, 80, 2**64 - 1)
+    assert len(body) == 20
+    assert encode(msg) == frame_by_hand(12, body, room_id=1, generation=2, minor=1)
+    assert decode(frame_by_hand(12, body, room_id=1, generation=2, minor=1)) == msg
+
+
+def test_codec_staging_watermark_matches_hand_assembled_bytes() -> None:
+    """STAGING_WATERMARK (type 13, minor 1): seq as u32, then the watermark position as u64."""
+    msg = StagingWatermark(room_id=1, generation=2, seq=7, watermark=0x0123456789ABCDEF)
+    body = struct.pack("<IQ", 7, 0x0123456789ABCDEF)
+    assert len(body) == 12
+    assert encode(msg) == frame_by_hand(13, body, room_id=1, generation=2, minor=1)
+    assert decode(frame_by_hand(13, body, room_id=1, generation=2, minor=1)) == msg
+
+
+def test_codec_staging_messages_have_no_optional_field() -> None:
+    """Every field of the staging messages is required: a body cut before the last one is MalformedFrame."""
+    for msg_type, body in ((11, struct.pack("<II", 1, 2)), (12, struct.pack("<IIII", 1, 2, 3, 4)),
+                           (13, struct.pack("<II", 1, 2))):
+        with pytest.raises(MalformedFrame):
+            decode(frame_by_hand(msg_type, body, room_id=1, generation=1, minor=1))
 
 
 def test_codec_string_length_counts_bytes_not_characters() -> None:
@@ -101,10 +159,13 @@ def test_codec_string_length_counts_bytes_not_characters() -> None:
 
 
 def test_codec_encode_sets_version_flags_reserved() -> None:
-    """encode writes magic KV, major 1, the requested minor, flags 0 and reserved 0."""
+    """encode writes magic KV, major 1, the requested minor (default: this build's, 1), flags 0 and reserved 0."""
     frame = encode(Abort(code=1, reason=""), minor=3)
     magic, major, minor, msg_type, flags, reserved, *_ = struct.unpack_from(HEADER_FMT, frame)
     assert (magic, major, minor, msg_type, flags, reserved) == (b"KV", 1, 3, 9, 0, 0)
+    for msg, want in ((Abort(code=1, reason=""), 1), (StagingWatermark(seq=0, watermark=0), 1)):
+        assert struct.unpack_from(HEADER_FMT, encode(msg))[:4] == (b"KV", 1, want, msg.MSG_TYPE)
+    assert struct.unpack_from(HEADER_FMT, encode(Abort(code=1, reason=""), minor=0))[2] == 0
 
 
 def test_codec_decode_frame_reports_header() -> None:
@@ -169,6 +230,38 @@ def test_codec_decode_unknown_type_carries_header() -> None:
     assert (info.value.header.msg_type, info.value.header.minor, info.value.header.room_id) == (77, 4, 3)
 
 
+def test_codec_decode_unknown_type_of_newer_minor_is_ignorable() -> None:
+    """Type 200 at minor 2 raises UnknownMessage carrying the header; its minor exceeds this build's
+    MINOR (1), which is what lets a receiver ignore it (README.md, versioning)."""
+    with pytest.raises(UnknownMessage) as info:
+        decode(frame_by_hand(200, b"\x01\x02", room_id=0xC0FFEE, generation=9, minor=2, flags=0x80))
+    header = info.value.header
+    assert header == Header(msg_type=200, room_id=0xC0FFEE, generation=9, flags=0x80, major=1, minor=2)
+    assert header.minor > MINOR
+    assert info.value.code is ErrorCode.MALFORMED_FRAME
+    with pytest.raises(UnknownMessage) as same_minor:
+        decode(frame_by_hand(200, b"", minor=MINOR))
+    assert not same_minor.value.header.minor > MINOR  # not newer: a violation, not ignorable
+
+
+def test_codec_staging_types_are_unknown_to_a_minor0_decoder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A version 1.0 decoder (types 1-10 only) meets a minor-1 STAGING_* frame as an UnknownMessage whose
+    header minor (1) is greater than its own (0): ignorable, as the spec requires."""
+    import kvproto.wire.messages as messages
+
+    frames = [encode(StagingRequest(room_id=1, generation=2, seq=0, start_token=0, end_token=1)),
+              encode(StagingGrant(room_id=1, generation=2, seq=0, start_token=0, end_token=1, offset=0)),
+              encode(StagingWatermark(room_id=1, generation=2, seq=0, watermark=64))]
+    for msg_type in (11, 12, 13):
+        monkeypatch.delitem(messages.MESSAGE_TYPES, msg_type)
+    assert sorted(messages.MESSAGE_TYPES) == list(range(1, 11))
+    for msg_type, frame in zip((11, 12, 13), frames):
+        with pytest.raises(UnknownMessage) as info:
+            decode(frame)
+        assert (info.value.header.msg_type, info.value.header.minor) == (msg_type, 1)
+        assert info.value.header.minor > 0  # a minor-0 receiver ignores it
+
+
 def test_codec_decode_rejects_invalid_utf8() -> None:
     """A str field holding invalid UTF-8 (or an encoded surrogate) is MalformedFrame."""
     for bad in (b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\xc0\xaf"):
@@ -186,9 +279,11 @@ def test_codec_decode_rejects_body_shorter_than_fields() -> None:
 
 def test_codec_decode_ignores_trailing_bytes() -> None:
     """Bytes after the last known field are ignored, at minor 0 as at any other minor."""
-    for minor in (0, 1, 255):
+    for minor in (0, 1, 2, 255):
         assert decode(frame_by_hand(10, struct.pack("<QQ", 1, 2) + b"future", minor=minor)) == Heartbeat(
             boot_id=1, seq=2)
+        assert decode(frame_by_hand(12, struct.pack("<IIIQ", 1, 2, 3, 4) + b"future", minor=minor)) == StagingGrant(
+            seq=1, start_token=2, end_token=3, offset=4)
 
 
 def test_codec_decode_rejects_counts_beyond_the_frame() -> None:

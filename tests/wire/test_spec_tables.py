@@ -3,6 +3,7 @@ agree with the code, so the normative text cannot drift from the implementation.
 
 from __future__ import annotations
 
+import json
 import re
 import struct
 from pathlib import Path
@@ -14,13 +15,17 @@ from kvproto.geometry import DType, Layout
 from kvproto.transport import MemKind
 from kvproto.wire import (
     HEADER_SIZE,
+    MAJOR,
     MESSAGE_TYPES,
+    MINOR,
     NO_SLOT,
     RankAddress,
     RegionKind,
+    StagingGrant,
     TransferRequest,
     WireGeometry,
     WireRegion,
+    decode,
     encode,
 )
 from kvproto.wire.codec import HEADER
@@ -77,6 +82,29 @@ def field_tables() -> dict[str, list[tuple[str, str]]]:
     return out
 
 
+# --- README.md -----------------------------------------------------------------------------------
+
+
+def test_spec_readme_version_matches_codec() -> None:
+    """README.md states the version the codec speaks, and its minor-version table ends at MINOR."""
+    text = (SPEC / "README.md").read_text(encoding="utf-8")
+    m = re.search(r"specifies version \*\*(\d+)\.(\d+)\*\* \(major (\d+), minor (\d+)\)", text)
+    assert m, "README.md names no version"
+    assert tuple(int(g) for g in m.groups()) == (MAJOR, MINOR, MAJOR, MINOR)
+    (table,) = [t for t in md_tables(SPEC / "README.md") if t[1][:2] == ["minor", "version"]]
+    rows = [(int(r[0]), r[1]) for r in table[2]]
+    assert rows == [(m, f"{MAJOR}.{m}") for m in range(MINOR + 1)]
+
+
+def test_spec_readme_lists_every_document() -> None:
+    """README.md's document table links every markdown file of spec/v1 (and nothing else)."""
+    (table,) = [t for t in md_tables(SPEC / "README.md") if t[1][:1] == ["document"]]
+    linked = {re.fullmatch(r"\[[^]]+\]\(([^)#]+)\)", row[0]).group(1) for row in table[2]}  # type: ignore[union-attr]
+    docs = {p.name for p in SPEC.glob("*.md")} - {"README.md"}
+    assert linked - {"vectors/README.md"} == docs
+    assert all((SPEC / name).exists() for name in linked)
+
+
 # --- framing.md --------------------------------------------------------------------------------
 
 
@@ -117,14 +145,21 @@ def _example_blocks() -> list[bytes]:
     return out
 
 
+def _vector(name: str) -> bytes:
+    return bytes.fromhex("".join((SPEC / "vectors" / name).read_text().split()))
+
+
 def test_spec_framing_worked_examples_are_exact() -> None:
-    """The annotated bytes in framing.md are the heartbeat vector and an exact TRANSFER_REQUEST."""
-    heartbeat, request = _example_blocks()
-    vector = bytes.fromhex("".join((SPEC / "vectors" / "heartbeat.hex").read_text().split()))
-    assert heartbeat == vector
+    """The annotated bytes in framing.md are the heartbeat vector, an exact version 1.0 TRANSFER_REQUEST,
+    and the minor-1 STAGING_GRANT vector."""
+    heartbeat, request, grant = _example_blocks()
+    assert heartbeat == _vector("heartbeat.hex")
     assert request == encode(TransferRequest(room_id=0xC0FFEE, generation=1_000_001, num_tokens=100,
                                              prefix_tokens=32, aux_slot=5, expected_writers=2,
-                                             dst_pages=(17, 18, 19)))
+                                             dst_pages=(17, 18, 19)), minor=0)
+    assert grant == _vector("staging_grant.hex")
+    assert decode(grant) == StagingGrant(room_id=0xC0FFEE, generation=1_000_001, seq=0, start_token=32,
+                                         end_token=64, offset=0x30000)
 
 
 # --- messages.md -------------------------------------------------------------------------------
@@ -152,6 +187,30 @@ def test_spec_messages_record_table_matches_grammar(name: str) -> None:
                 kind, size = row[header.index("kind")], row[header.index("size")]
                 if kind in KIND_SIZE:
                     assert size == str(KIND_SIZE[kind]), (name, row)
+
+
+def _type_table_minors() -> dict[int, int]:
+    (table,) = [t for t in md_tables(SPEC / "messages.md") if t[1][:2] == ["type", "name"]]
+    _, header, rows = table
+    assert header[-1] == "minor"
+    return {int(r[0]): int(r[-1]) for r in rows}
+
+
+def test_spec_messages_type_minor_column_matches_vectors() -> None:
+    """messages.md's type table gives each type the minor that introduced it: no later than this
+    build's MINOR, the staging types 11-13 at minor 1, the earliest both-ways vector of each type
+    at exactly that minor, and no vector of a type under a header older than its minor."""
+    since = _type_table_minors()
+    assert set(since) == set(MESSAGE_TYPES)
+    assert all(0 <= m <= MINOR for m in since.values())
+    assert {t for t, m in since.items() if m == 1} == {11, 12, 13}
+    entries = json.loads((SPEC / "vectors" / "index.json").read_text(encoding="utf-8"))["vectors"]
+    frames = [e for e in entries if e["kind"] == "frame" and e["check"] in ("both", "decode")]
+    for msg_type, minor in since.items():
+        minors = [e["header"]["minor"] for e in frames if e["msg_type"] == msg_type and e["check"] == "both"]
+        assert min(minors) == minor, MESSAGE_TYPES[msg_type].__name__
+    for e in frames:
+        assert e["header"]["minor"] >= since[e["msg_type"]], e["file"]
 
 
 def test_spec_messages_field_tables_name_only_known_sections() -> None:

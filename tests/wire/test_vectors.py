@@ -14,6 +14,7 @@ import pytest
 import kvproto.wire as wire
 from kvproto.wire import (
     MESSAGE_TYPES,
+    MINOR,
     ErrorCode,
     Header,
     MsgType,
@@ -133,6 +134,28 @@ def test_vectors_cover_the_edge_cases() -> None:
     assert any(e["header"]["minor"] > 0 and e.get("twin") for e in FRAMES_DECODE), "newer minor + trailing bytes"
     assert any(e["header"]["flags"] for e in FRAMES_DECODE), "unknown flag bits"
     assert {e["error"] for e in FRAMES_REJECT} >= {"MalformedFrame", "UnsupportedVersion", "UnknownMessage"}
+    # minor 1 (staging)
+    assert any(getattr(m, "end_token", None) == 2**32 - 1 for m in both), "a token bound of 2**32-1"
+    assert any(getattr(m, "offset", None) == 2**64 - 1 for m in both), "a staging offset of 2**64-1"
+    assert any(getattr(m, "watermark", None) == 2**64 - 1 for m in both), "a watermark of 2**64-1"
+    assert any(e["msg_type"] == MsgType.STAGING_GRANT and e["header"]["minor"] > MINOR and e.get("twin")
+               for e in FRAMES_DECODE), "a STAGING_GRANT of a newer minor with trailing bytes"
+    assert any(e["header"]["minor"] == MINOR for e in FRAMES_BOTH), "frames of this build's minor"
+    assert any(e["header"]["minor"] == 0 for e in FRAMES_BOTH), "version 1.0 frames"
+
+
+def test_vectors_unknown_type_vectors_carry_their_minor() -> None:
+    """The unknown-type reject vectors raise UnknownMessage with their header: one of a minor newer than
+    this build (ignorable here) and one not newer (a violation here)."""
+    newer = []
+    for e in FRAMES_REJECT:
+        if e["error"] != "UnknownMessage":
+            continue
+        with pytest.raises(wire.UnknownMessage) as info:
+            decode_frame(read_vector(e["file"]))
+        assert info.value.header.msg_type not in MESSAGE_TYPES
+        newer.append(info.value.header.minor > MINOR)
+    assert True in newer and False in newer
 
 
 def test_vectors_generator_is_in_sync() -> None:

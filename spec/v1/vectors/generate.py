@@ -37,6 +37,9 @@ from kvproto.wire import (
     Register,
     RegisterAccept,
     RegisterReject,
+    StagingGrant,
+    StagingRequest,
+    StagingWatermark,
     TransferDone,
     TransferRequest,
     WireGeometry,
@@ -80,6 +83,13 @@ def _value_json(kind: Any, value: Any) -> Any:
     if isinstance(kind, list):
         return [body_json(item) for item in value]
     return body_json(value)
+
+
+def v10(msg: Message) -> bytes:
+    """``msg`` as a version 1.0 frame (minor 0). The vectors released with 1.0 were built from
+    such frames; ``encode``'s default minor followed the build (1 since version 1.1), so every
+    frame below names its minor explicitly."""
+    return encode(msg, minor=0)
 
 
 def frame(file: str, msg: Message, note: str, *, minor: int = 0) -> Vector:
@@ -198,6 +208,18 @@ REGISTER_MLA = Register(
 TRANSFER_DONE = TransferDone(room_id=0x00C0FFEE, generation=1_000_001, writes=3, nbytes=25_165_824 + 256)
 HEARTBEAT = Heartbeat(boot_id=0x0123456789ABCDEF, seq=42)
 
+# Version 1.1 (minor 1): staging. The example pair is prefill rank 2 of TP 4 (GEOMETRY_PREFILL:
+# block 64, HND) writing into decode rank 1 of TP 2 (GEOMETRY_GQA: block 16, NHD) on link 7:
+# 2 layers x 2 planes = 4 regions, 2 moved heads of 128 bf16 elements, so one unit (one token)
+# is 4 * 2 * 128 * 2 = 2,048 bytes. The room is the one of transfer_request.hex (100 tokens,
+# 32 cached): the writer stages tokens [32, 100).
+STAGING_UNIT = 4 * 2 * 128 * 2
+STAGING_REQUEST = StagingRequest(room_id=0x00C0FFEE, generation=1_000_001, seq=0, start_token=32, end_token=100)
+STAGING_GRANT = StagingGrant(room_id=0x00C0FFEE, generation=1_000_001, seq=0, start_token=32, end_token=64,
+                             offset=0x30000)
+STAGING_WATERMARK = StagingWatermark(room_id=0x00C0FFEE, generation=1_000_001, seq=0,
+                                     watermark=0x30000 + 32 * STAGING_UNIT)
+
 
 def _vectors() -> list[Vector]:
     good = [
@@ -272,18 +294,18 @@ def _vectors() -> list[Vector]:
                     "minor 7: trailing bytes after a record list are ignored",
                     twin="register.hex", minor=7),
         decode_only("heartbeat_minor0_trailing.hex",
-                    with_trailing(encode(HEARTBEAT), b"\x00"),
+                    with_trailing(v10(HEARTBEAT), b"\x00"),
                     HEARTBEAT,
                     "trailing bytes are ignored whatever the minor (here 0)",
                     twin="heartbeat.hex"),
         decode_only("heartbeat_flags_reserved.hex",
-                    patched(patched(encode(HEARTBEAT), 5, "<B", 0xFF), 6, "<H", 0xBEEF),
+                    patched(patched(v10(HEARTBEAT), 5, "<B", 0xFF), 6, "<H", 0xBEEF),
                     HEARTBEAT,
                     "unknown flag bits and a nonzero reserved field are ignored (flags are reported)",
                     twin="heartbeat.hex", flags=0xFF),
     ]
-    hb = encode(HEARTBEAT)
-    query = encode(BootstrapQuery(requester="ab"))
+    hb = v10(HEARTBEAT)
+    query = v10(BootstrapQuery(requester="ab"))
     rejects = [
         reject("reject_short_header.hex", hb[:23], "MalformedFrame", ErrorCode.MALFORMED_FRAME,
                "23 bytes: shorter than the header"),
@@ -306,11 +328,11 @@ def _vectors() -> list[Vector]:
         reject("reject_utf8_surrogate.hex", with_trailing(query[:24], b"\x03\x00\xed\xa0\x80"), "MalformedFrame",
                ErrorCode.MALFORMED_FRAME, "an encoded UTF-16 surrogate is not UTF-8"),
         reject("reject_record_count.hex",
-               with_trailing(encode(BootstrapInfo(tp_size=2, ranks=()))[:24], b"\x02\x00\xff\xff\xff\xff"),
+               with_trailing(v10(BootstrapInfo(tp_size=2, ranks=()))[:24], b"\x02\x00\xff\xff\xff\xff"),
                "MalformedFrame", ErrorCode.MALFORMED_FRAME, "a record count far beyond the frame"),
         reject("reject_array_count.hex",
-               with_trailing(encode(TransferRequest(num_tokens=1, prefix_tokens=0, aux_slot=0,
-                                                    expected_writers=1))[:38], b"\x00\x00\x00\x40"),
+               with_trailing(v10(TransferRequest(num_tokens=1, prefix_tokens=0, aux_slot=0,
+                                                 expected_writers=1))[:38], b"\x00\x00\x00\x40"),
                "MalformedFrame", ErrorCode.MALFORMED_FRAME, "a u32[] count whose elements do not fit the frame"),
         reject("reject_unknown_type.hex", patched(hb, 4, "<B", 200), "UnknownMessage", ErrorCode.MALFORMED_FRAME,
                "message type 200 at minor 0: a violation"),
@@ -337,8 +359,51 @@ def _vectors() -> list[Vector]:
         tag_reject("reject_tag_kind0.hex", patched(kv, 3, "<B", 0), "tag kind 0 is not assigned"),
         tag_reject("reject_tag_kind3.hex", patched(kv, 3, "<B", 3), "tag kind 3 is not assigned"),
     ]
+    staging = [
+        frame("staging_request.hex", STAGING_REQUEST,
+              "minor 1: the writer asks for staging space for tokens [32, 100) of room 0xC0FFEE as its write 0",
+              minor=1),
+        frame("staging_grant.hex", STAGING_GRANT,
+              "minor 1: the decode ring grants the first 32 tokens (32 units of 2,048 bytes) at offset 0x30000",
+              minor=1),
+        frame("staging_request_next.hex",
+              StagingRequest(room_id=0x00C0FFEE, generation=1_000_001, seq=1, start_token=64, end_token=100),
+              "minor 1: after a partial grant the writer asks for the rest, starting at the grant's end, as write 1",
+              minor=1),
+        frame("staging_watermark.hex", STAGING_WATERMARK,
+              "minor 1: write 0 is scattered and its region released; the ring's watermark moved past it",
+              minor=1),
+        frame("staging_request_max.hex",
+              StagingRequest(room_id=U64_MAX, generation=U32_MAX, seq=U32_MAX, start_token=U32_MAX - 1,
+                             end_token=U32_MAX),
+              "minor 1: every field at its bound; the token range [2**32-2, 2**32-1)", minor=1),
+        frame("staging_grant_max.hex",
+              StagingGrant(room_id=U64_MAX, generation=U32_MAX, seq=U32_MAX, start_token=U32_MAX - 1,
+                           end_token=U32_MAX, offset=U64_MAX),
+              "minor 1: every field at its bound, offset 2**64-1 (wire-valid; a prefill rank refuses it: "
+              "offset + length exceeds any staging region, INDEX_OUT_OF_RANGE)", minor=1),
+        frame("staging_watermark_max.hex",
+              StagingWatermark(room_id=U64_MAX, generation=U32_MAX, seq=U32_MAX, watermark=U64_MAX),
+              "minor 1: every field at its bound, watermark 2**64-1", minor=1),
+        decode_only("staging_grant_minor2_trailing.hex",
+                    with_trailing(encode(STAGING_GRANT, minor=2), bytes.fromhex("efcdab8967452301cafe"), minor=2),
+                    STAGING_GRANT,
+                    "minor 2: a STAGING_GRANT with 10 bytes of fields this decoder does not know: they are ignored",
+                    twin="staging_grant.hex", minor=2),
+        reject("reject_staging_grant_truncated.hex",
+               with_trailing(encode(STAGING_GRANT, minor=1)[:24], encode(STAGING_GRANT, minor=1)[24:-1]),
+               "MalformedFrame", ErrorCode.MALFORMED_FRAME,
+               "minor 1: a consistent body_len, but the body ends inside offset (no staging field is optional)"),
+        reject("reject_unknown_type_minor2.hex", patched(encode(HEARTBEAT, minor=2), 4, "<B", 200),
+               "UnknownMessage", ErrorCode.MALFORMED_FRAME,
+               "message type 200 at minor 2: decoders raise UnknownMessage; a receiver of minor 0 or 1 ignores "
+               "it (newer minor), one of minor 2 or later counts a violation"),
+        tag("tag_staged_write.hex", Tag(kind=TagKind.STAGED, room_id=0x00C0FFEE, generation=1_000_001, link_id=7,
+                                        seq=0),
+            "minor 1: the tag of the staged write that fills the grant of staging_grant.hex"),
+    ]
     # The MAX_FRAME bound is tested in tests/wire/test_fuzz.py rather than with 16 MiB files.
-    return good + tail + rejects + tags + tag_rejects
+    return good + tail + rejects + tags + tag_rejects + staging
 
 
 VECTORS = _vectors()
