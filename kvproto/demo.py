@@ -52,6 +52,9 @@ class DemoConfig:
     seed: int = 0
     aux_bytes: int = 64
     timeout: float = 120.0
+    path: str = "auto"
+    """auto (direct, else staged, else sliced), sliced, or staged."""
+    staging_mb: int = 64
 
 
 def schedule(cfg: DemoConfig) -> list[tuple[int, int]]:
@@ -197,7 +200,8 @@ def _endpoint_config(cfg: DemoConfig, instance: str):
     from kvproto.aio import EndpointConfig
     from kvproto.core import Timeouts
 
-    return EndpointConfig(transport=cfg.transport, instance=instance, model_id="kvproto-demo",
+    return EndpointConfig(transport=cfg.transport, instance=instance, model_id="kvproto-demo", path=cfg.path,
+                          staging_bytes=cfg.staging_mb << 20,
                           timeouts=Timeouts(bootstrap=cfg.timeout, waiting=cfg.timeout, transfer=cfg.timeout))
 
 
@@ -212,6 +216,8 @@ async def _prefill(cfg: DemoConfig, rank: int, bootstrap: str | None, report) ->
     async with PrefillEndpoint(cache.kv, bootstrap=bootstrap, config=_endpoint_config(cfg, "prefill")) as ep:
         report.put(("address", rank, ep.address))
         sem = asyncio.Semaphore(cfg.concurrency)
+        paths: set[str] = set()
+        descriptors = [0]
 
         async def one(room_id: int, n: int) -> None:
             async with sem:
@@ -233,9 +239,11 @@ async def _prefill(cfg: DemoConfig, rank: int, bootstrap: str | None, report) ->
                 finally:
                     cache.give(pages)
                     slots.append(slot)
+                paths.update(room.stats.paths - {"aux"})
+                descriptors[0] += room.stats.descriptors
 
         await asyncio.gather(*(one(r, n) for r, n in schedule(cfg)))
-        report.put(("prefill-done", rank, ep.core.stats.rooms_succeeded))
+        report.put(("prefill-done", rank, sorted(paths), descriptors[0]))
         # Stay up until every decode rank finished (they may still need heartbeats answered).
         while True:
             await asyncio.sleep(0.05)
@@ -375,7 +383,8 @@ def run(cfg: DemoConfig) -> int:
         progress.update(0, start_t)
         done_rank0 = bad = 0
         finished = []
-        while len(finished) < cfg.decode_tp:
+        senders = []
+        while len(finished) < cfg.decode_tp or len(senders) < cfg.prefill_tp:
             msg = next_msg(deadline)
             if msg[0] == "room":
                 bad += msg[3]
@@ -384,12 +393,18 @@ def run(cfg: DemoConfig) -> int:
                     progress.update(done_rank0, start_t)
             elif msg[0] == "decode-done":
                 finished.append(msg)
+            elif msg[0] == "prefill-done":
+                senders.append(msg)
         elapsed = max(m[2] for m in finished)
         total_bytes = sum(m[3] for m in finished)
         rooms_ok = min(m[5] for m in finished)
         print(f"moved {total_bytes / 1e9:.3f} GB of KV in {rooms_ok} rooms to {cfg.decode_tp} decode rank(s) "
               f"in {elapsed:.2f} s (page fill and byte checks included)")
         print(f"throughput: {rooms_ok / elapsed:.1f} rooms/s, {total_bytes / elapsed / 1e9:.3f} GB/s")
+        paths = sorted({p for m in senders for p in m[2]})
+        descs = sum(m[3] for m in senders)
+        print(f"paths: {', '.join(paths) or 'none'}; {descs / max(1, cfg.rooms):.0f} descriptors per room "
+              f"(all prefill ranks, after merging)")
         print(f"verified every byte: {'OK, 0 mismatching bytes' if bad == 0 else f'FAILED, {bad} mismatching bytes'}")
         return 0 if bad == 0 and rooms_ok == cfg.rooms else 1
     except (RuntimeError, TimeoutError) as exc:
@@ -428,6 +443,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--concurrency", type=int, default=d.concurrency, help="rooms in flight per rank")
     a("--transport", choices=["nixl", "loopback"], default=d.transport,
       help="loopback only works within one process; the demo uses separate processes, so use nixl")
+    a("--path", choices=["auto", "sliced", "staged"], default=d.path,
+      help="auto: direct where pages match byte for byte, else staged, else sliced")
+    a("--staging-mb", type=int, default=d.staging_mb, help="staging buffer per rank, MiB")
     a("--seed", type=int, default=d.seed)
     a("--timeout", type=float, default=d.timeout, help="per-room deadline in seconds")
 

@@ -32,8 +32,18 @@ import zmq.utils.monitor
 from kvproto.aio.endpoint import EndpointBase, EndpointConfig
 from kvproto.aio.memory import KVCache, geometry_from_wire, geometry_to_wire
 from kvproto.aio.room import ReceiverRoomHandle
-from kvproto.core import ReceiverCore, ReceiverLink
-from kvproto.geometry import IncompatibleGeometry, KVGeometry, check_compatible, paired_ranks_of_decode, writers
+from kvproto import kernels
+from kvproto.aio.staging import Copies, PieceShape, StagingBuffer, scatter_piece
+from kvproto.core import ReceiverCore, ReceiverLink, Scatter
+from kvproto.core.staging import StagingRing
+from kvproto.geometry import (
+    IncompatibleGeometry,
+    KVGeometry,
+    check_compatible,
+    paired_ranks_of_decode,
+    plan_pair,
+    writers,
+)
 from kvproto.wire import (
     MINOR,
     Abort,
@@ -42,9 +52,12 @@ from kvproto.wire import (
     ErrorCode,
     Heartbeat,
     Message,
+    RegionKind,
     RegisterAccept,
     RegisterReject,
     Register,
+    StagingRequest,
+    WireRegion,
     RemoteProtocolError,
     TransferDone,
     UnknownMessage,
@@ -67,6 +80,7 @@ class _Link:
     last_seen: float = 0.0
     last_beat: float = 0.0
     boot_id: int = 0
+    peer_minor: int = 0
     registered: bool = False
     beats: int = 0
     watcher: asyncio.Task[None] | None = None
@@ -88,10 +102,18 @@ class DecodeEndpoint(EndpointBase):
     def __init__(self, kv: KVCache, *, config: EndpointConfig | None = None) -> None:
         super().__init__(kv, config)
         g = kv.geometry
+        self._staging: StagingBuffer | None = None
+        if self.config.staging_bytes and kv.tensors:
+            self._staging = StagingBuffer(kv, self.config.staging_bytes, host=self.config.host_staging)
+            self._copies = Copies(kv.tensors[0].device)
+            self._regions = kernels.Regions(kv.tensors)
         self.core = ReceiverCore(
             block_size=g.block_size, num_blocks=g.num_blocks, aux_slots=kv.aux.slots if kv.aux else 0,
             timeouts=self.config.timeouts,
+            staging=StagingRing(self._staging.capacity) if self._staging is not None else None,
         )
+        self._pieces: dict[int, tuple[PieceShape, int]] = {}
+        """link_id -> (piece shape, decode-side head offset) of each writer that may stage."""
         self._links: dict[int, _Link] = {}
         self._bootstraps: dict[str, asyncio.Task[None]] = {}
         self._next_link_id = 1
@@ -146,7 +168,9 @@ class DecodeEndpoint(EndpointBase):
 
     # --- sockets ------------------------------------------------------------------------------------
     async def _start_io(self) -> None:
-        pass
+        if self._staging is not None:
+            assert self.transport is not None
+            self.transport.register([self._staging.region()])
 
     def _close_io(self) -> None:
         for task in self._bootstraps.values():
@@ -224,7 +248,7 @@ class DecodeEndpoint(EndpointBase):
                 self.core.stats.peer_violations += 1
             log.warning("bad frame from prefill rank %d: %s", link.prefill_rank, exc)
             return
-        if isinstance(msg, (TransferDone, Abort)) and msg.room_id:
+        if isinstance(msg, (TransferDone, Abort, StagingRequest)) and msg.room_id:
             self.core.on_message(link.link_id, msg, now)
         elif isinstance(msg, Heartbeat):
             if link.registered and msg.boot_id != link.boot_id:
@@ -235,6 +259,8 @@ class DecodeEndpoint(EndpointBase):
             else:
                 link.inbox.put_nowait(msg)
         elif isinstance(msg, (BootstrapInfo, RegisterAccept, RegisterReject)):
+            if isinstance(msg, RegisterAccept):
+                link.peer_minor = header.minor
             link.inbox.put_nowait(msg)
         else:
             self.core.stats.peer_violations += 1
@@ -318,6 +344,11 @@ class DecodeEndpoint(EndpointBase):
             result.append((link, accept))
         assert prefill_g is not None
         chosen = writers(prefill_g, g)
+        for link, _accept in result:
+            if link.prefill_rank in chosen and self._staging is not None and link.peer_minor >= 1:
+                plan = plan_pair(prefill_g.with_rank(link.prefill_rank), g)
+                self._pieces[link.link_id] = (PieceShape(g.num_regions, plan.head_count, g.head_dim, g.itemsize),
+                                              plan.dst_head_offset)
         unused = [lk for lk in links if lk not in targets.values()]
         for link in unused:
             self._discard_link(link)
@@ -325,7 +356,8 @@ class DecodeEndpoint(EndpointBase):
         return [
             ReceiverLink(key=link.link_id, link_id=link.link_id, cluster=cluster, prefill_rank=link.prefill_rank,
                          agent=accept.agent_name, writer=link.prefill_rank in chosen,
-                         aux_owner=link.prefill_rank == chosen[0])
+                         aux_owner=link.prefill_rank == chosen[0],
+                         stage_unit=self._pieces[link.link_id][0].unit if link.link_id in self._pieces else 0)
             for link, accept in result
         ]
 
@@ -364,12 +396,33 @@ class DecodeEndpoint(EndpointBase):
             model_id=self.config.model_id, compat_key=self.config.compat_key,
             geometry=geometry_to_wire(self.kv.geometry), aux_slots=aux.slots if aux else 0,
             aux_slot_bytes=aux.slot_bytes if aux else 0, transport=self.config.transport,
-            transport_metadata=self.transport.metadata(), regions=self.kv.wire_regions(),
+            transport_metadata=self.transport.metadata(), regions=self.kv.wire_regions() + self._staging_row(),
         )
+
+    def _staging_row(self) -> tuple[WireRegion, ...]:
+        buf = self._staging
+        if buf is None:
+            return ()
+        return (WireRegion(kind=RegionKind.STAGING, index=0, address=buf.address, length=buf.capacity,
+                           device_id=buf.device_id, mem_kind=buf.kind),)
 
     # --- progress ---------------------------------------------------------------------------------------
     def _perform(self, output: Any) -> None:
-        raise TypeError(f"unexpected output {output!r}")
+        if not isinstance(output, Scatter):
+            raise TypeError(f"unexpected output {output!r}")
+        link_id: int = output.link  # type: ignore[assignment]
+        piece, head_offset = self._pieces[link_id]
+        assert self._staging is not None
+
+        def scatter(stream: Any) -> None:
+            scatter_piece(self.kv, self._regions, self._staging, output.offset, piece,  # type: ignore[arg-type]
+                          pages=output.dst_pages, start=output.start_token, end=output.end_token,
+                          head_offset=head_offset, stream=stream)
+
+        self._copies.run(scatter, lambda: self.core.scatter_done(output.room_id, link_id, output.seq, self._now()))
+        handle = self._handles.get(output.room_id)
+        if handle is not None:
+            handle.stats.paths.add(f"staged-{self._staging.where}")
 
     def _progress_once(self) -> bool:
         assert self.transport is not None
@@ -377,6 +430,7 @@ class DecodeEndpoint(EndpointBase):
         notes = self.transport.drain_notifications()
         for note in notes:
             self.core.on_notification(note.peer, note.tag, now)
+        scattered = self._copies.poll() if self._staging is not None else 0
         self.core.handle_timer(now)
         interval, limit = self.config.heartbeat_interval, self.config.heartbeat_timeout
         for link in list(self._links.values()):
@@ -388,4 +442,4 @@ class DecodeEndpoint(EndpointBase):
                 link.last_beat = now
                 link.beats += 1
                 self._send_frame(link.sock, [encode(Heartbeat(boot_id=self.boot_id, seq=link.beats))])
-        return bool(notes)
+        return bool(notes) or scattered > 0

@@ -104,6 +104,14 @@ class EndpointConfig:
     idle_poll_s: float = 0.001
     curve: CurveAuth | None = None
     """Authenticate and encrypt the control plane with CURVE (see ``CurveAuth``)."""
+    path: str = "auto"
+    """How a prefill rank moves bytes to a decode rank: ``auto`` (direct where both sides' pages
+    are byte-identical, else staged where the decode offers staging, else sliced), ``sliced``,
+    or ``staged`` (where possible, else as ``auto``)."""
+    staging_bytes: int = 64 << 20
+    """Size of this rank's staging buffer (0: no staging). Needs the cache's tensors."""
+    host_staging: bool = False
+    """Stage GPU caches through pinned host memory instead of device memory."""
 
 
 class EndpointBase:

@@ -51,6 +51,8 @@ class KVCache:
     device_id: int = 0
     aux: AuxBuffer | None = None
     owner: Any = field(default=None, compare=False, repr=False)
+    tensors: tuple[Any, ...] = field(default=(), compare=False, repr=False)
+    """Region tensors, 4-D in the geometry's layout (needed by the staged path's kernels)."""
 
     def __post_init__(self) -> None:
         if len(self.region_addresses) != self.geometry.num_regions:
@@ -99,6 +101,7 @@ class KVCache:
         except KeyError:
             raise ValueError(f"unsupported cache dtype {first.dtype}") from None
         addresses = []
+        tensors = []
         for layer in range(num_layers):
             for plane in planes:
                 t = plane[layer]
@@ -107,6 +110,7 @@ class KVCache:
                 if not t.is_contiguous():
                     raise ValueError(f"layer {layer} tensor is not contiguous")
                 addresses.append(t.data_ptr())
+                tensors.append(t if t.dim() == 4 else t.view(nb, bs, 1, hd))
         geometry = KVGeometry(
             tp_size=tp_size,
             tp_rank=tp_rank,
@@ -129,6 +133,7 @@ class KVCache:
             device_id=(first.device.index or 0) if is_cuda else 0,
             aux=AuxBuffer.from_tensor(aux) if aux is not None else None,
             owner=(planes, aux),
+            tensors=tuple(tensors),
         )
 
     # --- what gets registered and advertised ------------------------------------------------
@@ -138,6 +143,10 @@ class KVCache:
         if self.aux is not None:
             regions.append(MemoryRegion(self.aux.address, self.aux.slot_bytes * self.aux.slots, 0, MemKind.DRAM))
         return regions
+
+    @property
+    def torch_dtype(self) -> Any:
+        return self.tensors[0].dtype if self.tensors else None
 
     def wire_regions(self) -> tuple[WireRegion, ...]:
         size = self.geometry.region_bytes

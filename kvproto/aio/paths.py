@@ -9,6 +9,9 @@ every region (layer, plane) and posts it as one write:
   prepared once as descriptor lists of one page per row (row ``r * num_blocks + page``); a
   write picks rows by index, and the transport merges runs of consecutive pages.
 * ``sliced`` (any other pair): one descriptor per extent per region, built for the write.
+* ``staged``: the pair's head slice of a token range is gathered into local staging, one bulk
+  WRITE carries it into a region the decode rank granted, and decode scatters it
+  (``kvproto.aio.staging``): one descriptor per piece instead of thousands.
 
 The aux slot moves through prepared one-slot-per-row lists. Nothing here decides anything
 about rooms; errors surface as ``TransportError`` to the caller.
@@ -97,6 +100,8 @@ class LinkPath:
         remote_kind: MemKind,
         remote_device: int,
         remote_aux: tuple[int, int, int] | None,
+        kind: str | None = None,
+        remote_staging: tuple[int, int, MemKind, int] | None = None,
     ) -> None:
         self.transport = transport
         self.local = local
@@ -108,7 +113,9 @@ class LinkPath:
         self.remote_kind = remote_kind
         self.remote_device = remote_device
         self.remote_aux = remote_aux
-        self.kind = "none" if plan is None else ("direct" if plan.direct else "sliced")
+        self.kind = kind or ("none" if plan is None else ("direct" if plan.direct else "sliced"))
+        self.remote_staging = remote_staging
+        """(address, length, memory kind, device) of the decode rank's staging region."""
         self._remote_pages: DescList | None = None
         self._remote_aux: DescList | None = None
 
@@ -152,6 +159,18 @@ class LinkPath:
             self.peer, self.local.pages(), local_idx, self._remote_pages, remote_idx, tag
         )
         return Posted(xfer, nbytes, len(pattern) * len(self.local_bases))
+
+    def post_staged(self, tag: bytes, local: tuple[int, MemKind, int], remote_offset: int, nbytes: int) -> Posted:
+        """One WRITE of ``nbytes`` from local staging ``(address, kind, device)`` into the decode
+        rank's staging region at ``remote_offset``."""
+        assert self.remote_staging is not None
+        address, length, kind, device = self.remote_staging
+        if remote_offset + nbytes > length:
+            raise ValueError(f"staged write of {nbytes} bytes at {remote_offset} overruns the {length}-byte region")
+        local_rows = np.array([[local[0], nbytes, local[2]]], dtype=np.int64)
+        remote_rows = np.array([[address + remote_offset, nbytes, device]], dtype=np.int64)
+        xfer = self.transport.post_descs(self.peer, local_rows, local[1], remote_rows, kind, tag)
+        return Posted(xfer, nbytes, 1)
 
     def post_aux(self, tag: bytes, src_slot: int, dst_slot: int) -> Posted:
         assert self.remote_aux is not None and self.local.kv.aux is not None

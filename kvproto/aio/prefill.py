@@ -31,7 +31,9 @@ from kvproto.aio.endpoint import EndpointBase, EndpointConfig
 from kvproto.aio.memory import KVCache, geometry_from_wire, geometry_to_wire
 from kvproto.aio.paths import LinkPath, LocalLists, Posted
 from kvproto.aio.room import SenderRoomHandle
-from kvproto.core import PostAux, PostWrite, SenderCore, SenderLink
+from kvproto import kernels
+from kvproto.aio.staging import Copies, PieceShape, StagingBuffer, Stager, gather_piece
+from kvproto.core import PostAux, PostStaged, PostWrite, SenderCore, SenderLink
 from kvproto.geometry import (
     IncompatibleGeometry,
     KVGeometry,
@@ -57,6 +59,8 @@ from kvproto.wire import (
     RegisterAccept,
     RegisterReject,
     RemoteProtocolError,
+    StagingGrant,
+    StagingWatermark,
     TransferRequest,
     UnknownMessage,
     UnsupportedVersion,
@@ -85,6 +89,8 @@ class _Pending:
     seq: int
     tag: bytes
     posted: Posted
+    local_key: Any = None
+    """The local staging region the write reads from, released when it finishes."""
 
 
 class PrefillEndpoint(EndpointBase):
@@ -111,6 +117,13 @@ class PrefillEndpoint(EndpointBase):
         self._local: LocalLists | None = None
         self._rank_table: dict[int, RankAddress] = {}
         self._auth: _KeyAuthenticator | None = None
+        self._pieces: dict[bytes, tuple[PieceShape, int]] = {}
+        self._staging: StagingBuffer | None = None
+        if self.config.staging_bytes and kv.tensors:
+            self._staging = StagingBuffer(kv, self.config.staging_bytes, host=self.config.host_staging)
+            self._stager = Stager(self._staging)
+            self._copies = Copies(kv.tensors[0].device)
+            self._regions = kernels.Regions(kv.tensors)
 
     @property
     def bootstrap_address(self) -> str:
@@ -145,6 +158,8 @@ class PrefillEndpoint(EndpointBase):
     async def _start_io(self) -> None:
         assert self._ctx is not None and self.transport is not None
         self._local = LocalLists(self.transport, self.kv)
+        if self._staging is not None:
+            self._staging_registration = self.transport.register([self._staging.region()])
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 500)
         curve = self.config.curve
@@ -222,7 +237,7 @@ class PrefillEndpoint(EndpointBase):
         except RemoteProtocolError as exc:
             self._bad_frame(ident, frame, exc)
             return
-        if isinstance(msg, (TransferRequest, Abort)) and msg.room_id:
+        if isinstance(msg, (TransferRequest, Abort, StagingGrant, StagingWatermark)) and msg.room_id:
             self.core.on_message(ident, msg, now)
         elif isinstance(msg, Register):
             self._on_register(ident, header.minor, msg)
@@ -278,7 +293,7 @@ class PrefillEndpoint(EndpointBase):
     # --- registration ---------------------------------------------------------------------------
     def _on_register(self, ident: bytes, minor: int, msg: Register) -> None:
         try:
-            decode_g, remote_bases, remote_kind, remote_device, remote_aux = self._check_register(msg)
+            remote = self._check_register(msg)
         except _Reject as rej:
             log.warning("rejected registration from %s: %s", msg.agent_name, rej.reason)
             self._send(ident, RegisterReject(link_id=msg.link_id, code=rej.code, reason=rej.reason))
@@ -287,6 +302,7 @@ class PrefillEndpoint(EndpointBase):
         old = self._links.get(ident)
         if old is not None:
             self._drop_link(old, ErrorCode.PEER_GONE, "decode rank registered again")
+        decode_g = remote.geometry
         for other in [lk for lk in self._links.values()
                       if lk.link.instance == msg.instance and lk.link.decode_rank == decode_g.tp_rank]:
             self._drop_link(other, ErrorCode.PEER_GONE, "decode rank restarted")
@@ -300,18 +316,27 @@ class PrefillEndpoint(EndpointBase):
         g = self.kv.geometry
         chosen = writers(g, decode_g)
         is_writer = g.tp_rank in chosen
+        plan = plan_pair(g, decode_g) if is_writer else None
+        piece = PieceShape(g.num_regions, plan.head_count, g.head_dim, g.itemsize) if plan else None
+        kind = self._choose_path(plan, piece, remote, minor)
         path = LinkPath(
-            transport=self.transport, local=self._local, peer=agent,
-            plan=plan_pair(g, decode_g) if is_writer else None, remote=decode_g,
-            remote_bases=remote_bases, remote_kind=remote_kind, remote_device=remote_device,
-            remote_aux=remote_aux,
+            transport=self.transport, local=self._local, peer=agent, plan=plan, remote=decode_g,
+            remote_bases=remote.bases, remote_kind=remote.kind, remote_device=remote.device,
+            remote_aux=remote.aux, kind=kind, remote_staging=remote.staging,
         )
+        staged = kind == "staged"
+        assert piece is not None or not staged
         link = SenderLink(
             key=ident, link_id=msg.link_id, instance=msg.instance, decode_rank=decode_g.tp_rank,
             num_blocks=decode_g.num_blocks, block_size=decode_g.block_size, aux_slots=msg.aux_slots,
             paired_ranks=frozenset(paired_ranks_of_prefill(g, decode_g)), writer=is_writer,
             aux_owner=is_writer and chosen[0] == g.tp_rank,
+            stage_unit=piece.unit if staged and piece else 0,
+            stage_capacity=remote.staging[1] if staged and remote.staging else 0,
+            stage_max_units=self._staging.capacity // piece.unit if staged and piece and self._staging else 0,
         )
+        if piece is not None:
+            self._pieces[ident] = (piece, plan.src_head_offset)  # type: ignore[union-attr]
         self._links[ident] = _DecodeLink(ident, link, agent, msg.boot_id, path, now)
         self.core.add_link(link)
         log.info("registered decode %s rank %d (%s path, minor %d)", msg.instance, decode_g.tp_rank, path.kind, minor)
@@ -319,7 +344,26 @@ class PrefillEndpoint(EndpointBase):
             boot_id=self.boot_id, link_id=msg.link_id, agent_name=self.agent_name,
             geometry=geometry_to_wire(g), aux_slot_bytes=self.kv.aux.slot_bytes if self.kv.aux else 0))
 
-    def _check_register(self, msg: Register) -> tuple[KVGeometry, list[int], MemKind, int, tuple[int, int, int] | None]:
+    def _choose_path(self, plan: Any, piece: PieceShape | None, remote: _Remote, minor: int) -> str:
+        """direct / sliced / staged for this pair (see ``EndpointConfig.path``)."""
+        if plan is None:
+            return "none"
+        assert self.transport is not None and piece is not None
+        can_stage = (
+            minor >= 1 and remote.staging is not None and self._staging is not None
+            and remote.staging[2] in self.transport.memory_kinds()
+            and piece.unit <= min(remote.staging[1], self._staging.capacity)
+        )
+        want = self.config.path
+        if want == "sliced":
+            return "sliced"
+        if want == "staged" and can_stage:
+            return "staged"
+        if plan.direct:
+            return "direct"
+        return "staged" if can_stage else "sliced"
+
+    def _check_register(self, msg: Register) -> _Remote:
         cfg = self.config
         if msg.transport != cfg.transport:
             raise _Reject(ErrorCode.TRANSPORT_ERROR, f"decode uses transport {msg.transport!r}, prefill {cfg.transport!r}")
@@ -361,7 +405,14 @@ class PrefillEndpoint(EndpointBase):
                 raise _Reject(ErrorCode.INCOMPATIBLE_GEOMETRY,
                               f"aux slots of {msg.aux_slot_bytes} bytes, prefill uses {local_aux.slot_bytes}")
             remote_aux = (aux_rows[0].address, msg.aux_slot_bytes, msg.aux_slots)
-        return decode_g, [r.address for r in kv_rows], remote_kind, kv_rows[0].device_id, remote_aux
+        staging_rows = [r for r in msg.regions if r.kind == RegionKind.STAGING]
+        staging = None
+        if staging_rows:
+            row = staging_rows[0]
+            if len(staging_rows) > 1 or row.length == 0 or row.mem_kind not in (MemKind.DRAM, MemKind.VRAM):
+                raise _Reject(ErrorCode.INDEX_OUT_OF_RANGE, "the memory table's staging region is invalid")
+            staging = (row.address, row.length, MemKind(row.mem_kind), row.device_id)
+        return _Remote(decode_g, [r.address for r in kv_rows], remote_kind, kv_rows[0].device_id, remote_aux, staging)
 
     def _drop_link(self, link: _DecodeLink, code: ErrorCode | int, reason: str) -> None:
         if self._links.get(link.ident) is not link:
@@ -379,12 +430,14 @@ class PrefillEndpoint(EndpointBase):
 
     # --- writes --------------------------------------------------------------------------------------
     def _perform(self, out: Any) -> None:
-        if not isinstance(out, (PostWrite, PostAux)):
+        if not isinstance(out, (PostWrite, PostAux, PostStaged)):
             raise TypeError(f"unexpected output {out!r}")
         link = self._links.get(out.link)  # type: ignore[arg-type]
-        now = self._now()
         if link is None:
-            self.core.write_failed(out.room_id, out.link, out.seq, "link is gone", now, tag=out.tag)
+            self.core.write_failed(out.room_id, out.link, out.seq, "link is gone", self._now(), tag=out.tag)
+            return
+        if isinstance(out, PostStaged):
+            self._stage(out, link)
             return
         try:
             if isinstance(out, PostWrite):
@@ -392,49 +445,91 @@ class PrefillEndpoint(EndpointBase):
             else:
                 posted = link.path.post_aux(out.tag, out.src_slot, out.dst_slot)
         except (TransportError, ValueError) as exc:
-            self.core.write_failed(out.room_id, out.link, out.seq, str(exc), now, tag=out.tag)
+            self.core.write_failed(out.room_id, out.link, out.seq, str(exc), self._now(), tag=out.tag)
             return
-        self._pending[posted.xfer] = _Pending(out.room_id, link.ident, out.seq, out.tag, posted)
+        self._posted(out, link, posted, "aux" if isinstance(out, PostAux) else link.path.kind)
+
+    def _posted(self, out: Any, link: _DecodeLink, posted: Posted, kind: str, local_key: Any = None) -> None:
+        self._pending[posted.xfer] = _Pending(out.room_id, link.ident, out.seq, out.tag, posted, local_key)
         handle = self._handles.get(out.room_id)
         if handle is not None:
             handle.stats.writes += 1
             handle.stats.nbytes += posted.nbytes
             handle.stats.descriptors += posted.descriptors
-            handle.stats.paths.add("aux" if isinstance(out, PostAux) else link.path.kind)
+            handle.stats.paths.add(kind)
         self._kick()
+
+    def _stage(self, out: PostStaged, link: _DecodeLink) -> None:
+        """Gather the piece into a free local staging region, then WRITE it (when the gather is done)."""
+        piece, head_offset = self._pieces[link.ident]
+        nbytes = (out.end_token - out.start_token) * piece.unit
+        assert self._staging is not None
+
+        def start(offset: int, key: Any) -> None:
+            def gather(stream: Any) -> None:
+                gather_piece(self.kv, self._regions, self._staging, offset, piece, pages=out.src_pages,  # type: ignore[arg-type]
+                             start=out.start_token, end=out.end_token, head_offset=head_offset, stream=stream)
+
+            self._copies.run(gather, lambda: self._write_piece(out, offset, key, nbytes))
+
+        self._stager.acquire(nbytes, start)
+
+    def _write_piece(self, out: PostStaged, offset: int, key: Any, nbytes: int) -> None:
+        link = self._links.get(out.link)  # type: ignore[arg-type]
+        buf = self._staging
+        assert buf is not None
+        try:
+            if link is None:
+                raise TransportError("link is gone")
+            posted = link.path.post_staged(out.tag, (buf.address + offset, buf.kind, buf.device_id),
+                                           out.remote_offset, nbytes)
+        except (TransportError, ValueError) as exc:
+            self._stager.release(key)
+            self.core.write_failed(out.room_id, out.link, out.seq, str(exc), self._now(), tag=out.tag)
+            return
+        self._posted(out, link, posted, f"staged-{buf.where}", key)
 
     def _progress_once(self) -> bool:
         assert self.transport is not None
         now = self._now()
         self.transport.drain_notifications()  # drives the data plane; prefill expects no tags
-        finished = 0
+        finished = self._copies.poll() if self._staging is not None else 0
         for xfer, pending in list(self._pending.items()):
             state = self.transport.poll(xfer)
             if state is XferState.PENDING:
                 continue
             finished += 1
-            del self._pending[xfer]
-            self.transport.release(xfer)
-            if state is XferState.DONE:
-                self.core.write_done(pending.room_id, pending.link, pending.seq, pending.posted.nbytes, now,
-                                     tag=pending.tag)
-            else:
-                self.core.write_failed(pending.room_id, pending.link, pending.seq, "transport reported ERR", now,
-                                       tag=pending.tag)
+            self._finish(xfer, pending, state is XferState.DONE, now)
         self.core.handle_timer(now)
         limit = self.config.heartbeat_timeout
         for link in [lk for lk in self._links.values() if now - lk.last_seen > limit]:
             self._drop_link(link, ErrorCode.PEER_GONE, f"no heartbeat for {limit}s")
         return finished > 0
 
+    def _finish(self, xfer: Any, pending: _Pending, ok: bool, now: float) -> None:
+        assert self.transport is not None
+        del self._pending[xfer]
+        self.transport.release(xfer)
+        if pending.local_key is not None:
+            self._stager.release(pending.local_key)  # the staging region is free only now
+        if ok:
+            self.core.write_done(pending.room_id, pending.link, pending.seq, pending.posted.nbytes, now,
+                                 tag=pending.tag)
+        else:
+            self.core.write_failed(pending.room_id, pending.link, pending.seq, "transport reported ERR", now,
+                                   tag=pending.tag)
+
     async def _drain_writes(self, grace: float) -> None:
+        """At close: let posted writes finish (their rooms' ABORTs go out as they do), then give up."""
         assert self.transport is not None
         deadline = self._now() + grace
         while self._pending and self._now() < deadline:
-            for xfer in list(self._pending):
-                if self.transport.poll(xfer) is not XferState.PENDING:
-                    self.transport.release(self._pending.pop(xfer).posted.xfer)
             self.transport.drain_notifications()
+            for xfer, pending in list(self._pending.items()):
+                state = self.transport.poll(xfer)
+                if state is not XferState.PENDING:
+                    self._finish(xfer, pending, state is XferState.DONE, self._now())
+            self._flush()
             await asyncio.sleep(0.001)
         for xfer in list(self._pending):
             try:
@@ -442,6 +537,20 @@ class PrefillEndpoint(EndpointBase):
             except TransportError as exc:
                 log.warning("releasing an unfinished write at close: %s", exc)
         self._pending.clear()
+        self.core.abandon_drains()
+        self._flush()
+
+
+@dataclass(frozen=True, slots=True)
+class _Remote:
+    """What a decode rank's REGISTER says about its memory, once checked."""
+
+    geometry: KVGeometry
+    bases: list[int]
+    kind: MemKind
+    device: int
+    aux: tuple[int, int, int] | None
+    staging: tuple[int, int, MemKind, int] | None
 
 
 class _KeyAuthenticator(AsyncioAuthenticator):

@@ -315,6 +315,11 @@ class ReceiverCore(CoreBase):
 
     # --- staging -----------------------------------------------------------------------------------
     def _on_staging_request(self, room: ReceiverRoom, link: ReceiverLink, msg: StagingRequest, now: float) -> None:
+        if room.failing:
+            # Sent before the writer heard our ABORT: granting would only hold ring space (and
+            # invite a write) for a room that is draining. Dropped like its queued requests.
+            self.stats.late_messages += 1
+            return
         progress = room.writers.get(link.link_id)
         dest = room.destination
         problem = None
@@ -322,12 +327,17 @@ class ReceiverCore(CoreBase):
             problem = ErrorCode.PEER_PROTOCOL_ERROR, "staging request, but this rank offers no staging to that writer"
         elif progress is None or dest is None:
             problem = ErrorCode.PEER_PROTOCOL_ERROR, f"prefill rank {link.prefill_rank} is not a writer of this room"
+        elif progress.writes is not None:
+            problem = ErrorCode.PEER_PROTOCOL_ERROR, f"staging request after prefill rank {link.prefill_rank}'s TRANSFER_DONE"
         elif progress.asking is not None or msg.seq in progress.seqs or (link.link_id, msg.seq) in room.staged:
             problem = ErrorCode.PEER_PROTOCOL_ERROR, f"staging request {msg.seq} overlaps an earlier one"
         elif msg.start_token != progress.stage_next or not msg.start_token < msg.end_token <= dest.num_tokens:
             problem = ErrorCode.INDEX_OUT_OF_RANGE, (
                 f"staging request for tokens [{msg.start_token}, {msg.end_token}); expected to start at "
                 f"{progress.stage_next} and end by {dest.num_tokens}")
+        elif link.stage_unit > self.ring.capacity:  # the ring would refuse it (ValueError)
+            problem = ErrorCode.INDEX_OUT_OF_RANGE, (
+                f"a unit of {link.stage_unit} bytes exceeds the {self.ring.capacity}-byte staging ring")
         if problem is not None:
             self.apply(room, Input.PEER_VIOLATION, now, code=problem[0], reason=problem[1])
             return
@@ -411,6 +421,8 @@ class ReceiverCore(CoreBase):
                 if inp is Input.TIMEOUT:
                     kw.setdefault("code", ErrorCode.TRANSFER_TIMEOUT)
                     kw.setdefault("reason", f"room {room.room_id} timed out while TRANSFERRING")
+                elif inp is Input.PEER_VIOLATION:
+                    self.stats.peer_violations += 1  # counted by the base only under its own name
                 inp = Input.DRAIN
         super().apply(room, inp, now, **kw)
 

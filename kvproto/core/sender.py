@@ -437,7 +437,7 @@ class SenderCore(CoreBase):
         """Write ``seq`` to ``link`` is DONE. ``tag`` (the write's tag) tells it apart from a write of
         an earlier room with the same id; without it, only ``seq`` is checked."""
         room: SenderRoom | None = self.rooms.get(room_id)
-        if room is None:
+        if room is None or self._drain_owns(room, link, seq, tag):
             self._drained_write(room_id, link, seq, tag)
             return
         peer = self._current_write(room, link, seq, tag)
@@ -451,7 +451,7 @@ class SenderCore(CoreBase):
     def write_failed(self, room_id: int, link: LinkKey, seq: int, reason: str, now: float, *,
                      tag: bytes | None = None) -> None:
         room = self.rooms.get(room_id)
-        if room is None:
+        if room is None or self._drain_owns(room, link, seq, tag):
             self._drained_write(room_id, link, seq, tag)
             return
         peer = self._current_write(room, link, seq, tag)
@@ -460,6 +460,17 @@ class SenderCore(CoreBase):
         peer.inflight.discard(seq)
         self.apply(room, Input.WRITE_ERROR, now, code=ErrorCode.TRANSPORT_ERROR,
                    reason=f"write {seq} failed: {reason}")
+
+    def _drain_owns(self, room: SenderRoom, key: LinkKey, seq: int, tag: bytes | None) -> bool:
+        """The report is about a write of an earlier, failed incarnation of the (reopened) room id
+        whose ABORT still waits for it (without a tag: only if the live room has no such write)."""
+        drain = self._draining.get((room.room_id, key))
+        if drain is None or seq not in drain.inflight:
+            return False
+        if tag is not None:
+            return decode_tag(tag).generation == drain.generation
+        peer = self._peer_by_key(room, key)
+        return peer is None or seq not in peer.inflight
 
     def _drained_write(self, room_id: int, key: LinkKey, seq: int, tag: bytes | None) -> None:
         """A write of an ended room finished; its link's ABORT goes out once none remain."""
@@ -543,6 +554,8 @@ class SenderCore(CoreBase):
             # Every requester hears the code, the origin too (it waits for this answer before
             # reusing its memory); a link with writes in flight hears it once they are all over.
             for peer in room.peers.values():
+                if self.links.get(peer.link.key) is not peer.link:
+                    continue  # the link is gone (remove_link): nothing can be told or land through it
                 if peer.inflight:
                     self._draining[(room.room_id, peer.link.key)] = _Drain(
                         peer.request.generation, peer.link.link_id, set(peer.inflight), room.code, room.reason)
@@ -588,7 +601,7 @@ class SenderCore(CoreBase):
         report of an earlier incarnation of the room id, whose writes may still complete late."""
         peer = self._peer_by_key(room, key)
         if peer is None or seq not in peer.inflight or (
-            tag is not None and tag != self._tag(room.room_id, peer, seq)
+            tag is not None and decode_tag(tag).generation != peer.request.generation
         ):
             self.stats.stale_tags += 1
             return None

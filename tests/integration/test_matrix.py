@@ -40,11 +40,20 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("path", ["auto", "sliced"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_matrix_geometry_moves_every_byte(case: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """Every decode rank holds exactly the reference bytes of every head it owns."""
-    cfg = dataclasses.replace(SMALL, **CASES[case])
+def test_matrix_geometry_moves_every_byte(case: str, path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every decode rank holds exactly the reference bytes of every head it owns, on the default
+    path (direct where pages match byte for byte, else staged) and on the sliced fallback."""
+    cfg = dataclasses.replace(SMALL, path=path, staging_mb=1, **CASES[case])
     code = run(cfg)
     out = capsys.readouterr().out
     assert code == 0, out
     assert f"in {cfg.rooms} rooms" in out and "OK, 0 mismatching bytes" in out
+    paths = out.split("paths: ", 1)[1].split(";", 1)[0]
+    if case == "full-prefix-hit":
+        assert paths == "none"  # nothing to move, yet every room completed
+    elif path == "sliced":
+        assert paths == "sliced"
+    else:
+        assert paths in ("direct", "staged-cpu"), paths
