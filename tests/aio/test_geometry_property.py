@@ -45,10 +45,12 @@ def geometries(draw: st.DrawFn) -> DemoConfig:
         prefix_tokens=draw(st.integers(0, tokens)),
         chunk_tokens=prefill_block * draw(st.integers(1, 8)),
         seed=draw(st.integers(0, 2**16)), transport="loopback",
-    )
+        path=draw(st.sampled_from(["auto", "sliced"])),
+        staging_mb=0,
+    ), draw(st.sampled_from([2048, 8192, 1 << 20]))
 
 
-async def run_room(cfg: DemoConfig, room_id: int) -> None:
+async def run_room(cfg: DemoConfig, room_id: int, staging_bytes: int = 1 << 20) -> None:
     torch.manual_seed(cfg.seed)
     prefill_caches = [_Cache(torch, cfg, tp=cfg.prefill_tp, rank=r, block=cfg.prefill_block,
                              layout=cfg.prefill_layout, aux_slots=1) for r in range(cfg.prefill_tp)]
@@ -56,17 +58,18 @@ async def run_room(cfg: DemoConfig, room_id: int) -> None:
                             layout=cfg.decode_layout, aux_slots=1) for r in range(cfg.decode_tp)]
     n = cfg.tokens
     prefix = prefix_of(cfg, n)
-    first = PrefillEndpoint(prefill_caches[0].kv, config=config("loopback"))
+    opts = dict(path=cfg.path, staging_bytes=staging_bytes)
+    first = PrefillEndpoint(prefill_caches[0].kv, config=config("loopback", **opts))
     await first.start()
     prefills = [first]
     try:
         for c in prefill_caches[1:]:
-            ep = PrefillEndpoint(c.kv, bootstrap=first.address, config=config("loopback"))
+            ep = PrefillEndpoint(c.kv, bootstrap=first.address, config=config("loopback", **opts))
             await ep.start()
             prefills.append(ep)
         decodes = []
         for c in decode_caches:
-            ep = DecodeEndpoint(c.kv, config=config("loopback", instance=f"decode-{room_id}"))
+            ep = DecodeEndpoint(c.kv, config=config("loopback", instance=f"decode-{room_id}", **opts))
             await ep.start()
             decodes.append(ep)
         decode_rooms, decode_pages = [], []
@@ -97,11 +100,13 @@ async def run_room(cfg: DemoConfig, room_id: int) -> None:
             await ep.close()
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cfg=geometries())
-async def test_endpoints_random_geometry_moves_reference_bytes(cfg: DemoConfig) -> None:
-    """Any compatible prefill/decode geometry pair lands the reference bytes on every decode rank."""
-    await run_room(cfg, room_id=1 + cfg.seed)
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=geometries())
+async def test_endpoints_random_geometry_moves_reference_bytes(case: tuple[DemoConfig, int]) -> None:
+    """Any compatible prefill/decode geometry pair lands the reference bytes on every decode rank,
+    on the default path (direct or staged, through staging rings as small as 2 KiB) and sliced."""
+    cfg, staging_bytes = case
+    await run_room(cfg, room_id=1 + cfg.seed, staging_bytes=staging_bytes)
 
 
 async def test_endpoints_crossed_layouts_with_replication() -> None:
@@ -110,3 +115,5 @@ async def test_endpoints_crossed_layouts_with_replication() -> None:
                               prefill_block=4, decode_block=16, prefill_layout="HND", decode_layout="NHD",
                               blocks=64, tokens=61, prefix_tokens=16, chunk_tokens=8, transport="loopback")
     await run_room(cfg, room_id=4242)
+    await run_room(dataclasses.replace(cfg, path="sliced"), room_id=4243)
+    await run_room(cfg, room_id=4244, staging_bytes=1024)  # pieces of 2 tokens: many grants per chunk
