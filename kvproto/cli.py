@@ -18,7 +18,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_arguments(demo_parser)
 
     bench_parser = sub.add_parser("bench", help="benchmarks (ratios against references measured in the same run)")
-    bench_parser.add_argument("which", choices=["kernels"], help="kernels: staging gather/scatter vs device copy")
+    bench_parser.add_argument("which", choices=["kernels", "paths"],
+                              help="kernels: staging gather/scatter vs device copy; "
+                                   "paths: sliced vs staged room vs one raw transport write")
     bench_parser.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of that benchmark (--help)")
 
     args = parser.parse_args(argv)
@@ -30,6 +32,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvproto.bench import kernels
 
         return kernels.main(args.rest)
+    if args.command == "bench" and args.which == "paths":
+        from kvproto.bench import paths
+
+        return paths.main(args.rest)
     parser.error(f"unknown command {args.command}")  # pragma: no cover
     return 2
 

@@ -9,10 +9,11 @@ rank's local heads. The prefill side gathers with its own block size and layout,
 side scatters with its own, so block size and layout are converted on the way.
 :func:`scatter` writes exactly the staged cells of ``dst`` and no other byte.
 
-Two backends implement one contract (checked by :mod:`kvproto.kernels.plan`): the Triton
-kernels (:mod:`kvproto.kernels.triton_kernels`, one launch for all regions) and the plain-torch
-reference (:mod:`kvproto.kernels.reference`). ``backend="auto"`` picks Triton for CUDA tensors
-when Triton is installed, the reference otherwise; ``backend="triton"`` on CPU tensors runs the
+Three backends implement one contract (checked by :mod:`kvproto.kernels.plan`): the Triton
+kernels (:mod:`kvproto.kernels.triton_kernels`, one launch for all regions), page-run copies for
+host-memory caches (:mod:`kvproto.kernels.cpu`), and the plain-torch reference
+(:mod:`kvproto.kernels.reference`). ``backend="auto"`` picks Triton for CUDA tensors when Triton
+is installed, the page-run copies for CPU tensors, the reference otherwise; ``backend="triton"`` on CPU tensors runs the
 Triton interpreter and requires ``TRITON_INTERPRET=1`` in the environment. Importing this
 package does not import Triton.
 
@@ -41,7 +42,7 @@ from kvproto.kernels.plan import CopyPlan, Regions, StagingError, plan_copy
 
 __all__ = ["Backend", "CopyPlan", "Regions", "StagingError", "gather", "plan_copy", "scatter"]
 
-Backend = Literal["auto", "triton", "torch"]
+Backend = Literal["auto", "triton", "torch", "cpu"]
 
 
 def gather(
@@ -79,6 +80,10 @@ def gather(
             from kvproto.kernels import triton_kernels
 
             return triton_kernels.gather(src, interpret=device.type != "cuda", **args)
+        if _use_cpu(backend, device, out):
+            from kvproto.kernels import cpu
+
+            return cpu.gather(src, **args)
         from kvproto.kernels import reference
 
         return reference.gather(src, **args)
@@ -109,6 +114,10 @@ def scatter(
             from kvproto.kernels import triton_kernels
 
             triton_kernels.scatter(staging, dst, interpret=device.type != "cuda", **args)
+        elif _use_cpu(backend, device, staging):
+            from kvproto.kernels import cpu
+
+            cpu.scatter(staging, dst, **args)
         else:
             from kvproto.kernels import reference
 
@@ -119,9 +128,16 @@ def _device(cache: Sequence[torch.Tensor]) -> torch.device:
     return cache[0].device if len(cache) else torch.device("cpu")
 
 
+def _use_cpu(backend: Backend, device: torch.device, staging: torch.Tensor | None) -> bool:
+    """Whether ``backend`` means the host-memory copies (a CPU cache and CPU staging)."""
+    if backend == "cpu":
+        return True
+    return backend == "auto" and device.type == "cpu" and (staging is None or staging.device.type == "cpu")
+
+
 def _use_triton(backend: Backend, device: torch.device) -> bool:
     """Whether ``backend`` means the Triton kernels for a cache on ``device``."""
-    if backend == "torch":
+    if backend in ("torch", "cpu"):
         return False
     if backend == "auto":
         return device.type == "cuda" and _have_triton()

@@ -1,0 +1,97 @@
+"""Staging copies for caches in host memory: whole-page selects and page-run slices.
+
+Theory of operation
+-------------------
+The reference indexes every (token, head) cell, which the CPU does slowly (one gather per
+element). Here a copy walks the request's tokens in *page runs* (the tokens of one page):
+
+* gather selects the touched pages of a region in one ``index_select`` (a memcpy per page),
+  then copies the run's head slice out of that contiguous block into the staging tensor;
+* scatter writes each page run's head slice with one strided slice assignment.
+
+Both copy exactly the cells of the contract (see ``kvproto.kernels``): gather reads a little
+more than it keeps (whole pages), scatter writes exactly the staged cells and nothing else.
+Tensors are viewed as same-width integers, so every dtype is copied bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvproto.geometry.model import Layout
+from kvproto.kernels.plan import check_staging, plan_copy, staging_heads
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(_BITS[tensor.element_size()])
+
+
+def gather(
+    src: Sequence[torch.Tensor],
+    *,
+    layout: Layout | int,
+    pages: torch.Tensor,
+    start_token: int,
+    end_token: int,
+    head_offset: int,
+    head_count: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    plan = plan_copy(src, layout=layout, pages=pages, start_token=start_token, end_token=end_token,
+                     head_offset=head_offset, head_count=head_count)
+    if out is None:
+        out = torch.empty(plan.staging_shape, dtype=plan.dtype, device=plan.device)
+    else:
+        check_staging(plan, out)
+    if end_token == start_token:
+        return out
+    block = plan.block_size
+    first, last = start_token // block, (end_token - 1) // block
+    index = pages[first:last + 1].to(torch.long)
+    skip = start_token - first * block
+    heads = slice(head_offset, head_offset + head_count)
+    for r, region in enumerate(src):
+        sel = _bits(region).index_select(0, index)  # (P, B, H, D) or (P, H, B, D): whole pages
+        if plan.layout is Layout.HND:
+            sel = sel[:, heads].transpose(1, 2)  # (P, B, hc, D)
+        else:
+            sel = sel[:, :, heads]
+        rows = sel.reshape(-1, head_count, sel.shape[-1])[skip:skip + end_token - start_token]
+        _bits(out[r]).copy_(rows)
+    return out
+
+
+def scatter(
+    staging: torch.Tensor,
+    dst: Sequence[torch.Tensor],
+    *,
+    layout: Layout | int,
+    pages: torch.Tensor,
+    start_token: int,
+    end_token: int,
+    head_offset: int,
+) -> None:
+    plan = plan_copy(dst, layout=layout, pages=pages, start_token=start_token, end_token=end_token,
+                     head_offset=head_offset, head_count=staging_heads(staging))
+    check_staging(plan, staging)
+    block = plan.block_size
+    heads = slice(head_offset, head_offset + plan.head_count)
+    runs = []
+    t = start_token
+    page_list = pages.tolist()
+    while t < end_token:
+        index, slot = divmod(t, block)
+        n = min(end_token - t, block - slot)
+        runs.append((page_list[index], slot, t - start_token, n))
+        t += n
+    for r, region in enumerate(dst):
+        bits, rows = _bits(region), _bits(staging[r])
+        for page, slot, offset, n in runs:
+            if plan.layout is Layout.NHD:
+                bits[page, slot:slot + n, heads] = rows[offset:offset + n]
+            else:
+                bits[page, heads, slot:slot + n] = rows[offset:offset + n].transpose(0, 1)
