@@ -328,7 +328,8 @@ class ReceiverCore(CoreBase):
         elif progress is None or dest is None:
             problem = ErrorCode.PEER_PROTOCOL_ERROR, f"prefill rank {link.prefill_rank} is not a writer of this room"
         elif progress.writes is not None:
-            problem = ErrorCode.PEER_PROTOCOL_ERROR, f"staging request after prefill rank {link.prefill_rank}'s TRANSFER_DONE"
+            problem = ErrorCode.PEER_PROTOCOL_ERROR, (
+                f"staging request after prefill rank {link.prefill_rank}'s TRANSFER_DONE")
         elif progress.asking is not None or msg.seq in progress.seqs or (link.link_id, msg.seq) in room.staged:
             problem = ErrorCode.PEER_PROTOCOL_ERROR, f"staging request {msg.seq} overlaps an earlier one"
         elif msg.start_token != progress.stage_next or not msg.start_token < msg.end_token <= dest.num_tokens:

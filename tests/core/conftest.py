@@ -17,7 +17,18 @@ into pending ``Event``s that nothing delivers until the test says so:
                    notification, delivered to ``on_notification(agent, tag, now)``) and ``done``
                    (the sender's completion, ``write_done``; ``fail`` turns it into
                    ``write_failed``). The data plane orders neither against anything.
-* ``RoomEnded`` -> recorded per core in ``ended``.
+* ``PostStaged`` -> like a write (``tag`` of kind STAGED, ``done``); the harness checks that the
+                   piece lands in a region the decode rank's ring granted for it.
+* ``Scatter``   -> a ``scatter`` event (the decode rank's scatter kernel); delivering it calls
+                   ``scatter_done``. Staged token ranges are recorded per (prefill, decode, room).
+* ``RoomEnded`` -> recorded per core in ``ended``. A decode room that ends while a write into it
+                   is still in flight (its ``done`` pending) or a scatter of it still runs is
+                   recorded in ``unsafe_ends`` unless it ended by CLOSE or by its drain deadline.
+
+Staging (``staged``: every writer pair, or the given (prefill, decode) pairs) goes through one
+``StagingRing`` of ``ring`` bytes per decode rank, shared by every writer and room; a pair's unit
+is one token of its moved heads over every region (``unit``). With ``ring=None`` the prefill ranks
+stage while the decode ranks offer no staging (a misconfigured or hostile peer).
 
 The clock is a float the test advances (``advance``); every core's ``handle_timer`` runs then.
 """
@@ -45,22 +56,25 @@ from kvproto.core import (
     SenderLink,
     Timeouts,
 )
+from kvproto.core.events import PostStaged, Scatter
+from kvproto.core.staging import StagingRing
 from kvproto.geometry import (
     DType,
     KVGeometry,
     Layout,
     paired_ranks_of_decode,
     paired_ranks_of_prefill,
+    plan_pair,
     writers,
 )
-from kvproto.wire import Message, TransferRequest, decode, encode
+from kvproto.wire import ErrorCode, Message, TransferRequest, decode, decode_tag, encode
 
 CLUSTER = "tcp://prefill-rank0:5000"
 """The decode side's name for the prefill instance (its bootstrap address)."""
 INSTANCE = "decode-instance-A"
 """The prefill side's name for the decode instance."""
 
-TO_DECODE, TO_PREFILL, TAG, DONE = "to_decode", "to_prefill", "tag", "done"
+TO_DECODE, TO_PREFILL, TAG, DONE, SCATTER = "to_decode", "to_prefill", "tag", "done", "scatter"
 
 
 def geometry(tp: int, rank: int = 0, *, heads: int = 8, block: int = 16, blocks: int = 64,
@@ -126,12 +140,19 @@ class Net:
     ready: bool = True
     report_tags: bool = True
     """Pass each write's tag with its DONE / failure report (as the I/O layer should)."""
+    staged: bool | frozenset[tuple[int, int]] = False
+    """Writer pairs (prefill rank, decode rank) that stage; ``True``: every writer pair."""
+    ring: int | None = 4096
+    """Bytes of each decode rank's staging ring (``None``: the decode ranks offer no staging,
+    while the prefill ranks still stage to the ``staged`` pairs)."""
+    stage_max_units: int = 0
+    """Most tokens one staged write of a prefill rank may carry (0: no limit)."""
     now: float = 1000.0
     seed: int = 7
     senders: list[SenderCore] = field(init=False)
     receivers: list[ReceiverCore] = field(init=False)
     pending: list[Event] = field(init=False, default_factory=list)
-    posts: dict[int, list[PostWrite | PostAux]] = field(init=False)
+    posts: dict[int, list[PostWrite | PostAux | PostStaged]] = field(init=False)
     sent: list[tuple[str, int, int, Message]] = field(init=False, default_factory=list)
     ended: dict[tuple[str, int], list[RoomEnded]] = field(init=False)
     delivered_tags: int = field(init=False, default=0)
@@ -141,6 +162,14 @@ class Net:
     """(prefill rank, decode rank, tag) of every write reported DONE so far."""
     seen_at_end: dict[tuple[str, int, int], frozenset] = field(init=False, default_factory=dict)
     """What had landed (decode) or completed (prefill) when each room ended SUCCESS."""
+    scattered: dict[tuple[int, int, int], list[tuple[int, int]]] = field(init=False)
+    """(prefill rank, decode rank, room) -> token ranges scattered on decode, in order."""
+    region_errors: list[str] = field(init=False, default_factory=list)
+    """Staged writes posted to a region the decode rank's ring had not granted for them."""
+    unsafe_ends: list[tuple[int, RoomEnded, list]] = field(init=False, default_factory=list)
+    """(decode rank, ending, in-flight events) of decode rooms that ended with writes in flight."""
+    forced_ends: list[tuple[int, RoomEnded]] = field(init=False, default_factory=list)
+    """Decode rooms whose drain deadline forced the report."""
 
     def __post_init__(self) -> None:
         self._order = itertools.count()
@@ -155,11 +184,14 @@ class Net:
         ]
         self.receivers = [
             ReceiverCore(block_size=g.block_size, num_blocks=g.num_blocks, aux_slots=self.aux_slots,
-                         timeouts=self.d_timeouts or self.timeouts, seed=self.seed + d)
+                         timeouts=self.d_timeouts or self.timeouts, seed=self.seed + d,
+                         staging=StagingRing(self.ring) if self.ring is not None and self._any_staged(d) else None)
             for d, g in enumerate(self.dg)
         ]
         self.posts = defaultdict(list)
         self.ended = defaultdict(list)
+        self.scattered = defaultdict(list)
+        self._draining_now: set[tuple[int, int]] = set()
         self._given: dict[tuple[int, int], tuple[int, int]] = {}  # (p, room) -> (end token, pages)
         # prefill side: what PrefillEndpoint._on_register computes for each registered decode rank
         self.slinks: dict[int, list[SenderLink]] = {}
@@ -169,11 +201,14 @@ class Net:
             for d in sorted(paired):
                 chosen = writers(pg, self.dg[d])
                 is_writer = p in chosen
+                unit = self.unit(p, d) if is_writer and self.is_staged(p, d) else 0
                 link = SenderLink(
                     key=("decode", d), link_id=link_id_of(p), instance=INSTANCE, decode_rank=d,
                     num_blocks=self.dg[d].num_blocks, block_size=self.dg[d].block_size,
                     aux_slots=self.aux_slots, paired_ranks=paired, writer=is_writer,
-                    aux_owner=is_writer and chosen[0] == p,
+                    aux_owner=is_writer and chosen[0] == p, stage_unit=unit,
+                    stage_capacity=(self.ring or 4096) if unit else 0,
+                    stage_max_units=self.stage_max_units if unit else 0,
                 )
                 self.slinks[p].append(link)
                 self.senders[p].add_link(link)
@@ -183,7 +218,9 @@ class Net:
             chosen = writers(self.pg[0], dg)
             self.rlinks[d] = [
                 ReceiverLink(key=("prefill", p), link_id=link_id_of(p), cluster=CLUSTER, prefill_rank=p,
-                             agent=agent_of(p), writer=p in chosen, aux_owner=p == chosen[0])
+                             agent=agent_of(p), writer=p in chosen, aux_owner=p == chosen[0],
+                             stage_unit=self.unit(p, d) if p in chosen and self.is_staged(p, d)
+                             and self.ring is not None else 0)
                 for p in paired_ranks_of_decode(self.pg[0], dg)
             ]
             self.receivers[d].cluster_pending(CLUSTER)
@@ -191,6 +228,17 @@ class Net:
             self.make_ready()
 
     # --- topology -----------------------------------------------------------------------------
+    def is_staged(self, p: int, d: int) -> bool:
+        return self.staged is True or (not isinstance(self.staged, bool) and (p, d) in self.staged)
+
+    def _any_staged(self, d: int) -> bool:
+        return any(self.is_staged(p, d) for p in range(self.p_tp))
+
+    def unit(self, p: int, d: int) -> int:
+        """Bytes of one token of the pair's staged piece: regions x moved heads x head bytes."""
+        plan = plan_pair(self.pg[p], self.dg[d])
+        return self.pg[p].num_regions * plan.head_count * self.pg[p].head_bytes
+
     def make_ready(self, ranks: Iterable[int] | None = None) -> None:
         for d in self._d(ranks):
             self.receivers[d].cluster_ready(CLUSTER, self.rlinks[d], self.now)
@@ -231,10 +279,14 @@ class Net:
             _, d = out.link
             self.sent.append((TO_DECODE, p, d, out.message))
             self._event(TO_DECODE, p, d, encode(out.message))
-        elif isinstance(out, (PostWrite, PostAux)):
+        elif isinstance(out, (PostWrite, PostAux, PostStaged)):
             _, d = out.link
             self.posts[p].append(out)
-            nbytes = (out.end_token - out.start_token) * 64 if isinstance(out, PostWrite) else 32
+            if isinstance(out, PostStaged):
+                nbytes = (out.end_token - out.start_token) * self.unit(p, d)
+                self._check_region(p, d, out, nbytes)
+            else:
+                nbytes = (out.end_token - out.start_token) * 64 if isinstance(out, PostWrite) else 32
             self._event(TAG, p, d, out.tag)
             self._event(DONE, p, d, out, nbytes=nbytes)
         elif isinstance(out, RoomEnded):
@@ -249,12 +301,41 @@ class Net:
             _, p = out.link
             self.sent.append((TO_PREFILL, p, d, out.message))
             self._event(TO_PREFILL, p, d, encode(out.message))
+        elif isinstance(out, Scatter):
+            _, p = out.link
+            self._event(SCATTER, p, d, out)
         elif isinstance(out, RoomEnded):
             self.ended[("D", d)].append(out)
             if out.state is RoomState.SUCCESS:
                 self.seen_at_end[("D", d, out.room_id)] = frozenset(self.landed)
+            if (d, out.room_id) in self._draining_now:
+                self.forced_ends.append((d, out))
+            elif out.code != ErrorCode.ENDPOINT_CLOSED:
+                busy = self.in_flight(d, out.room_id)
+                if busy:
+                    self.unsafe_ends.append((d, out, busy))
         else:
             raise AssertionError(f"a receiver core never posts writes, got {out!r}")
+
+    def _check_region(self, p: int, d: int, out: PostStaged, nbytes: int) -> None:
+        """A staged write must land exactly in a live grant of the decode ring for it."""
+        ring = self.receivers[d].ring
+        key = (out.room_id, link_id_of(p), out.seq)
+        live = {k: (off, size) for k, off, size in ring.live_grants()} if ring is not None else {}
+        region = live.get(key)
+        if region is None or region[0] != out.remote_offset or nbytes > region[1]:
+            self.region_errors.append(f"P{p}->D{d} {out!r}: {nbytes} bytes, ring holds {region}")
+
+    def in_flight(self, d: int, room: int) -> list[Event]:
+        """Pending write completions and scatters into decode rank ``d`` for the incarnation of
+        ``room`` that ``d`` runs (or last ran)."""
+        core = self.receivers[d]
+        live = core.rooms.get(room)
+        gens = {live.generation} if live is not None else set(
+            getattr(core._tombstones.get(room), "generations", ()))
+        return [ev for ev in self.pending if ev.d == d and (
+            (ev.kind == DONE and ev.payload.room_id == room and decode_tag(ev.payload.tag).generation in gens)
+            or (ev.kind == SCATTER and ev.payload.room_id == room))]
 
     # --- delivery ------------------------------------------------------------------------------
     def deliverable(self, kinds: Iterable[str] | None = None) -> list[Event]:
@@ -284,6 +365,10 @@ class Net:
             self.delivered_tags += 1
             self.landed.add((ev.d, ev.payload))
             self.receivers[ev.d].on_notification(agent_of(ev.p), ev.payload, self.now)
+        elif ev.kind == SCATTER:
+            out = ev.payload
+            self.scattered[(ev.p, ev.d, out.room_id)].append((out.start_token, out.end_token))
+            self.receivers[ev.d].scatter_done(out.room_id, link_id_of(ev.p), out.seq, self.now)
         elif ev.kind == DONE:
             out = ev.payload
             tag = out.tag if self.report_tags else None
@@ -326,9 +411,15 @@ class Net:
     # --- time -----------------------------------------------------------------------------------
     def advance(self, dt: float) -> None:
         self.now += dt
-        for core in [*self.senders, *self.receivers]:
+        for core in self.senders:
             core.handle_timer(self.now)
         self.pump()
+        for d, core in enumerate(self.receivers):
+            # a draining room's only deadline is its drain deadline: an end now is forced
+            self._draining_now = {(d, r) for r, room in core.rooms.items() if room.failing}
+            core.handle_timer(self.now)
+            self.pump()
+            self._draining_now = set()
 
     def next_deadline(self) -> float | None:
         deadlines = [c.next_deadline() for c in [*self.senders, *self.receivers]]
@@ -406,7 +497,8 @@ class Net:
             assert all(n == 1 for n in counts.values()), f"{who} reported rooms twice: {counts}"
 
     def assert_clean(self) -> None:
-        """No trace of any room remains: rooms, deadlines, parked requests, room progress."""
+        """No trace of any room remains: rooms, deadlines, parked requests, held ABORTs (drains),
+        staging credits; and no staged write went outside its grant."""
         for who, core in self.cores():
             assert core.rooms == {}, f"{who} still has rooms {list(core.rooms)}"
             assert len(core.timers) == 0, f"{who} still has deadlines"
@@ -414,6 +506,17 @@ class Net:
             if isinstance(core, SenderCore):
                 assert core._parked == {}, f"{who} still has parked requests {core._parked}"
                 assert core._parked_count == 0
+                assert core._draining == {}, f"{who} still holds ABORTs {core._draining}"
+            elif core.ring is not None:
+                ring = core.ring
+                assert (ring.used, ring.queued, ring.live_grants(), ring.owners()) == (0, 0, [], set()), \
+                    f"{who} ring not empty: used {ring.used}, queued {ring.queued}, live {ring.live_grants()}"
+        assert self.region_errors == []
+
+    def assert_safe_ends(self) -> None:
+        """No decode room ended (other than by CLOSE or its drain deadline) while a write into it
+        was in flight or a scatter of it ran."""
+        assert self.unsafe_ends == [], f"decode rooms ended with writes in flight: {self.unsafe_ends}"
 
     def assert_no_early_success(self) -> None:
         """No room succeeded before its writes did: decode after every tag it was sent landed,
@@ -425,11 +528,16 @@ class Net:
                 need = {(rank, o.link[1], o.tag) for o in self.posts[rank] if o.room_id == room}
             assert need <= seen, f"{side}{rank} room {room} succeeded before {sorted(need - seen)}"
 
-    def posted(self, p: int, d: int, room: int) -> list[PostWrite | PostAux]:
+    def posted(self, p: int, d: int, room: int) -> list[PostWrite | PostAux | PostStaged]:
         return [o for o in self.posts[p] if o.room_id == room and o.link == ("decode", d)]
 
     def ranges(self, p: int, d: int, room: int) -> list[tuple[int, int]]:
-        return [(o.start_token, o.end_token) for o in self.posted(p, d, room) if isinstance(o, PostWrite)]
+        """Token ranges of the KV writes (direct or staged) of ``p`` into ``d`` for ``room``."""
+        return [(o.start_token, o.end_token) for o in self.posted(p, d, room)
+                if isinstance(o, (PostWrite, PostStaged))]
+
+    def staged_ranges(self, p: int, d: int, room: int) -> list[tuple[int, int]]:
+        return [(o.start_token, o.end_token) for o in self.posted(p, d, room) if isinstance(o, PostStaged)]
 
     def messages(self, kind: str, cls: type[Message] | None = None, room: int | None = None) -> list[
             tuple[int, int, Message]]:

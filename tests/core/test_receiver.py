@@ -6,12 +6,18 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvproto.core import ReceiverCore, ReceiverLink, RoomEnded, RoomState, Send, Timeouts
+import kvproto.core.base as core_base
+from kvproto.core import Input, ReceiverCore, ReceiverLink, RoomEnded, RoomState, Send, Timeouts
+from kvproto.core.events import Scatter
+from kvproto.core.staging import StagingRing
 from kvproto.wire import (
     NO_SLOT,
     Abort,
     ErrorCode,
     LocalProtocolError,
+    StagingGrant,
+    StagingRequest,
+    StagingWatermark,
     Tag,
     TagKind,
     TransferDone,
@@ -33,15 +39,17 @@ def make_core(**kw) -> ReceiverCore:
     return ReceiverCore(**kw)
 
 
-def rlink(p: int = 0, *, writer: bool = True, aux_owner: bool | None = None, cluster=C) -> ReceiverLink:
+def rlink(p: int = 0, *, writer: bool = True, aux_owner: bool | None = None, cluster=C,
+          unit: int = 0) -> ReceiverLink:
     return ReceiverLink(key=f"p{p}", link_id=10 + p, cluster=cluster, prefill_rank=p, agent=f"agent-{p}",
-                        writer=writer, aux_owner=(p == 0) if aux_owner is None else aux_owner)
+                        writer=writer, aux_owner=(p == 0) if aux_owner is None else aux_owner, stage_unit=unit)
 
 
 @dataclass
 class Out:
     sends: list[Send]
     ended: list[RoomEnded]
+    scatters: list[Scatter]
 
     def to(self, key) -> list:
         return [decode(encode(s.message)) for s in self.sends if s.link == key]
@@ -49,14 +57,17 @@ class Out:
 
 def pop(core: ReceiverCore) -> Out:
     outs = core.pop_outputs()
-    o = Out([x for x in outs if isinstance(x, Send)], [x for x in outs if isinstance(x, RoomEnded)])
-    assert len(o.sends) + len(o.ended) == len(outs), "a receiver posts no writes"
+    o = Out([x for x in outs if isinstance(x, Send)], [x for x in outs if isinstance(x, RoomEnded)],
+            [x for x in outs if isinstance(x, Scatter)])
+    assert len(o.sends) + len(o.ended) + len(o.scatters) == len(outs), "a receiver posts no writes"
     return o
 
 
 def assert_clean(core: ReceiverCore) -> None:
     assert core.rooms == {}
     assert len(core.timers) == 0 and core.next_deadline() is None
+    if core.ring is not None:
+        assert (core.ring.used, core.ring.queued, core.ring.live_grants()) == (0, 0, [])
 
 
 def tag(room: int, gen: int, seq: int, p: int = 0, *, link_id: int | None = None) -> bytes:
@@ -82,6 +93,31 @@ def transferring(room: int = 1, n: int = 40, *, links=None, core: ReceiverCore |
 
 def _failed(o: Out, code) -> None:
     assert [(e.state, e.code) for e in o.ended] == [(RoomState.FAILED, code)]
+
+
+def answer(core: ReceiverCore, room: int, gen: int, *keys: str, code=ErrorCode.ABORTED, now: float = T0) -> None:
+    """The prefill ranks on ``keys`` answer with their ABORT: none of their writes is in flight."""
+    for key in keys:
+        core.on_message(key, Abort(room_id=room, generation=gen, code=code, reason="answer"), now)
+
+
+def _drains_then_fails(core: ReceiverCore, room: int, gen: int, code, writers=("p0",)) -> Out:
+    """The room failed while ``writers`` may still write: it stays TRANSFERRING (draining), reports
+    nothing, and told them; once every one answers with ABORT it reports FAILED with ``code``
+    (the original code, not the answers'). Returns what the failure sent."""
+    o = pop(core)
+    assert o.ended == []
+    assert core.room_state(room) is RoomState.TRANSFERRING and core.rooms[room].failing
+    for key in writers:
+        assert [(m.generation, m.code) for m in o.to(key) if isinstance(m, Abort)] == [(gen, code)]
+    for i, key in enumerate(writers):
+        answer(core, room, gen, key, code=ErrorCode.TRANSPORT_ERROR if code != ErrorCode.TRANSPORT_ERROR
+               else ErrorCode.ABORTED)
+        if i < len(writers) - 1:
+            assert pop(core).ended == [] and core.room_state(room) is RoomState.TRANSFERRING
+    _failed(pop(core), code)
+    assert room not in core.rooms
+    return o
 
 
 # --- happy paths ----------------------------------------------------------------------------------
@@ -199,7 +235,8 @@ def test_receiver_remove_link_fails_rooms_of_its_cluster():
     other = [ReceiverLink(key="q0", link_id=99, cluster="other", prefill_rank=0, agent="q", writer=True,
                           aux_owner=True)]
     core.cluster_ready("other", other, T0)
-    core.open_room(1, C, T0)  # WAITING: no generation, nothing to tell
+    core.open_room(1, C, T0)  # WAITING: links known, the generation chosen at open
+    gen1 = core.rooms[1].generation
     core.open_room(2, C, T0)
     core.set_destination(2, [1], 16, T0)
     gen2 = core.rooms[2].generation
@@ -208,9 +245,14 @@ def test_receiver_remove_link_fails_rooms_of_its_cluster():
     pop(core)
     core.remove_link("p1", T0)
     o = pop(core)
-    assert sorted((e.room_id, e.code) for e in o.ended) == [(1, ErrorCode.PEER_GONE), (2, ErrorCode.PEER_GONE)]
-    assert [(m.room_id, m.generation, m.code) for m in o.to("p0")] == [(2, gen2, ErrorCode.PEER_GONE)]
+    # room 2's other writer p0 may still write: it drains until p0 answers
+    assert [(e.room_id, e.code) for e in o.ended] == [(1, ErrorCode.PEER_GONE)]
+    assert sorted((m.room_id, m.generation, m.code) for m in o.to("p0")) == [
+        (1, gen1, ErrorCode.PEER_GONE), (2, gen2, ErrorCode.PEER_GONE)]
     assert o.to("p1") == [] and o.to("q0") == []
+    assert core.rooms[2].failing and core.rooms[2].settled == {11}
+    answer(core, 2, gen2, "p0")
+    _failed(pop(core), ErrorCode.PEER_GONE)
     assert core.room_state(3) is RoomState.TRANSFERRING
     assert core.cluster_status(C) == "failed"
     assert 10 not in core.links_by_id and 11 not in core.links_by_id and 99 in core.links_by_id
@@ -308,6 +350,9 @@ def test_receiver_reused_room_id_ignores_old_generation():
     """A room id reused after failure never completes from the old generation's tags or DONE."""
     core, old = transferring(1, 16)
     core.abort(1, T0)
+    with pytest.raises(LocalProtocolError):  # still draining: the id is live until prefill answers
+        core.open_room(1, C, T0)
+    answer(core, 1, old, "p0")
     pop(core)
     core.open_room(1, C, T0)
     core.set_destination(1, [2], 16, T0)
@@ -385,6 +430,8 @@ def test_receiver_tag_for_unknown_room_counted():
     core.on_notification("agent-0", tag(99, gen, 0), T0)
     assert core.stats.unknown_room_messages == 1
     core.abort(1, T0)
+    answer(core, 1, gen, "p0")
+    assert core.room_state(1) is RoomState.FAILED
     core.on_notification("agent-0", tag(1, gen, 0), T0)
     assert core.stats.late_messages == 1
 
@@ -394,8 +441,7 @@ def test_receiver_tag_from_non_writer_link_is_violation():
     core, gen = transferring(links=[rlink(0), rlink(1, writer=False)])
     pop(core)
     core.on_notification("agent-1", tag(1, gen, 0, p=1), T0)
-    o = pop(core)
-    _failed(o, ErrorCode.PEER_PROTOCOL_ERROR)
+    o = _drains_then_fails(core, 1, gen, ErrorCode.PEER_PROTOCOL_ERROR)
     assert [m.code for m in o.to("p0")] == [ErrorCode.PEER_PROTOCOL_ERROR]
     assert [m.code for m in o.to("p1")] == [ErrorCode.PEER_PROTOCOL_ERROR]
     assert core.stats.peer_violations == 1
@@ -406,7 +452,8 @@ def test_receiver_tag_seq_beyond_writes_is_violation():
     core, gen = transferring()
     core.on_message("p0", done(1, gen, 2), T0)
     core.on_notification("agent-0", tag(1, gen, 2), T0)
-    _failed(pop(core), ErrorCode.PEER_PROTOCOL_ERROR)
+    _drains_then_fails(core, 1, gen, ErrorCode.PEER_PROTOCOL_ERROR)
+    assert core.stats.peer_violations == 1
 
 
 def test_receiver_done_fewer_than_seen_tags_is_violation():
@@ -414,7 +461,7 @@ def test_receiver_done_fewer_than_seen_tags_is_violation():
     core, gen = transferring()
     core.on_notification("agent-0", tag(1, gen, 3), T0)
     core.on_message("p0", done(1, gen, 3), T0)
-    _failed(pop(core), ErrorCode.PEER_PROTOCOL_ERROR)
+    _drains_then_fails(core, 1, gen, ErrorCode.PEER_PROTOCOL_ERROR)
 
 
 def test_receiver_second_transfer_done_is_violation():
@@ -422,14 +469,14 @@ def test_receiver_second_transfer_done_is_violation():
     core, gen = transferring()
     core.on_message("p0", done(1, gen, 2), T0)
     core.on_message("p0", done(1, gen, 2), T0)
-    _failed(pop(core), ErrorCode.PEER_PROTOCOL_ERROR)
+    _drains_then_fails(core, 1, gen, ErrorCode.PEER_PROTOCOL_ERROR)
 
 
 def test_receiver_transfer_done_from_non_writer_is_violation():
     """TRANSFER_DONE from a paired non-writer fails the room."""
     core, gen = transferring(links=[rlink(0), rlink(1, writer=False)])
     core.on_message("p1", done(1, gen, 0), T0)
-    _failed(pop(core), ErrorCode.PEER_PROTOCOL_ERROR)
+    _drains_then_fails(core, 1, gen, ErrorCode.PEER_PROTOCOL_ERROR)
 
 
 def test_receiver_unexpected_message_is_violation():
@@ -437,7 +484,7 @@ def test_receiver_unexpected_message_is_violation():
     core, gen = transferring()
     core.on_message("p0", TransferRequest(room_id=1, generation=gen, num_tokens=1, prefix_tokens=0,
                                           aux_slot=NO_SLOT, expected_writers=1, dst_pages=(1,)), T0)
-    _failed(pop(core), ErrorCode.PEER_PROTOCOL_ERROR)
+    _drains_then_fails(core, 1, gen, ErrorCode.PEER_PROTOCOL_ERROR)
 
 
 def test_receiver_message_from_foreign_link_is_stale():
@@ -473,21 +520,32 @@ def test_receiver_peer_violation_api():
     assert core.stats.peer_violations == 3
     assert core.room_state(1) is RoomState.TRANSFERRING
     core.peer_violation("p0", 1, gen, ErrorCode.MALFORMED_FRAME, "x", T0)
-    _failed(pop(core), ErrorCode.MALFORMED_FRAME)
+    _drains_then_fails(core, 1, gen, ErrorCode.MALFORMED_FRAME)
+    assert core.stats.peer_violations == 4
 
 
 # --- aborts and deadlines ---------------------------------------------------------------------------
 
 
 def test_receiver_peer_abort_fails_room_with_its_code():
-    """prefill's ABORT fails the room with prefill's code; the other links hear, the sender does not."""
+    """prefill's ABORT fails the room with prefill's code; the other links hear, the sender does not;
+    the room reports FAILED once the other writer answers too (it may still be writing)."""
     core, gen = transferring(links=[rlink(0), rlink(1, aux_owner=False)])
     pop(core)
     core.on_message("p1", Abort(room_id=1, generation=gen, code=ErrorCode.TRANSPORT_ERROR, reason="x"), T0)
+    o = _drains_then_fails(core, 1, gen, ErrorCode.TRANSPORT_ERROR, writers=("p0",))
+    assert o.to("p1") == []
+
+
+def test_receiver_peer_abort_from_only_writer_fails_at_once():
+    """An ABORT from the only writer settles it: nothing can land any more, the room fails at once."""
+    core, gen = transferring(links=[rlink(0), rlink(1, writer=False)])
+    pop(core)
+    answer(core, 1, gen, "p0", code=ErrorCode.TRANSPORT_ERROR)
     o = pop(core)
     _failed(o, ErrorCode.TRANSPORT_ERROR)
-    assert [m.code for m in o.to("p0")] == [ErrorCode.TRANSPORT_ERROR]
-    assert o.to("p1") == []
+    assert o.to("p0") == [] and [m.code for m in o.to("p1")] == [ErrorCode.TRANSPORT_ERROR]
+    assert_clean(core)
 
 
 @pytest.mark.parametrize("state", [RoomState.BOOTSTRAPPING, RoomState.WAITING_FOR_INPUT, RoomState.TRANSFERRING])
@@ -504,12 +562,17 @@ def test_receiver_local_abort_in_each_state(state):
         transferring(core=core)
     assert core.room_state(1) is state
     gen = core.rooms[1].generation
+    assert gen != 0  # chosen when the room opened (minor 1)
     pop(core)
     core.abort(1, T0)
     core.abort(1, T0)
+    if state is RoomState.TRANSFERRING:  # the writer may still write: drain first
+        _drains_then_fails(core, 1, gen, ErrorCode.ABORTED)
+        assert_clean(core)
+        return
     o = pop(core)
     _failed(o, ErrorCode.ABORTED)
-    expect = [(gen, ErrorCode.ABORTED)] if state is RoomState.TRANSFERRING else []
+    expect = [(gen, ErrorCode.ABORTED)] if state is RoomState.WAITING_FOR_INPUT else []  # links known
     assert [(m.generation, m.code) for m in o.to("p0")] == expect
     assert_clean(core)
 
@@ -555,21 +618,21 @@ def test_receiver_transfer_deadline_refreshes_on_progress():
     core.handle_timer(T0 + 599.999)
     assert core.room_state(1) is RoomState.TRANSFERRING
     core.handle_timer(T0 + 600)
-    o = pop(core)
-    _failed(o, ErrorCode.TRANSFER_TIMEOUT)
-    assert [(m.generation, m.code) for m in o.to("p0")] == [(gen, ErrorCode.TRANSFER_TIMEOUT)]
+    _drains_then_fails(core, 1, gen, ErrorCode.TRANSFER_TIMEOUT)
 
 
 def test_receiver_close_fails_every_live_room_once():
     """close() fails every live room ENDPOINT_CLOSED once, tells prefill for sent requests, idempotent."""
     core, gen = transferring(1)
     core.open_room(2, C, T0)
+    gen2 = core.rooms[2].generation
     pop(core)
     core.close(T0)
     o = pop(core)
+    # CLOSE never drains: the memory is deregistered, nothing can land after it
     assert sorted((e.room_id, e.code) for e in o.ended) == [(1, ErrorCode.ENDPOINT_CLOSED),
                                                            (2, ErrorCode.ENDPOINT_CLOSED)]
-    assert [(m.room_id, m.generation) for m in o.to("p0")] == [(1, gen)]
+    assert sorted((m.room_id, m.generation) for m in o.to("p0")) == [(1, gen), (2, gen2)]
     core.close(T0)
     assert pop(core).ended == []
     with pytest.raises(LocalProtocolError):
@@ -593,3 +656,434 @@ def test_receiver_no_deadline_when_timeouts_none():
     core.handle_timer(T0 + 1e9)
     assert core.room_state(1) is RoomState.TRANSFERRING
     assert core.next_deadline() is None
+
+
+# --- drain: failing while writers may still write (minor 1) ------------------------------------------
+
+
+def test_receiver_generation_chosen_when_room_opens():
+    """A room has its generation from open_room on; its TRANSFER_REQUESTs carry that generation."""
+    core = make_core()
+    core.cluster_ready(C, [rlink(0)], T0)
+    core.open_room(1, C, T0)
+    gen = core.rooms[1].generation
+    assert gen != 0 and core.room_state(1) is RoomState.WAITING_FOR_INPUT
+    core.set_destination(1, [1], 16, T0)
+    assert [m.generation for m in pop(core).to("p0")] == [gen]
+
+
+def test_receiver_waiting_failure_tells_every_paired_link():
+    """A room failing in WAITING_FOR_INPUT (no request sent yet) sends ABORT with its generation to
+    every paired prefill rank, writer or not, and fails at once: nothing can be writing into it."""
+    core = make_core()
+    core.cluster_ready(C, [rlink(0), rlink(1, writer=False)], T0)
+    core.open_room(1, C, T0)
+    gen = core.rooms[1].generation
+    core.handle_timer(T0 + 300)
+    o = pop(core)
+    _failed(o, ErrorCode.WAITING_TIMEOUT)
+    for key in ("p0", "p1"):
+        assert [(m.generation, m.code) for m in o.to(key)] == [(gen, ErrorCode.WAITING_TIMEOUT)]
+    assert_clean(core)
+
+
+def test_receiver_drain_never_reports_failed_while_a_writer_may_write():
+    """Aborted while TRANSFERRING with a writer that has neither completed nor answered: the room
+    stays TRANSFERRING (its pages out of reuse) through any number of events; the writer's
+    ABORT (sent only when none of its writes is in flight) ends it FAILED, once, with ABORTED."""
+    core, gen = transferring(links=[rlink(0), rlink(1, writer=False)])
+    pop(core)
+    core.on_notification("agent-0", tag(1, gen, 0), T0)
+    core.abort(1, T0 + 1)
+    o = pop(core)
+    assert o.ended == [] and core.room_state(1) is RoomState.TRANSFERRING
+    assert [(m.generation, m.code) for m in o.to("p0")] == [(gen, ErrorCode.ABORTED)]
+    assert [(m.generation, m.code) for m in o.to("p1")] == [(gen, ErrorCode.ABORTED)]
+    core.abort(1, T0 + 2)  # again: still draining, nothing new
+    core.on_notification("agent-0", tag(1, gen, 1), T0 + 2)  # a write that was in flight lands
+    core.on_message("p1", Abort(room_id=1, generation=gen, code=ErrorCode.ABORTED, reason="non-writer"), T0 + 3)
+    with pytest.raises(LocalProtocolError):
+        core.set_destination(1, [1, 2, 3], 40, T0 + 3)
+    o = pop(core)
+    assert o.ended == [] and o.sends == [] and core.room_state(1) is RoomState.TRANSFERRING
+    answer(core, 1, gen, "p0", code=ErrorCode.ABORTED, now=T0 + 4)
+    o = pop(core)
+    assert o.ended == [RoomEnded(room_id=1, state=RoomState.FAILED, code=ErrorCode.ABORTED,
+                                 reason="aborted by the application")]
+    assert o.sends == []
+    assert core.stats.rooms_failed == 1
+    answer(core, 1, gen, "p0")  # a second answer is late
+    assert core.stats.late_messages == 1 and pop(core).ended == []
+    assert_clean(core)
+
+
+def test_receiver_drain_classifies_every_input(monkeypatch):
+    """Every input of a draining room is DRAIN_PROGRESS or DRAINED (the first failure DRAIN)."""
+    seen: list[tuple[RoomState, Input]] = []
+    real = core_base.transition
+
+    def spy(role, state, inp):
+        seen.append((state, inp))
+        return real(role, state, inp)
+
+    monkeypatch.setattr(core_base, "transition", spy)
+    core, gen = transferring(links=[rlink(0), rlink(1, aux_owner=False)])
+    seen.clear()
+    core.on_message("p0", Abort(room_id=1, generation=gen, code=ErrorCode.TRANSPORT_ERROR, reason=""), T0)
+    core.on_notification("agent-1", tag(1, gen, 0, p=1), T0)
+    core.on_message("p1", done(1, gen, 3), T0)
+    core.abort(1, T0)
+    core.peer_violation("p1", 1, gen, ErrorCode.MALFORMED_FRAME, "x", T0)
+    core.on_notification("agent-1", tag(1, gen, 2, p=1), T0)
+    core.on_notification("agent-1", tag(1, gen, 1, p=1), T0)
+    assert seen[0] == (RoomState.TRANSFERRING, Input.DRAIN)
+    assert {inp for _, inp in seen[1:-1]} == {Input.DRAIN_PROGRESS}
+    assert seen[-1] == (RoomState.TRANSFERRING, Input.DRAINED)
+    _failed(pop(core), ErrorCode.TRANSPORT_ERROR)  # completing while draining is not SUCCESS
+
+
+def test_receiver_drain_waits_for_every_writer():
+    """Two writers: the room fails only when the second one has answered as well."""
+    core, gen = transferring(links=[rlink(0), rlink(1, aux_owner=False)])
+    core.handle_timer(T0 + 300)
+    _drains_then_fails(core, 1, gen, ErrorCode.TRANSFER_TIMEOUT, writers=("p1", "p0"))
+    assert_clean(core)
+
+
+def test_receiver_drain_settles_when_writer_completes():
+    """A writer that completes (TRANSFER_DONE and every tag) while the room drains is settled."""
+    core, gen = transferring()
+    core.abort(1, T0)
+    core.on_message("p0", done(1, gen, 2), T0)
+    core.on_notification("agent-0", tag(1, gen, 1), T0)
+    assert pop(core).ended == []
+    core.on_notification("agent-0", tag(1, gen, 0), T0)
+    _failed(pop(core), ErrorCode.ABORTED)
+    assert core.stats.rooms_succeeded == 0
+    assert_clean(core)
+
+
+def test_receiver_drain_settles_when_writer_link_removed():
+    """A draining room whose unanswered writer's link is removed fails with its original code."""
+    core, gen = transferring()
+    core.abort(1, T0)
+    pop(core)
+    core.remove_link("p0", T0)
+    o = pop(core)
+    _failed(o, ErrorCode.ABORTED)
+    assert o.sends == []
+    assert_clean(core)
+
+
+@pytest.mark.parametrize("how", ["abort", "link-removed"])
+def test_receiver_failure_settling_the_last_writer_does_not_drain(how):
+    """Two writers, p0 complete: p1's ABORT (or its link's loss) settles the last writer that could
+    still write, so the room fails at once (ABORT_PEERS), without a drain."""
+    core, gen = transferring(links=[rlink(0), rlink(1, aux_owner=False)])
+    core.on_message("p0", done(1, gen, 1), T0)
+    core.on_notification("agent-0", tag(1, gen, 0), T0)
+    pop(core)
+    if how == "abort":
+        answer(core, 1, gen, "p1", code=ErrorCode.TRANSPORT_ERROR)
+        code = ErrorCode.TRANSPORT_ERROR
+    else:
+        core.remove_link("p1", T0)
+        code = ErrorCode.PEER_GONE
+    o = pop(core)
+    _failed(o, code)
+    assert [m.code for m in o.to("p0")] == [code] and o.to("p1") == []
+    assert_clean(core)
+
+
+@pytest.mark.parametrize("steps", [(10.0,), (10 - 2**-10, 2**-10)], ids=["one-step", "two-steps"])
+def test_receiver_drain_deadline_forces_report(steps):
+    """Nobody answers: the drain deadline (Timeouts.drain, 10 s from the failure, not re-armed by
+    progress) forces the report, with the original code; the staging regions are released then."""
+    core, gen = transferring(core=make_core(staging=StagingRing(4096)), links=[rlink(0, unit=256)])
+    core.on_message("p0", StagingRequest(room_id=1, generation=gen, seq=0, start_token=0, end_token=16), T0)
+    assert core.ring.live_grants() != []
+    core.abort(1, T0 + 1)
+    pop(core)
+    assert core.next_deadline() == T0 + 11
+    core.on_notification("agent-0", tag(1, gen, 1), T0 + 5)  # progress while draining: no re-arm
+    assert core.next_deadline() == T0 + 11
+    now = T0 + 1
+    for dt in steps[:-1]:
+        now += dt
+        core.handle_timer(now)
+        assert core.room_state(1) is RoomState.TRANSFERRING and core.ring.live_grants() != []
+    core.handle_timer(now + steps[-1])
+    _failed(pop(core), ErrorCode.ABORTED)
+    assert_clean(core)
+
+
+def test_receiver_close_does_not_drain():
+    """close() fails a TRANSFERRING room with an unsettled writer at once (ENDPOINT_CLOSED): the
+    memory is deregistered, nothing can land; its staging regions are released."""
+    core, gen = transferring(core=make_core(staging=StagingRing(4096)), links=[rlink(0, unit=256)])
+    core.on_message("p0", StagingRequest(room_id=1, generation=gen, seq=0, start_token=0, end_token=16), T0)
+    pop(core)
+    core.close(T0)
+    o = pop(core)
+    _failed(o, ErrorCode.ENDPOINT_CLOSED)
+    assert [(m.generation, m.code) for m in o.to("p0")] == [(gen, ErrorCode.ENDPOINT_CLOSED)]
+    assert_clean(core)
+
+
+def test_receiver_close_while_draining_reports_original_code():
+    """close() during a drain ends it at once, reporting the failure's own code."""
+    core, gen = transferring()
+    core.handle_timer(T0 + 300)
+    pop(core)
+    core.close(T0 + 301)
+    o = pop(core)
+    _failed(o, ErrorCode.TRANSFER_TIMEOUT)
+    assert o.sends == []
+    assert_clean(core)
+
+
+def test_receiver_transfer_done_with_zero_writes_but_tokens_to_move_is_violation():
+    """TRANSFER_DONE(writes=0) while tokens past the prefix must move is PEER_PROTOCOL_ERROR."""
+    core, gen = transferring(n=40, prefix_tokens=16)
+    core.on_message("p0", done(1, gen, 0), T0)
+    _drains_then_fails(core, 1, gen, ErrorCode.PEER_PROTOCOL_ERROR)
+    assert core.stats.rooms_succeeded == 0
+
+
+# --- staging (minor 1) ---------------------------------------------------------------------------------
+
+UNIT = 256
+RING = 4096  # 16 units
+
+
+def staging_core(*, ring: int | None = RING, links=None, **kw) -> ReceiverCore:
+    core = make_core(staging=StagingRing(ring) if ring is not None else None, **kw)
+    core.cluster_ready(C, links or [rlink(0, unit=UNIT)], T0)
+    return core
+
+
+def sreq(room: int, gen: int, seq: int, start: int, end: int) -> StagingRequest:
+    return StagingRequest(room_id=room, generation=gen, seq=seq, start_token=start, end_token=end)
+
+
+def staged(room: int, gen: int, seq: int, p: int = 0) -> bytes:
+    return Tag(kind=TagKind.STAGED, room_id=room, generation=gen, link_id=10 + p, seq=seq).encode()
+
+
+def stage(core: ReceiverCore, room: int, gen: int, seq: int, start: int, end: int, p: int = 0,
+          now: float = T0) -> int:
+    """Writer ``p`` moves tokens [start, end) through the ring (as many pieces as grants allow),
+    each piece scattered at once. Returns the next seq."""
+    key, agent = f"p{p}", f"agent-{p}"
+    while start < end:
+        core.on_message(key, sreq(room, gen, seq, start, end), now)
+        (g,) = [m for m in pop(core).to(key) if isinstance(m, StagingGrant)]
+        assert (g.seq, g.start_token) == (seq, start) and start < g.end_token <= end
+        core.on_notification(agent, staged(room, gen, seq, p), now)
+        (sc,) = pop(core).scatters
+        assert (sc.seq, sc.offset, sc.start_token, sc.end_token) == (seq, g.offset, start, g.end_token)
+        core.scatter_done(room, 10 + p, seq, now)
+        (wm,) = [m for m in pop(core).to(key) if isinstance(m, StagingWatermark)]
+        assert wm.seq == seq
+        start, seq = g.end_token, seq + 1
+    return seq
+
+
+def test_receiver_staging_happy_path_partial_grants():
+    """A request larger than the ring is granted in pieces (FIFO); each STAGED tag becomes a Scatter
+    output; a piece counts as arrived only at scatter_done, which releases the region and answers
+    with a watermark; TRANSFER_DONE completes the room; the ring ends empty."""
+    core = staging_core()
+    core.open_room(1, C, T0)
+    core.set_destination(1, [4, 5, 6], 40, T0)
+    gen = core.rooms[1].generation
+    pop(core)
+    core.on_message("p0", sreq(1, gen, 0, 0, 40), T0)
+    (g,) = pop(core).to("p0")
+    assert g == StagingGrant(room_id=1, generation=gen, seq=0, start_token=0, end_token=16, offset=0)
+    core.on_notification("agent-0", staged(1, gen, 0), T0)
+    core.on_notification("agent-0", staged(1, gen, 0), T0)  # a duplicate tag: one scatter
+    (sc,) = pop(core).scatters
+    assert sc == Scatter(room_id=1, link="p0", seq=0, offset=0, start_token=0, end_token=16, dst_pages=(4, 5, 6))
+    assert core.rooms[1].writers[10].seqs == set()  # not arrived before its scatter
+    core.scatter_done(1, 10, 0, T0)
+    (wm,) = pop(core).to("p0")
+    assert (wm.seq, wm.watermark) == (0, RING)
+    assert core.rooms[1].writers[10].seqs == {0}
+    nxt = stage(core, 1, gen, 1, 16, 40)
+    assert nxt == 3 and core.room_state(1) is RoomState.TRANSFERRING
+    core.on_message("p0", done(1, gen, 3), T0)
+    assert core.room_state(1) is RoomState.SUCCESS
+    assert_clean(core)
+
+
+def test_receiver_staging_grants_fifo_across_rooms():
+    """Two rooms share the ring: the second waits (queued) until the first's region is released."""
+    core = staging_core()
+    gens = {}
+    for room in (1, 2):
+        core.open_room(room, C, T0)
+        core.set_destination(room, [1], 16, T0)
+        gens[room] = core.rooms[room].generation
+    pop(core)
+    core.on_message("p0", sreq(1, gens[1], 0, 0, 16), T0)
+    core.on_message("p0", sreq(2, gens[2], 0, 0, 16), T0)
+    assert [m.room_id for m in pop(core).to("p0")] == [1]
+    assert core.ring.queued == 1
+    core.on_notification("agent-0", staged(1, gens[1], 0), T0)
+    core.scatter_done(1, 10, 0, T0)
+    grants = [m for m in pop(core).to("p0") if isinstance(m, StagingGrant)]
+    assert [(m.room_id, m.start_token, m.end_token) for m in grants] == [(2, 0, 16)]
+
+
+def _two_rooms(core: ReceiverCore) -> tuple[int, int]:
+    gens = []
+    for room in (1, 2):
+        core.open_room(room, C, T0)
+        core.set_destination(room, [1, 2, 3], 40, T0)
+        gens.append(core.rooms[room].generation)
+    pop(core)
+    return gens[0], gens[1]
+
+
+@pytest.mark.parametrize(
+    "case, code",
+    [
+        ("no-ring", ErrorCode.PEER_PROTOCOL_ERROR),
+        ("link-not-staging", ErrorCode.PEER_PROTOCOL_ERROR),
+        ("not-a-writer", ErrorCode.PEER_PROTOCOL_ERROR),
+        ("out-of-order", ErrorCode.INDEX_OUT_OF_RANGE),
+        ("beyond-num-tokens", ErrorCode.INDEX_OUT_OF_RANGE),
+        ("empty", ErrorCode.INDEX_OUT_OF_RANGE),
+        ("second-outstanding", ErrorCode.PEER_PROTOCOL_ERROR),
+        ("seq-reused", ErrorCode.PEER_PROTOCOL_ERROR),
+        ("after-transfer-done", ErrorCode.PEER_PROTOCOL_ERROR),
+        ("unit-exceeds-ring", ErrorCode.INDEX_OUT_OF_RANGE),
+        ("staged-tag-not-granted", ErrorCode.PEER_PROTOCOL_ERROR),
+    ],
+)
+def test_receiver_staging_violation_fails_only_that_room(case, code):
+    """A staging message or STAGED tag that breaks a rule fails its room with the code (after the
+    drain), grants nothing for it, and leaves the other room on the same link and ring unharmed.
+
+    Regressions: a request after TRANSFER_DONE was queued; a unit larger than the ring raised
+    ValueError out of on_message (spec: INDEX_OUT_OF_RANGE)."""
+    unit = {"link-not-staging": 0, "unit-exceeds-ring": RING + 64}.get(case, UNIT)
+    links = [rlink(0, unit=unit), rlink(1, writer=False, unit=UNIT)]
+    core = staging_core(ring=None if case == "no-ring" else RING, links=links)
+    gen, gen2 = _two_rooms(core)
+    staging_ok = case not in ("no-ring", "link-not-staging", "unit-exceeds-ring")
+    if case == "second-outstanding":
+        core.on_message("p0", sreq(2, gen2, 0, 0, 16), T0)  # room 2 fills the ring
+        core.on_message("p0", sreq(1, gen, 0, 0, 8), T0)  # queued, not granted
+        pop(core)
+    if case == "seq-reused":
+        core.on_message("p0", sreq(1, gen, 0, 0, 8), T0)
+        pop(core)
+    if case == "after-transfer-done":
+        core.on_message("p0", done(1, gen, 1), T0)
+    live = core.ring.live_grants() if core.ring is not None else []
+    key, msg = {
+        "not-a-writer": ("p1", sreq(1, gen, 0, 0, 16)),
+        "out-of-order": ("p0", sreq(1, gen, 0, 16, 32)),
+        "beyond-num-tokens": ("p0", sreq(1, gen, 0, 0, 41)),
+        "empty": ("p0", sreq(1, gen, 0, 0, 0)),
+        "second-outstanding": ("p0", sreq(1, gen, 1, 0, 8)),
+        "seq-reused": ("p0", sreq(1, gen, 0, 8, 16)),
+    }.get(case, ("p0", sreq(1, gen, 0, 0, 16)))
+    if case == "staged-tag-not-granted":
+        core.on_notification("agent-0", staged(1, gen, 0), T0)
+    else:
+        core.on_message(key, msg, T0)
+    o = _drains_then_fails(core, 1, gen, code)
+    assert not any(isinstance(m, StagingGrant) for m in o.to("p0")) and o.scatters == []
+    assert core.ring is None or core.ring.live_grants() == [g for g in live if g[0][0] != 1]
+    assert core.room_state(2) is RoomState.TRANSFERRING
+    if case == "second-outstanding":  # room 2 already holds its first grant
+        core.on_notification("agent-0", staged(2, gen2, 0), T0)
+        core.scatter_done(2, 10, 0, T0)
+        pop(core)
+        seq = stage(core, 2, gen2, 1, 16, 40)
+    elif staging_ok:
+        seq = stage(core, 2, gen2, 0, 0, 40)
+    else:
+        core.on_notification("agent-0", tag(2, gen2, 0), T0)
+        seq = 1
+    core.on_message("p0", done(2, gen2, seq), T0)
+    assert [e.state for e in pop(core).ended] == [RoomState.SUCCESS]
+    assert_clean(core)
+
+
+def test_receiver_staging_request_while_draining_is_dropped():
+    """Regression: a STAGING_REQUEST that crossed our ABORT is dropped (counted late), not queued or
+    granted: it would only hold ring space for a room that is draining."""
+    core = staging_core()
+    gen, gen2 = _two_rooms(core)
+    core.abort(1, T0)
+    pop(core)
+    core.on_message("p0", sreq(1, gen, 0, 0, 16), T0)
+    assert pop(core).sends == [] and core.ring.queued == 0 and core.ring.live_grants() == []
+    assert core.stats.late_messages == 1
+    stage(core, 2, gen2, 0, 0, 40)  # the ring serves the other room in full
+
+
+@pytest.mark.parametrize("holding", ["grant", "queued"])
+def test_receiver_timeout_holding_staging_is_staging_stalled(holding):
+    """A TRANSFERRING room that times out holding a grant (or a queued request) fails
+    STAGING_STALLED; a room without staging state fails TRANSFER_TIMEOUT as before."""
+    core = staging_core()
+    gen, gen2 = _two_rooms(core)
+    core.on_message("p0", sreq(1, gen, 0, 0, 16), T0)  # room 1 holds the whole ring
+    if holding == "queued":
+        core.on_message("p0", sreq(2, gen2, 0, 0, 16), T0)  # room 2 waits behind it
+    pop(core)
+    core.handle_timer(T0 + 300)
+    o = pop(core)
+    assert o.ended == []
+    assert {m.room_id: m.code for m in o.to("p0")} == {
+        1: ErrorCode.STAGING_STALLED,
+        2: ErrorCode.STAGING_STALLED if holding == "queued" else ErrorCode.TRANSFER_TIMEOUT}
+    answer(core, 1, gen, "p0")
+    answer(core, 2, gen2, "p0")
+    ends = {e.room_id: e.code for e in pop(core).ended}
+    assert ends == {1: ErrorCode.STAGING_STALLED,
+                    2: ErrorCode.STAGING_STALLED if holding == "queued" else ErrorCode.TRANSFER_TIMEOUT}
+    assert_clean(core)
+
+
+def test_receiver_drain_keeps_staging_region_until_writer_settles():
+    """A failing room's granted region stays reserved (the writer may be writing into it) until the
+    writer answers; its queued requests are dropped at once."""
+    core = staging_core()
+    gen, gen2 = _two_rooms(core)
+    core.on_message("p0", sreq(1, gen, 0, 0, 16), T0)
+    core.on_message("p0", sreq(2, gen2, 0, 0, 16), T0)  # queued behind room 1
+    pop(core)
+    core.abort(2, T0)
+    assert core.ring.queued == 0  # room 2's queued request is dropped at once
+    core.abort(1, T0)
+    pop(core)
+    assert [k for k, _, _ in core.ring.live_grants()] == [(1, 10, 0)]
+    answer(core, 1, gen, "p0")
+    answer(core, 2, gen2, "p0")
+    assert sorted(e.room_id for e in pop(core).ended) == [1, 2]
+    assert_clean(core)
+
+
+def test_receiver_drain_waits_for_running_scatter():
+    """A STAGED tag of a draining room is still scattered; the room fails only after the writer
+    answered and the scatter finished (the scatter writes into its pages)."""
+    core = staging_core()
+    core.open_room(1, C, T0)
+    core.set_destination(1, [1], 16, T0)
+    gen = core.rooms[1].generation
+    core.on_message("p0", sreq(1, gen, 0, 0, 16), T0)
+    core.abort(1, T0)
+    core.on_notification("agent-0", staged(1, gen, 0), T0)
+    (sc,) = pop(core).scatters
+    answer(core, 1, gen, "p0")
+    assert pop(core).ended == [] and core.room_state(1) is RoomState.TRANSFERRING
+    core.scatter_done(1, 10, sc.seq, T0)
+    o = pop(core)
+    _failed(o, ErrorCode.ABORTED)
+    assert_clean(core)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -17,11 +17,15 @@ from kvproto.core import (
     SenderLink,
     Timeouts,
 )
+from kvproto.core.events import PostStaged
 from kvproto.wire import (
     NO_SLOT,
     Abort,
     ErrorCode,
     LocalProtocolError,
+    StagingGrant,
+    StagingRequest,
+    StagingWatermark,
     Tag,
     TagKind,
     TransferDone,
@@ -45,10 +49,11 @@ def make_core(**kw) -> SenderCore:
 
 def make_link(d: int = 0, *, paired=(0,), writer: bool = True, aux_owner: bool = True, block: int = BLOCK,
               blocks: int = 32, aux: int = 2, instance: str = INSTANCE, link_id: int | None = None,
-              key=None) -> SenderLink:
+              key=None, unit: int = 0, capacity: int = 0, max_units: int = 0) -> SenderLink:
     return SenderLink(key=key if key is not None else f"d{d}", link_id=link_id if link_id is not None else 40 + d,
                       instance=instance, decode_rank=d, num_blocks=blocks, block_size=block, aux_slots=aux,
-                      paired_ranks=frozenset(paired), writer=writer, aux_owner=aux_owner)
+                      paired_ranks=frozenset(paired), writer=writer, aux_owner=aux_owner, stage_unit=unit,
+                      stage_capacity=capacity, stage_max_units=max_units)
 
 
 def req(room: int, n: int = 40, *, gen: int = 11, prefix: int = 0, aux: int = NO_SLOT, pages=None,
@@ -65,6 +70,7 @@ class Out:
     writes: list[PostWrite]
     aux: list[PostAux]
     ended: list[RoomEnded]
+    staged: list[PostStaged]
 
     def to(self, key) -> list:
         """Messages sent to ``key``, round-tripped through the codec."""
@@ -72,21 +78,24 @@ class Out:
 
     @property
     def posts(self) -> list:
-        return [*self.writes, *self.aux]
+        return [*self.writes, *self.aux, *self.staged]
 
 
 def pop(core: SenderCore) -> Out:
     outs = core.pop_outputs()
     o = Out([x for x in outs if isinstance(x, Send)], [x for x in outs if isinstance(x, PostWrite)],
-            [x for x in outs if isinstance(x, PostAux)], [x for x in outs if isinstance(x, RoomEnded)])
+            [x for x in outs if isinstance(x, PostAux)], [x for x in outs if isinstance(x, RoomEnded)],
+            [x for x in outs if isinstance(x, PostStaged)])
     assert len(o.sends) + len(o.posts) + len(o.ended) == len(outs)
     return o
 
 
-def assert_clean(core: SenderCore) -> None:
+def assert_clean(core: SenderCore, *, drains: int = 0) -> None:
+    """No room, deadline or parked request left; ``drains`` ABORTs still held for writes."""
     assert core.rooms == {}
     assert len(core.timers) == 0 and core.next_deadline() is None
     assert core._parked == {} and core._parked_count == 0
+    assert len(core._draining) == drains, core._draining
 
 
 def ready_core(room: int = 1, n: int = 40, *, link: SenderLink | None = None, **kw) -> tuple[SenderCore, SenderLink]:
@@ -442,15 +451,20 @@ def test_sender_chunk_beyond_num_tokens_fails_mismatch():
 
 
 def test_sender_last_chunk_short_fails_mismatch():
-    """A last chunk that ends before num_tokens fails TOKEN_COUNT_MISMATCH (never shifted)."""
+    """A last chunk that ends before num_tokens fails TOKEN_COUNT_MISMATCH (never shifted); decode's
+    ABORT waits for the first chunk's write, still in flight, to be reported."""
     core, _ = ready_core(1, 40)
     core.submit_chunk(1, [1], 16, T0, last=False)
-    pop(core)
+    (w0,) = pop(core).writes
     core.submit_chunk(1, [2], 30, T0, last=True)
     o = pop(core)
     assert o.posts == []
     _failed(o, ErrorCode.TOKEN_COUNT_MISMATCH)
-    assert [m.code for m in o.to("d0")] == [ErrorCode.TOKEN_COUNT_MISMATCH]
+    assert o.to("d0") == []
+    core.write_done(1, "d0", w0.seq, 100, T0 + 1, tag=w0.tag)
+    assert [m.code for m in pop(core).to("d0")] == [ErrorCode.TOKEN_COUNT_MISMATCH]
+    assert core._draining == {}
+    assert_clean(core)
 
 
 def test_sender_queued_chunk_beyond_late_request_fails_mismatch():
@@ -628,9 +642,26 @@ def test_sender_transfer_deadline_refreshes_on_write_done():
     core.handle_timer(T0 + 500.0)
     o = pop(core)
     _failed(o, ErrorCode.TRANSFER_TIMEOUT)
-    assert [m.code for m in o.to("d0")] == [ErrorCode.TRANSFER_TIMEOUT]
-    core.write_done(1, "d0", ws[1].seq, 1, T0 + 501)  # a late completion is absorbed
+    assert o.to("d0") == []  # write 1 is still in flight: the ABORT waits for it
+    core.write_done(1, "d0", ws[1].seq, 1, T0 + 501)
+    assert [m.code for m in pop(core).to("d0")] == [ErrorCode.TRANSFER_TIMEOUT]
+    core.write_done(1, "d0", ws[1].seq, 1, T0 + 502)  # a second report is late: absorbed, counted
     assert core.stats.late_messages == 1
+    assert pop(core).sends == []
+    assert_clean(core)
+
+
+def test_sender_transfer_deadline_refreshes_on_chunk():
+    """Posting a chunk's writes is progress: it re-arms the TRANSFERRING deadline (minor 1)."""
+    core, _ = ready_core(1, 48)
+    core.submit_chunk(1, [1], 16, T0, last=False)
+    assert core.next_deadline() == T0 + 300.0
+    core.submit_chunk(1, [2], 32, T0 + 100.0, last=False)
+    assert core.next_deadline() == T0 + 400.0
+    core.handle_timer(T0 + 399.9)
+    assert core.room_state(1) is RoomState.TRANSFERRING
+    core.handle_timer(T0 + 400.0)
+    _failed(pop(core), ErrorCode.TRANSFER_TIMEOUT)
 
 
 def test_sender_large_clock_step_fires_the_current_deadline():
@@ -699,21 +730,33 @@ def test_sender_local_abort_in_each_state(state):
     _to_state(core, state)
     assert core.room_state(1) is state
     pop(core)
+    writes = core.rooms[1].peers[0].inflight | core.rooms[1].peers[1].inflight if state is not \
+        RoomState.BOOTSTRAPPING else set()
     core.abort(1, T0, "user said so")
     o = pop(core)
     _failed(o, ErrorCode.ABORTED)
     asked = state is not RoomState.BOOTSTRAPPING
+    if state is RoomState.TRANSFERRING:
+        # each link's ABORT waits until its own write in flight is reported
+        assert writes == {0} and o.sends == []
+        core.write_done(1, "d1", 0, 1, T0)
+        assert [(m.generation, m.code) for m in pop(core).to("d1")] == [(4, ErrorCode.ABORTED)]
+        core.write_failed(1, "d0", 0, "cancelled", T0)
+        o = pop(core)
     assert [(m.generation, m.code) for m in o.to("d0")] == ([(3, ErrorCode.ABORTED)] if asked else [])
-    assert [(m.generation, m.code) for m in o.to("d1")] == ([(4, ErrorCode.ABORTED)] if asked else [])
+    if state is not RoomState.TRANSFERRING:
+        assert [(m.generation, m.code) for m in o.to("d1")] == ([(4, ErrorCode.ABORTED)] if asked else [])
     core.abort(1, T0)
     core.abort(12345, T0)
     assert pop(core).ended == []
+    assert core._draining == {}
     assert_clean(core)
 
 
 @pytest.mark.parametrize("state", [RoomState.BOOTSTRAPPING, RoomState.WAITING_FOR_INPUT, RoomState.TRANSFERRING])
 def test_sender_peer_abort_in_each_state(state):
-    """decode's ABORT fails the room with decode's code; the other peer is told, the sender is not."""
+    """decode's ABORT fails the room with decode's code; every requester hears it, the aborting
+    link too (the ack it waits for), each once its writes in flight are reported (minor 1)."""
     core = make_core()
     core.add_link(make_link(0, paired=(0, 1)))
     core.add_link(make_link(1, paired=(0, 1)))
@@ -726,9 +769,49 @@ def test_sender_peer_abort_in_each_state(state):
     core.on_message("d0", Abort(room_id=1, generation=3, code=ErrorCode.ABORTED, reason="bye"), T0)
     o = pop(core)
     _failed(o, ErrorCode.ABORTED)
-    assert o.to("d0") == []
+    if state is RoomState.TRANSFERRING:
+        assert o.sends == []  # write 0 to each link is in flight
+        core.write_done(1, "d0", 0, 1, T0)
+        core.write_done(1, "d1", 0, 1, T0)
+        o = pop(core)
+    assert [(m.generation, m.code) for m in o.to("d0")] == [(3, ErrorCode.ABORTED)]
     expect_d1 = [] if state is RoomState.BOOTSTRAPPING else [(4, ErrorCode.ABORTED)]
     assert [(m.generation, m.code) for m in o.to("d1")] == expect_d1
+    assert_clean(core)
+    assert core._draining == {}
+
+
+def test_sender_peer_abort_from_paired_rank_before_its_request():
+    """An ABORT from a paired decode rank of the room's instance that has not asked yet (decode
+    failed in WAITING_FOR_INPUT) fails the room with its code; the rank that asked hears it."""
+    core = make_core()
+    core.add_link(make_link(0, paired=(0, 1)))
+    core.add_link(make_link(1, paired=(0, 1)))
+    core.add_link(make_link(0, key="b0", instance="decode-B", paired=(0,)))
+    core.open_room(1, T0)
+    core.on_message("d0", req(1, 40, gen=3), T0)
+    core.on_message("b0", Abort(room_id=1, generation=8, code=ErrorCode.ABORTED, reason="other"), T0)
+    assert core.room_state(1) is RoomState.BOOTSTRAPPING and core.stats.stale_tags == 1  # not its instance
+    core.on_message("d1", Abort(room_id=1, generation=9, code=ErrorCode.WAITING_TIMEOUT, reason="w"), T0)
+    o = pop(core)
+    _failed(o, ErrorCode.WAITING_TIMEOUT)
+    assert [(m.generation, m.code) for m in o.to("d0")] == [(3, ErrorCode.WAITING_TIMEOUT)]
+    assert o.to("d1") == []  # it sent no request: there is no generation to answer under
+    assert_clean(core)
+
+
+def test_sender_peer_abort_before_any_request_fails_open_room():
+    """An ABORT from a paired decode rank for an open room no request reached fails it at once."""
+    core = make_core()
+    core.add_link(make_link())
+    core.open_room(1, T0)
+    core.on_message("d0", Abort(room_id=1, generation=5, code=ErrorCode.ABORTED, reason="x"), T0)
+    o = pop(core)
+    _failed(o, ErrorCode.ABORTED)
+    assert o.sends == []
+    core.on_message("d0", req(1, gen=5), T0)  # its request overtaken by nothing: late, answered
+    assert [(m.generation, m.code) for m in pop(core).to("d0")] == [(5, ErrorCode.ABORTED)]
+    assert_clean(core)
 
 
 def test_sender_peer_abort_of_other_generation_is_stale():
@@ -765,7 +848,11 @@ def test_sender_abort_after_end_is_counted_not_raised():
 
 
 def test_sender_remove_link_fails_exactly_rooms_using_it():
-    """remove_link fails rooms with that peer or expecting its rank (PEER_GONE), not the others."""
+    """remove_link fails rooms with that peer or expecting its rank (PEER_GONE), not the others;
+    the removed link is told nothing.
+
+    Regression (minor 1): ABORT_PEERS used to send ABORT to the removed link too, and to hold
+    one for it (a drain) when it had writes in flight."""
     core = make_core()
     core.add_link(make_link(0, paired=(0, 1)))
     core.add_link(make_link(1, paired=(0, 1)))
@@ -788,6 +875,29 @@ def test_sender_remove_link_fails_exactly_rooms_using_it():
     assert core.room_state(4) is RoomState.BOOTSTRAPPING
     core.remove_link("d1", T0)  # twice: nothing
     assert pop(core).ended == []
+
+
+def test_sender_remove_link_holds_no_abort_for_the_gone_link():
+    """Regression: a room failed by remove_link with writes in flight to the removed link and to
+    another link holds the ABORT only for the other link; the gone link's late reports are counted."""
+    core = make_core()
+    core.add_link(make_link(0, paired=(0, 1)))
+    core.add_link(make_link(1, paired=(0, 1)))
+    core.open_room(1, T0)
+    core.on_message("d0", req(1, gen=3), T0)
+    core.on_message("d1", req(1, gen=4), T0)
+    core.submit_chunk(1, [1], 16, T0, last=False)
+    w_d0, w_d1 = sorted(pop(core).writes, key=lambda w: w.link)
+    core.remove_link("d1", T0)
+    o = pop(core)
+    _failed(o, ErrorCode.PEER_GONE)
+    assert o.sends == []
+    assert list(core._draining) == [(1, "d0")]
+    core.write_failed(1, "d1", w_d1.seq, "peer gone", T0, tag=w_d1.tag)
+    assert pop(core).sends == [] and core.stats.late_messages == 1
+    core.write_done(1, "d0", w_d0.seq, 1, T0, tag=w_d0.tag)
+    assert [(m.generation, m.code) for m in pop(core).to("d0")] == [(3, ErrorCode.PEER_GONE)]
+    assert core._draining == {}
 
 
 def test_sender_close_fails_every_live_room_once():
@@ -827,6 +937,59 @@ def test_sender_close_answers_parked_requests():
     assert_clean(core)
 
 
+def test_sender_close_holds_aborts_until_writes_done_then_abandon_flushes():
+    """close() fails a TRANSFERRING room but its ABORT waits for the write in flight; a report
+    releases it; abandon_drains() sends the ABORTs still held (the endpoint is going away)."""
+    core = make_core()
+    core.add_link(make_link(0, paired=(0, 1)))
+    core.add_link(make_link(1, paired=(0, 1)))
+    core.open_room(1, T0)
+    core.on_message("d0", req(1, gen=3), T0)
+    core.on_message("d1", req(1, gen=4), T0)
+    core.submit_chunk(1, [1], 16, T0, last=False)
+    pop(core)
+    core.close(T0)
+    o = pop(core)
+    _failed(o, ErrorCode.ENDPOINT_CLOSED)
+    assert o.sends == [] and sorted(core._draining) == [(1, "d0"), (1, "d1")]
+    core.write_done(1, "d0", 0, 1, T0)
+    assert [(m.generation, m.code) for m in pop(core).to("d0")] == [(3, ErrorCode.ENDPOINT_CLOSED)]
+    core.abandon_drains()
+    o = pop(core)
+    assert [(m.generation, m.code) for m in o.to("d1")] == [(4, ErrorCode.ENDPOINT_CLOSED)]
+    assert o.to("d0") == [] and core._draining == {}
+    core.write_done(1, "d1", 0, 1, T0)  # the write ends after all: late
+    assert pop(core).sends == [] and core.stats.late_messages == 1
+    assert_clean(core)
+
+
+def test_sender_drain_keeps_write_seqs_per_link():
+    """Reports for writes of a failed room count for the link they were posted to: one link's
+    report never releases the ABORT held for another link."""
+    core = make_core()
+    core.add_link(make_link(0, paired=(0, 1)))
+    core.add_link(make_link(1, paired=(0, 1)))
+    core.open_room(1, T0)
+    core.on_message("d0", req(1, gen=3), T0)
+    core.on_message("d1", req(1, gen=4), T0)
+    core.submit_chunk(1, [1], 16, T0, last=False)
+    core.submit_chunk(1, [2], 32, T0, last=False)
+    pop(core)
+    core.abort(1, T0)
+    pop(core)
+    core.write_done(1, "d0", 0, 1, T0)
+    core.write_done(1, "d0", 1, 1, T0)
+    core.write_done(1, "d0", 1, 1, T0)  # twice: the second is late
+    o = pop(core)
+    assert [m.generation for m in o.to("d0")] == [3] and o.to("d1") == []
+    assert core.stats.late_messages == 1
+    core.write_done(1, "d1", 1, 1, T0)
+    assert pop(core).sends == []
+    core.write_failed(1, "d1", 0, "x", T0)
+    assert [m.generation for m in pop(core).to("d1")] == [4]
+    assert core._draining == {}
+
+
 def test_sender_room_traces_released_on_end():
     """An ended room keeps only a tombstone: no room, deadline, peers, pages or chunks."""
     core, _ = ready_core(1, 40)
@@ -835,6 +998,9 @@ def test_sender_room_traces_released_on_end():
     core.abort(1, T0)
     assert room.peers == {} and list(room.src_pages) == [] and room.chunks == []
     assert core.room_state(1) is RoomState.FAILED
+    assert_clean(core, drains=1)  # only the ABORT held for the write in flight remains
+    core.write_done(1, "d0", 0, 1, T0)
+    assert [m.code for m in pop(core).to("d0")] == [ErrorCode.ABORTED]
     assert_clean(core)
 
 
@@ -854,12 +1020,17 @@ def test_sender_tombstones_are_bounded(monkeypatch):
 # --- write reports that are not this room's -------------------------------------------------------
 
 
-def _reopen_with_old_write(state: RoomState) -> tuple[SenderCore, PostWrite]:
-    """Room 1 fails with write seq 0 in flight, then is opened again and driven to ``state``."""
+def _reopen_with_old_write(state: RoomState, *, abandon: bool = True) -> tuple[SenderCore, PostWrite]:
+    """Room 1 fails with write seq 0 in flight, then is opened again and driven to ``state``.
+    ``abandon``: the ABORT held for the old write is sent now (abandon_drains), so the old
+    write's report belongs to nothing any more."""
     core, _ = ready_core(1, 40, gen=11)
     core.submit_chunk(1, [1, 2, 3], 40, T0, last=True)
     (old,) = pop(core).writes
     core.on_message("d0", Abort(room_id=1, generation=11, code=ErrorCode.ABORTED, reason=""), T0)
+    assert list(core._draining) == [(1, "d0")]
+    if abandon:
+        core.abandon_drains()
     core.open_room(1, T0)
     if state is not RoomState.BOOTSTRAPPING:
         core.on_message("d0", req(1, 40, gen=12), T0)
@@ -908,6 +1079,41 @@ def test_sender_old_write_report_with_tag_does_not_complete_reopened_room(report
     assert core.room_state(1) is RoomState.SUCCESS
 
 
+@pytest.mark.parametrize("state", [RoomState.BOOTSTRAPPING, RoomState.WAITING_FOR_INPUT, RoomState.TRANSFERRING])
+@pytest.mark.parametrize("report", ["done", "failed"])
+def test_sender_old_write_report_releases_held_abort_of_reopened_room(state, report):
+    """Regression: the room id is reopened while the failed incarnation's ABORT still waits for its
+    write: that write's report (told apart by its tag) releases the old ABORT, never touches the
+    new room. It used to be counted stale for the new room, and the old ABORT was held forever."""
+    core, old = _reopen_with_old_write(state, abandon=False)
+    if report == "done":
+        core.write_done(1, "d0", old.seq, 1, T0, tag=old.tag)
+    else:
+        core.write_failed(1, "d0", old.seq, "late failure", T0, tag=old.tag)
+    o = pop(core)
+    assert [(m.generation, m.code) for m in o.to("d0")] == [(11, ErrorCode.ABORTED)]
+    assert o.ended == [] and o.posts == []
+    assert core.room_state(1) is state and core._draining == {}
+    if state is RoomState.TRANSFERRING:
+        assert core.rooms[1].peers[0].inflight == {old.seq}  # the new write is still awaited
+        new_tag = Tag(kind=TagKind.KV, room_id=1, generation=12, link_id=40, seq=old.seq).encode()
+        core.write_done(1, "d0", old.seq, 1, T0, tag=new_tag)
+        assert core.room_state(1) is RoomState.SUCCESS
+
+
+def test_sender_old_write_report_without_tag_prefers_live_write():
+    """Without a tag, a report whose seq the reopened room has in flight counts for the live room
+    (the documented limit of tagless reports); one it has not releases the old ABORT."""
+    core, old = _reopen_with_old_write(RoomState.WAITING_FOR_INPUT, abandon=False)
+    core.write_done(1, "d0", old.seq, 1, T0)  # the live room posted nothing: the old write's
+    assert [m.generation for m in pop(core).to("d0")] == [11]
+    core, old = _reopen_with_old_write(RoomState.TRANSFERRING, abandon=False)
+    core.write_done(1, "d0", old.seq, 1, T0)
+    o = pop(core)
+    assert core.room_state(1) is RoomState.SUCCESS and o.to("d0")[0].generation == 12
+    assert list(core._draining) == [(1, "d0")]
+
+
 def test_sender_duplicate_or_unknown_write_done_ignored():
     """A second DONE for one write, or a DONE for a seq never posted, neither counts nor completes."""
     core, _ = ready_core(1, 40)
@@ -925,22 +1131,63 @@ def test_sender_duplicate_or_unknown_write_done_ignored():
     assert o.to("d0") == [TransferDone(room_id=1, generation=11, writes=2, nbytes=2)]
 
 
-def test_sender_late_request_for_failed_room_refused_unknown_room():
-    """A request for a room that already failed here is refused UNKNOWN_ROOM at once and counted late."""
+def test_sender_late_request_for_failed_room_answered_with_its_code():
+    """A request for a room that failed here before any request reached it is answered at once with
+    the room's code (ABORTED), and counted late (minor 1; 1.0 said UNKNOWN_ROOM)."""
     core = make_core()
     core.add_link(make_link())
     core.open_room(1, T0)
     core.abort(1, T0)
     pop(core)
     core.on_message("d0", req(1, gen=5), T0 + 1)
-    assert [(m.room_id, m.generation, m.code) for m in pop(core).to("d0")] == [(1, 5, ErrorCode.UNKNOWN_ROOM)]
+    assert [(m.room_id, m.generation, m.code) for m in pop(core).to("d0")] == [(1, 5, ErrorCode.ABORTED)]
     assert core.stats.late_messages == 1
+    assert_clean(core)
+
+
+@pytest.mark.parametrize("ended", ["failed", "succeeded"])
+def test_sender_late_request_of_ended_generation_answered(ended):
+    """A request carrying a generation the ended room knew (a duplicate) is answered at once: with the
+    room's code when it FAILED, UNKNOWN_ROOM when it succeeded."""
+    core = make_core()
+    core.add_link(make_link(0, paired=(0, 1)))
+    core.add_link(make_link(1, paired=(0, 1)))
+    core.open_room(1, T0)
+    core.on_message("d0", req(1, 16, gen=3), T0)
+    core.on_message("d1", req(1, 16, gen=4), T0)
+    if ended == "failed":
+        core.peer_violation("d1", 1, 4, ErrorCode.MALFORMED_FRAME, "x", T0)
+    else:
+        core.submit_chunk(1, [1], 16, T0, last=True)
+        finish_writes(core, pop(core).writes)
+    pop(core)
+    core.on_message("d0", req(1, 16, gen=3), T0)
+    code = ErrorCode.MALFORMED_FRAME if ended == "failed" else ErrorCode.UNKNOWN_ROOM
+    assert [(m.generation, m.code) for m in pop(core).to("d0")] == [(3, code)]
+    assert core._parked == {} and core.stats.late_messages == 1
+
+
+def test_sender_reused_room_id_new_generation_is_parked():
+    """A request with a generation the ended room never saw is a new incarnation of the id: it is
+    parked (not refused) and replayed when the application opens the room again."""
+    core, _ = ready_core(1, 16, gen=11)
+    core.abort(1, T0)
+    pop(core)
+    core.on_message("d0", req(1, 16, gen=12), T0 + 1)
+    assert pop(core).sends == []
+    assert core._parked_count == 1 and core.stats.late_messages == 0
+    core.open_room(1, T0 + 2)
+    assert core.room_state(1) is RoomState.WAITING_FOR_INPUT
+    core.submit_chunk(1, [1], 16, T0 + 2, last=True)
+    finish_writes(core, pop(core).writes)
+    assert pop(core).to("d0") == [TransferDone(room_id=1, generation=12, writes=1, nbytes=100)]
     assert_clean(core)
 
 
 def test_sender_parked_replay_answers_every_request_when_room_fails():
     """Regression: if a replayed parked request fails the room, the requests parked after it are
-    refused (UNKNOWN_ROOM: the room has ended) instead of being dropped unanswered."""
+    answered at once with the room's code (no request was accepted: they are late for the ended
+    room, minor 1) instead of being dropped unanswered."""
     core = make_core()
     core.add_link(make_link(0, paired=(0, 1)))
     core.add_link(make_link(1, paired=(0, 1)))
@@ -950,7 +1197,7 @@ def test_sender_parked_replay_answers_every_request_when_room_fails():
     o = pop(core)
     _failed(o, ErrorCode.INDEX_OUT_OF_RANGE)
     assert [(m.generation, m.code) for m in o.to("d0")] == [(3, ErrorCode.INDEX_OUT_OF_RANGE)]
-    assert [(m.generation, m.code) for m in o.to("d1")] == [(4, ErrorCode.UNKNOWN_ROOM)]
+    assert [(m.generation, m.code) for m in o.to("d1")] == [(4, ErrorCode.INDEX_OUT_OF_RANGE)]
     assert_clean(core)
 
 
@@ -967,3 +1214,154 @@ def test_sender_peer_violation_from_paired_rank_before_its_request_fails_room():
     _failed(o, ErrorCode.MALFORMED_FRAME)
     assert [(m.generation, m.code) for m in o.to("d1")] == [(9, ErrorCode.MALFORMED_FRAME)]
     assert [(m.generation, m.code) for m in o.to("d0")] == [(3, ErrorCode.MALFORMED_FRAME)]
+
+
+# --- staging (minor 1) -----------------------------------------------------------------------------
+
+UNIT, CAP = 64, 4096  # 64 tokens
+
+
+def staged_core(room: int = 1, n: int = 40, *, max_units: int = 0, **kw) -> SenderCore:
+    core, _ = ready_core(room, n, link=make_link(unit=UNIT, capacity=CAP, max_units=max_units), **kw)
+    return core
+
+
+def grant(room: int, seq: int, start: int, end: int, offset: int = 0, gen: int = 11) -> StagingGrant:
+    return StagingGrant(room_id=room, generation=gen, seq=seq, start_token=start, end_token=end, offset=offset)
+
+
+def test_sender_staged_link_asks_grant_then_posts_staged_write():
+    """A staged link sends STAGING_REQUEST (seq reserved) instead of writing; each grant becomes one
+    PostStaged at the granted offset, tagged STAGED; a partial grant is followed by a request for
+    the rest under a new seq; the aux write takes the next seq; TRANSFER_DONE counts every write."""
+    core = staged_core(1, 40, aux=1)
+    core.submit_chunk(1, [1, 2, 3], 40, T0, last=True, aux_slot=0)
+    o = pop(core)
+    assert o.writes == [] and o.staged == [] and len(o.aux) == 1
+    assert o.to("d0") == [StagingRequest(room_id=1, generation=11, seq=0, start_token=0, end_token=40)]
+    (aux,) = o.aux
+    assert aux.seq == 1  # seq 0 is reserved by the staging request
+    core.on_message("d0", grant(1, 0, 0, 16, offset=128), T0)
+    o = pop(core)
+    (w,) = o.staged
+    assert (w.seq, w.start_token, w.end_token, w.remote_offset, tuple(w.src_pages)) == (0, 0, 16, 128, (1, 2, 3))
+    t = decode_tag(w.tag)
+    assert (t.kind, t.room_id, t.generation, t.link_id, t.seq) == (TagKind.STAGED, 1, 11, 40, 0)
+    assert o.to("d0") == [StagingRequest(room_id=1, generation=11, seq=2, start_token=16, end_token=40)]
+    core.on_message("d0", grant(1, 2, 16, 40, offset=0), T0)
+    (w2,) = pop(core).staged
+    assert (w2.seq, w2.start_token, w2.end_token) == (2, 16, 40)
+    core.on_message("d0", StagingWatermark(room_id=1, generation=11, seq=0, watermark=4096), T0)
+    assert core.rooms[1].peers[0].consumed == 1
+    for x in (w, aux):
+        core.write_done(1, "d0", x.seq, 10, T0, tag=x.tag)
+    assert core.room_state(1) is RoomState.TRANSFERRING
+    core.write_done(1, "d0", w2.seq, 10, T0, tag=w2.tag)
+    o = pop(core)
+    assert o.to("d0") == [TransferDone(room_id=1, generation=11, writes=3, nbytes=30)]
+    assert [e.state for e in o.ended] == [RoomState.SUCCESS]
+    core.on_message("d0", StagingWatermark(room_id=1, generation=11, seq=2, watermark=8192), T0)  # late
+    assert core.stats.late_messages == 1
+    assert_clean(core)
+
+
+def test_sender_staging_requests_follow_chunks_prefix_and_max_units():
+    """Requests start at the prefix, cover only tokens already given, at most one outstanding, and
+    at most stage_max_units tokens each."""
+    core = staged_core(1, 64, prefix=16, max_units=20)
+    core.submit_chunk(1, [1], 16, T0, last=False)
+    assert pop(core).sends == []  # all of it is prefix
+    core.submit_chunk(1, [2], 32, T0, last=False)
+    assert [(m.seq, m.start_token, m.end_token) for m in pop(core).to("d0")] == [(0, 16, 32)]
+    core.submit_chunk(1, [3, 4], 64, T0, last=True)
+    assert pop(core).to("d0") == []  # one request outstanding at a time
+    core.on_message("d0", grant(1, 0, 16, 32), T0)
+    assert [(m.seq, m.start_token, m.end_token) for m in pop(core).to("d0")] == [(1, 32, 52)]
+    core.on_message("d0", grant(1, 1, 32, 40), T0)
+    assert [(m.seq, m.start_token, m.end_token) for m in pop(core).to("d0")] == [(2, 40, 60)]
+    core.on_message("d0", grant(1, 2, 40, 60), T0)
+    assert [(m.seq, m.start_token, m.end_token) for m in pop(core).to("d0")] == [(3, 60, 64)]
+    core.on_message("d0", grant(1, 3, 60, 64), T0)
+    assert pop(core).to("d0") == []
+    for seq in range(4):
+        core.write_done(1, "d0", seq, 1, T0)
+    assert pop(core).to("d0")[0].writes == 4
+
+
+def _two_staged_rooms() -> SenderCore:
+    core = make_core()
+    core.add_link(make_link(unit=UNIT, capacity=CAP))
+    for room, gen in ((1, 11), (2, 12)):
+        core.open_room(room, T0)
+        core.on_message("d0", req(room, 40, gen=gen), T0)
+        core.submit_chunk(room, [1, 2, 3], 40, T0, last=True)
+    pop(core)
+    return core
+
+
+@pytest.mark.parametrize(
+    "bad, code",
+    [
+        (dict(seq=5), ErrorCode.PEER_PROTOCOL_ERROR),
+        (dict(start_token=8), ErrorCode.PEER_PROTOCOL_ERROR),
+        (dict(end_token=0), ErrorCode.INDEX_OUT_OF_RANGE),
+        (dict(end_token=41), ErrorCode.INDEX_OUT_OF_RANGE),
+        (dict(offset=CAP - 16 * UNIT + 64), ErrorCode.INDEX_OUT_OF_RANGE),
+        ("twice", ErrorCode.PEER_PROTOCOL_ERROR),
+    ],
+    ids=["seq", "start", "empty", "beyond-request", "overruns-region", "not-outstanding"],
+)
+def test_sender_grant_mismatch_fails_only_that_room(bad, code):
+    """A STAGING_GRANT that does not answer the outstanding request (seq, start), grants nothing or
+    more than asked, or overruns the staging region fails its room with the code, posts nothing,
+    tells decode; the other room on the same link carries on."""
+    core = _two_staged_rooms()
+    if bad == "twice":
+        core.on_message("d0", grant(1, 0, 0, 16), T0)
+        (w,) = pop(core).staged
+        msg = grant(1, 0, 0, 16)  # the request now outstanding is seq 1 at token 16
+    else:
+        w = None
+        msg = replace(grant(1, 0, 0, 16), **bad)
+    core.on_message("d0", msg, T0)
+    o = pop(core)
+    _failed(o, code)
+    assert o.staged == []
+    if w is None:
+        assert [(m.room_id, m.code) for m in o.to("d0")] == [(1, code)]
+    else:  # its staged write is in flight: the ABORT waits for it
+        assert o.to("d0") == []
+        core.write_done(1, "d0", w.seq, 1, T0, tag=w.tag)
+        assert [(m.room_id, m.code) for m in pop(core).to("d0")] == [(1, code)]
+    core.on_message("d0", grant(2, 0, 0, 40, gen=12), T0)
+    (w2,) = pop(core).staged
+    core.write_done(2, "d0", w2.seq, 1, T0, tag=w2.tag)
+    assert core.room_state(2) is RoomState.SUCCESS
+    assert_clean(core)
+
+
+def test_sender_stale_and_late_grants_touch_nothing():
+    """A grant of another generation is stale; a grant for an ended room is late; neither posts."""
+    core = _two_staged_rooms()
+    core.on_message("d0", grant(1, 0, 0, 40, gen=99), T0)
+    assert core.stats.stale_tags == 1 and core.room_state(1) is RoomState.TRANSFERRING
+    core.abort(1, T0)
+    pop(core)
+    core.on_message("d0", grant(1, 0, 0, 40), T0)
+    o = pop(core)
+    assert o.posts == [] and o.sends == [] and core.stats.late_messages == 1
+
+
+def test_sender_failure_with_staging_request_outstanding_aborts_at_once():
+    """A staging request that was not granted is no write: the ABORT goes at once; a posted staged
+    write holds it until reported."""
+    core = _two_staged_rooms()
+    core.abort(1, T0)
+    assert [(m.room_id, m.code) for m in pop(core).to("d0")] == [(1, ErrorCode.ABORTED)]
+    core.on_message("d0", grant(2, 0, 0, 40, gen=12), T0)
+    (w,) = pop(core).staged
+    core.abort(2, T0)
+    assert pop(core).sends == []
+    core.write_failed(2, "d0", w.seq, "cancelled", T0, tag=w.tag)
+    assert [(m.room_id, m.code) for m in pop(core).to("d0")] == [(2, ErrorCode.ABORTED)]
+    assert_clean(core)

@@ -19,6 +19,7 @@ TERMINAL = (RoomState.SUCCESS, RoomState.FAILED)
 LIVE = (RoomState.BOOTSTRAPPING, RoomState.WAITING_FOR_INPUT, RoomState.TRANSFERRING)
 FAILURE_INPUTS = (Input.PEER_ABORT, Input.PEER_GONE, Input.PEER_VIOLATION, Input.LOCAL_ABORT, Input.TIMEOUT,
                   Input.CLOSE)
+DRAIN_INPUTS = (Input.DRAIN, Input.DRAIN_PROGRESS, Input.DRAINED)
 
 
 def md_tables(path: Path) -> list[tuple[str, list[str], list[list[str]]]]:
@@ -101,8 +102,9 @@ def test_state_table_failure_inputs_fail_every_live_room() -> None:
 
 
 def test_state_table_effect_rules() -> None:
-    """LOCAL_ERROR keeps the state; INTERNAL_ERROR and ABORT_PEERS go to FAILED; SUCCESS only via SEND_DONE/COMPLETE."""
-    for (role, state, _), (effect, nxt) in TABLE.items():
+    """LOCAL_ERROR keeps the state; INTERNAL_ERROR and ABORT_PEERS go to FAILED; SUCCESS only via
+    SEND_DONE/COMPLETE; a live room enters FAILED only by ABORT_PEERS, INTERNAL_ERROR or DRAINED."""
+    for (role, state, inp), (effect, nxt) in TABLE.items():
         if effect is Effect.LOCAL_ERROR:
             assert nxt is state
         if effect in (Effect.INTERNAL_ERROR, Effect.ABORT_PEERS):
@@ -110,7 +112,31 @@ def test_state_table_effect_rules() -> None:
         if nxt is RoomState.SUCCESS and not state.terminal:
             assert effect is (Effect.SEND_DONE if role is Role.SENDER else Effect.COMPLETE)
         if nxt is RoomState.FAILED and not state.terminal:
-            assert effect in (Effect.ABORT_PEERS, Effect.INTERNAL_ERROR)
+            assert effect in (Effect.ABORT_PEERS, Effect.INTERNAL_ERROR) or (
+                (role, state, inp, effect) == (Role.RECEIVER, RoomState.TRANSFERRING, Input.DRAINED, Effect.NONE))
+
+
+def test_state_table_drain_rows() -> None:
+    """The decode drain (minor 1): only a TRANSFERRING receiver drains. DRAIN sends ABORT and stays
+    (ABORT_AND_DRAIN), DRAIN_PROGRESS records and stays, DRAINED enters FAILED; in the states the
+    classifier never drains from they are INTERNAL_ERROR; ABORT_AND_DRAIN appears nowhere else."""
+    R, T = Role.RECEIVER, RoomState.TRANSFERRING
+    assert TABLE[(R, T, Input.DRAIN)] == (Effect.ABORT_AND_DRAIN, T)
+    assert TABLE[(R, T, Input.DRAIN_PROGRESS)] == (Effect.RECORD, T)
+    assert TABLE[(R, T, Input.DRAINED)] == (Effect.NONE, RoomState.FAILED)
+    for state in (RoomState.BOOTSTRAPPING, RoomState.WAITING_FOR_INPUT):
+        for inp in DRAIN_INPUTS:
+            assert TABLE[(R, state, inp)] == (Effect.INTERNAL_ERROR, RoomState.FAILED)
+    assert not any(inp in INPUTS[Role.SENDER] for inp in DRAIN_INPUTS)
+    assert [k for k, (e, _) in TABLE.items() if e is Effect.ABORT_AND_DRAIN] == [(R, T, Input.DRAIN)]
+
+
+def test_state_table_drain_always_reaches_failed() -> None:
+    """From a draining room (after DRAIN), DRAINED is always available and ends it FAILED: a drain
+    can never leave the room live for good, and never turns it into SUCCESS."""
+    _, state = TABLE[(Role.RECEIVER, RoomState.TRANSFERRING, Input.DRAIN)]
+    assert TABLE[(Role.RECEIVER, state, Input.DRAINED)][1] is RoomState.FAILED
+    assert TABLE[(Role.RECEIVER, state, Input.DRAIN_PROGRESS)][1] is state
 
 
 def test_state_table_success_reachable_from_every_live_state() -> None:

@@ -1,0 +1,70 @@
+"""CUDA caches end to end over NIXL: direct VRAM writes, GPU staging and host staging."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from kvproto.aio import DecodeEndpoint, KVCache, PrefillEndpoint
+from kvproto.geometry import Layout
+
+from .conftest import config
+
+pytestmark = [
+    pytest.mark.asyncio,
+    pytest.mark.gpu,
+    pytest.mark.nixl,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def cuda_cache(heads: int, tp: int, rank: int, layout: Layout, block: int, seed: int) -> tuple[KVCache, list]:
+    gen = torch.Generator().manual_seed(seed)
+    shape = (64, block, heads, 32) if layout is Layout.NHD else (64, heads, block, 32)
+    regions = [torch.randint(-50, 50, shape, generator=gen).to(torch.bfloat16).cuda() for _ in range(4)]
+    kv = KVCache.from_tensors([regions[0::2], regions[1::2]], tp_size=tp, tp_rank=rank, num_kv_heads=8, layout=layout)
+    return kv, regions
+
+
+def token_heads(region: torch.Tensor, pages: list[int], n: int, layout: Layout) -> torch.Tensor:
+    t = region[pages]
+    if layout is Layout.HND:
+        t = t.transpose(1, 2)
+    return t.reshape(-1, t.shape[2], t.shape[3])[:n]
+
+
+@pytest.mark.parametrize("mode", ["direct", "device-staging", "host-staging"])
+async def test_gpu_room_lands_byte_exact(mode: str) -> None:
+    """A prefill TP 1 -> decode TP 2 room (or a same-geometry room for ``direct``) between CUDA
+    caches lands byte-exact, on the path the mode selects."""
+    decode_tp = 1 if mode == "direct" else 2
+    src_layout, dst_layout = (Layout.NHD, Layout.NHD) if mode == "direct" else (Layout.HND, Layout.NHD)
+    src_kv, src = cuda_cache(8, 1, 0, src_layout, 16, seed=1)
+    opts = dict(host_staging=mode == "host-staging", staging_bytes=8 << 20)
+    dsts = [cuda_cache(8 // decode_tp, decode_tp, r, dst_layout, 16 if mode == "direct" else 32, seed=2 + r)
+            for r in range(decode_tp)]
+    n, src_pages = 150, [9, 3, 41, 7, 20, 11, 60, 2, 33, 18]
+    dst_pages = [[5, 17, 40, 1, 30], [8, 9, 10, 50, 22]] if mode != "direct" else [[12, 6, 44, 0, 38, 27, 14, 59, 31, 4]]
+    async with PrefillEndpoint(src_kv, config=config("nixl", **opts)) as prefill:
+        decodes = [DecodeEndpoint(kv, config=config("nixl", instance="gpu-decode", **opts)) for kv, _ in dsts]
+        for d in decodes:
+            await d.start()
+        try:
+            rooms = [d.open_room(7, prefill.address, pages=dst_pages[r], num_tokens=n) for r, d in enumerate(decodes)]
+            room = prefill.open_room(7)
+            room.send(src_pages, n)
+            await asyncio.wait_for(asyncio.gather(room.wait(), *(r.wait() for r in rooms)), 60)
+        finally:
+            for d in decodes:
+                await d.close()
+    want_path = {"direct": "direct", "device-staging": "staged-device", "host-staging": "staged-host"}[mode]
+    assert want_path in room.stats.paths
+    torch.cuda.synchronize()
+    hs = 8 // decode_tp
+    for rank, (_kv, dst) in enumerate(dsts):
+        for r in range(4):
+            want = token_heads(src[r], src_pages, n, src_layout)[:, rank * hs:(rank + 1) * hs]
+            got = token_heads(dst[r], dst_pages[rank], n, dst_layout)
+            assert torch.equal(want, got), f"decode rank {rank} region {r}"
