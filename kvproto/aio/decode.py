@@ -34,7 +34,7 @@ from kvproto.aio.memory import KVCache, geometry_from_wire, geometry_to_wire
 from kvproto.aio.room import ReceiverRoomHandle
 from kvproto import kernels
 from kvproto.aio.staging import Copies, PieceShape, StagingBuffer, scatter_piece
-from kvproto.core import ReceiverCore, ReceiverLink, Scatter
+from kvproto.core import DropLink, ReceiverCore, ReceiverLink, Scatter
 from kvproto.core.staging import StagingRing
 from kvproto.geometry import (
     IncompatibleGeometry,
@@ -408,6 +408,11 @@ class DecodeEndpoint(EndpointBase):
 
     # --- progress ---------------------------------------------------------------------------------------
     def _perform(self, output: Any) -> None:
+        if isinstance(output, DropLink):
+            link = self._links.get(output.link)  # type: ignore[arg-type]
+            if link is not None:
+                self._drop_link(link, output.code, output.reason)
+            return
         if not isinstance(output, Scatter):
             raise TypeError(f"unexpected output {output!r}")
         link_id: int = output.link  # type: ignore[assignment]

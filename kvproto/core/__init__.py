@@ -5,6 +5,7 @@ Nothing here awaits, sleeps, or imports asyncio, zmq, torch or nixl; time is pas
 
 from kvproto.core.events import (
     CoreStats,
+    DropLink,
     LinkKey,
     Output,
     PostAux,

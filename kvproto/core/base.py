@@ -37,6 +37,9 @@ class Tombstone:
     state: RoomState
     code: ErrorCode | int | None
     generations: frozenset[int]
+    instance: str | None = None
+    """Sender: the decode instance the room served, and the ranks that had sent requests."""
+    ranks: frozenset[int] = frozenset()
 
 
 @dataclass(slots=True, kw_only=True)
@@ -120,7 +123,7 @@ class CoreBase:
             code, reason = ErrorCode.INTERNAL_ERROR, f"unexpected {inp.value} while {room.state.name}"
             effect = Effect.ABORT_PEERS
         if inp is Input.TIMEOUT and code is None:
-            code = _TIMEOUT_CODE[room.state]
+            code = self._timeout_code(room)
             reason = reason or f"room {room.room_id} timed out while {room.state.name}"
         if effect in (Effect.ABORT_PEERS, Effect.ABORT_AND_DRAIN):
             room.code = code if code is not None else ErrorCode.INTERNAL_ERROR
@@ -153,9 +156,9 @@ class CoreBase:
         room.ended = now
         self.rooms.pop(room.room_id, None)
         self.timers.cancel(room.room_id)
-        generations = self._generations(room)
+        tombstone = self._tombstone(room)
         self._forget(room)
-        self._tombstones[room.room_id] = Tombstone(room.state, room.code, generations)
+        self._tombstones[room.room_id] = tombstone
         if len(self._tombstones) > TOMBSTONES:
             self._tombstones.popitem(last=False)
         if room.state is RoomState.SUCCESS:
@@ -195,12 +198,15 @@ class CoreBase:
         """Perform ``effect``; may return an input to apply once the new state is set."""
         raise NotImplementedError
 
+    def _timeout_code(self, room: Any) -> ErrorCode:
+        return _TIMEOUT_CODE[room.state]
+
     def _forget(self, room: Any) -> None:
         """Drop every trace of an ended room from the subclass's maps."""
 
-    def _generations(self, room: Any) -> frozenset[int]:
-        """The generations the room was known under (to tell late messages from a new incarnation)."""
-        return frozenset()
+    def _tombstone(self, room: Any) -> Tombstone:
+        """What to remember of an ended room (to tell late messages from a new incarnation)."""
+        return Tombstone(room.state, room.code, frozenset())
 
     def _other_timer(self, key: Any, now: float) -> None:
         """A timer that is not a room's deadline fired."""

@@ -99,6 +99,15 @@ class Scatter:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class DropLink:
+    """Receiver: stop trusting this link (it left an ABORT unanswered past the drain deadline)."""
+
+    link: LinkKey
+    code: ErrorCode
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RoomEnded:
     """The room reached SUCCESS or FAILED; the core has forgotten it."""
 
@@ -108,7 +117,7 @@ class RoomEnded:
     reason: str = ""
 
 
-Output = Send | PostWrite | PostAux | PostStaged | Scatter | RoomEnded
+Output = Send | PostWrite | PostAux | PostStaged | Scatter | DropLink | RoomEnded
 
 
 @dataclass(slots=True)

@@ -34,8 +34,8 @@ import random
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from kvproto.core.base import CoreBase, RoomBase
-from kvproto.core.events import LinkKey, Scatter, Timeouts
+from kvproto.core.base import CoreBase, RoomBase, Tombstone
+from kvproto.core.events import DropLink, LinkKey, Scatter, Timeouts
 from kvproto.core.staging import StagingRing
 from kvproto.core.state import Effect, Input, Role, RoomState
 from kvproto.wire import (
@@ -408,6 +408,14 @@ class ReceiverCore(CoreBase):
         """Classify failures of a TRANSFERRING room that may still receive writes as DRAIN, and
         every input of a draining room as DRAIN_PROGRESS or DRAINED (see the module docstring)."""
         if room.failing:
+            if inp is Input.TIMEOUT:
+                # Drain deadline: a writer that never answered can no longer be trusted.
+                for link_id in self._unsettled(room):
+                    link = self.links_by_id.get(link_id)
+                    if link is not None:
+                        self._outputs.append(DropLink(link=link.key, code=ErrorCode.PEER_GONE,
+                                                      reason=f"prefill rank {link.prefill_rank} did not answer an "
+                                                             f"ABORT within {self.timeouts.drain}s"))
             if inp in (Input.TIMEOUT, Input.CLOSE):
                 room.settled.update(room.writers)  # drain deadline, or memory about to be deregistered
                 room.scattering.clear()
@@ -428,10 +436,16 @@ class ReceiverCore(CoreBase):
         super().apply(room, inp, now, **kw)
 
     @staticmethod
+    def _unsettled(room: ReceiverRoom) -> list[int]:
+        return [link_id for link_id, p in room.writers.items() if p.writes is None and link_id not in room.settled]
+
+    @staticmethod
     def _drained(room: ReceiverRoom) -> bool:
-        """No writer can still write into the room and no scatter is running."""
+        """No writer can still write into the room and no scatter is running. A writer whose
+        TRANSFER_DONE arrived wrote everything before sending it: it is settled even if some of
+        its tags never come."""
         return not room.scattering and all(
-            p.complete() or link_id in room.settled for link_id, p in room.writers.items())
+            p.writes is not None or link_id in room.settled for link_id, p in room.writers.items())
 
     # --- effects -----------------------------------------------------------------------------------
     def _effect(self, room: ReceiverRoom, effect: Effect, now: float, origin: LinkKey | None) -> Input | None:
@@ -456,8 +470,8 @@ class ReceiverCore(CoreBase):
                     self.ring.cancel_queued(room.room_id)
         return None
 
-    def _generations(self, room: ReceiverRoom) -> frozenset[int]:
-        return frozenset({room.generation})
+    def _tombstone(self, room: ReceiverRoom) -> Tombstone:
+        return Tombstone(room.state, room.code, frozenset({room.generation}))
 
     def _forget(self, room: ReceiverRoom) -> None:
         if self.ring is not None:

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvproto.core.base import CoreBase, RoomBase
+from kvproto.core.base import CoreBase, RoomBase, Tombstone
 from kvproto.core.events import LinkKey, PostAux, PostStaged, PostWrite, Timeouts
 from kvproto.core.state import Effect, Input, Role, RoomState
 from kvproto.wire import (
@@ -96,6 +96,8 @@ class _Peer:
     """Staged links: the (seq, start, end) of the staging request awaiting its grant."""
     consumed: int = 0
     """Staged links: watermarks received (pieces scattered on decode)."""
+    staged_seqs: set[int] = field(default_factory=set)
+    """Staged links: seqs granted and not yet watermarked."""
 
 
 @dataclass(slots=True)
@@ -156,6 +158,8 @@ class SenderCore(CoreBase):
         self._parked: dict[int, list[tuple[LinkKey, TransferRequest]]] = {}
         self._parked_count = 0
         self._draining: dict[tuple[int, LinkKey], _Drain] = {}
+        self._preaborted: dict[int, tuple[ErrorCode | int, str]] = {}
+        """Rooms a decode rank aborted before they were opened here (kept ``timeouts.parked``)."""
 
     # --- links ----------------------------------------------------------------------------
     def add_link(self, link: SenderLink) -> None:
@@ -208,6 +212,11 @@ class SenderCore(CoreBase):
         room = SenderRoom(room_id=room_id, created=now)
         self.rooms[room_id] = room
         self.timers.schedule(room_id, self._deadline(RoomState.BOOTSTRAPPING, now))
+        preaborted = self._preaborted.pop(room_id, None)
+        if preaborted is not None:
+            self.timers.cancel(("preaborted", room_id))
+            self.apply(room, Input.PEER_ABORT, now, code=preaborted[0],
+                       reason=f"decode aborted before the room opened here: {preaborted[1]}")
         parked = self._parked.pop(room_id, None)
         if parked:
             self._parked_count -= len(parked)
@@ -272,7 +281,7 @@ class SenderCore(CoreBase):
         elif isinstance(msg, StagingGrant):
             self._on_grant(key, msg, now)
         elif isinstance(msg, StagingWatermark):
-            self._on_watermark(key, msg)
+            self._on_watermark(key, msg, now)
         else:
             self.stats.peer_violations += 1
             self.send(key, self._abort_message(
@@ -357,9 +366,13 @@ class SenderCore(CoreBase):
                                                "endpoint closed"))
             return
         ended = self._tombstones.get(msg.room_id)
-        if ended is not None and (msg.generation in ended.generations or not ended.generations):
-            # A late request for the room that ended here (not a new incarnation of the id): tell
-            # decode why it ended (e.g. ABORTED before decode's request arrived).
+        link = self.links.get(key)
+        missed = link is not None and ended is not None and ended.instance == link.instance and (
+            link.decode_rank not in ended.ranks)
+        if ended is not None and (msg.generation in ended.generations or not ended.generations or missed):
+            # A late request for the room that ended here (not a new incarnation of the id: its
+            # generation was seen, or the room ended before this decode rank's request reached
+            # it): tell decode why it ended (e.g. ABORTED before decode's request arrived).
             self.stats.late_messages += 1
             code = ended.code if ended.state is RoomState.FAILED and ended.code is not None else ErrorCode.UNKNOWN_ROOM
             self.send(key, self._abort_message(msg.room_id, msg.generation, code,
@@ -376,7 +389,9 @@ class SenderCore(CoreBase):
         self._parked_count += 1
 
     def _other_timer(self, key: object, now: float) -> None:
-        if isinstance(key, tuple) and key[0] == "parked":
+        if isinstance(key, tuple) and key[0] == "preaborted":
+            self._preaborted.pop(key[1], None)
+        elif isinstance(key, tuple) and key[0] == "parked":
             parked = self._parked.pop(key[1], [])
             self._parked_count -= len(parked)
             for link_key, msg in parked:
@@ -395,8 +410,14 @@ class SenderCore(CoreBase):
                 if not kept:
                     del self._parked[msg.room_id]
                     self.timers.cancel(("parked", msg.room_id))
-                return
-            self._count_missing_room(msg.room_id)
+            if msg.room_id in self._tombstones:
+                self._count_missing_room(msg.room_id)
+            elif key in self.links and len(self._preaborted) < self.max_parked:
+                # Decode gave up before this rank opened the room: fail it on open, not at its deadline.
+                self._preaborted[msg.room_id] = (ErrorCode.coerce(msg.code), msg.reason)
+                self.timers.schedule(("preaborted", msg.room_id), now + self.timeouts.parked)
+            else:
+                self._count_missing_room(msg.room_id)
             return
         link = self.links.get(key)
         peer = room.peers.get(link.decode_rank) if link else None
@@ -528,14 +549,20 @@ class SenderCore(CoreBase):
             start_token=msg.start_token, end_token=msg.end_token, src_pages=tuple(room.src_pages),
             remote_offset=msg.offset))
         peer.inflight.add(msg.seq)
+        peer.staged_seqs.add(msg.seq)
         self._request_staging(room, peer)
 
-    def _on_watermark(self, key: LinkKey, msg: StagingWatermark) -> None:
+    def _on_watermark(self, key: LinkKey, msg: StagingWatermark, now: float) -> None:
         room: SenderRoom | None = self.rooms.get(msg.room_id)
         peer = self._peer_by_key(room, key) if room is not None else None
         if peer is None or peer.request.generation != msg.generation:
             self._count_missing_room(msg.room_id)
             return
+        if msg.seq not in peer.staged_seqs:
+            self.apply(room, Input.PEER_VIOLATION, now, code=ErrorCode.PEER_PROTOCOL_ERROR,  # type: ignore[arg-type]
+                       reason=f"watermark for write {msg.seq}, which was not staged")
+            return
+        peer.staged_seqs.discard(msg.seq)
         peer.consumed += 1
 
     # --- effects -------------------------------------------------------------------------------
@@ -619,8 +646,14 @@ class SenderCore(CoreBase):
     def _peer_by_key(room: SenderRoom, key: LinkKey) -> _Peer | None:
         return next((p for p in room.peers.values() if p.link.key == key), None)
 
-    def _generations(self, room: SenderRoom) -> frozenset[int]:
-        return frozenset(p.request.generation for p in room.peers.values())
+    def _timeout_code(self, room: SenderRoom) -> ErrorCode:
+        if room.state is RoomState.TRANSFERRING and any(p.outstanding is not None for p in room.peers.values()):
+            return ErrorCode.STAGING_STALLED
+        return super()._timeout_code(room)
+
+    def _tombstone(self, room: SenderRoom) -> Tombstone:
+        return Tombstone(room.state, room.code, frozenset(p.request.generation for p in room.peers.values()),
+                         room.instance, frozenset(room.peers))
 
     def _forget(self, room: SenderRoom) -> None:
         room.peers.clear()

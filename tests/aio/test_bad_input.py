@@ -22,6 +22,7 @@ from kvproto.wire import (
     Register,
     RegisterAccept,
     RegisterReject,
+    StagingGrant,
     TransferRequest,
     decode,
     encode,
@@ -153,12 +154,18 @@ async def test_prefill_truncated_request_fails_its_room(setup) -> None:
 
 
 async def test_prefill_unknown_room_messages_are_absorbed(setup) -> None:
-    """An ABORT for a room that never existed is counted and dropped; nothing else changes."""
+    """A STAGING_GRANT for a room that never existed is counted and dropped; an ABORT for a room
+    not yet open fails it at once when it opens; other rooms are untouched."""
     prefill, decode, raw = setup
     await raw.send(encode(raw.register_message()))
     assert isinstance(await raw.recv(), RegisterAccept)
+    await raw.send(encode(StagingGrant(room_id=999, generation=1, seq=0, start_token=0, end_token=1, offset=0)))
     await raw.send(encode(Abort(room_id=12345, generation=1, code=ErrorCode.ABORTED, reason="x")))
     await asyncio.sleep(0.1)
     assert prefill.core.stats.unknown_room_messages == 1
+    late = prefill.open_room(12345)
+    with pytest.raises(TransferFailed) as failed:
+        await asyncio.wait_for(late.wait(), 5)
+    assert failed.value.code is ErrorCode.ABORTED
     await good_room(prefill, decode, 30)
     assert prefill.core.room_state(30) is RoomState.SUCCESS
