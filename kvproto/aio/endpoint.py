@@ -24,8 +24,9 @@ import asyncio
 import logging
 import os
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 import zmq.asyncio
@@ -37,6 +38,14 @@ from kvproto.transport import Transport, load_transport
 from kvproto.wire import ErrorCode, LocalProtocolError, Message, encode
 
 log = logging.getLogger("kvproto")
+
+
+class ControlFaults(Protocol):
+    """Decides the fate of each outgoing control frame (see ``kvproto.testing.SeededFaults``)."""
+
+    def plan(self, frames: list[bytes]) -> list[tuple[float, list[bytes]]]:
+        """(delay in seconds, frames) for every copy to send: [] drops, two entries duplicate."""
+        ...
 
 
 class EndpointClosed(LocalProtocolError):
@@ -112,6 +121,10 @@ class EndpointConfig:
     """Size of this rank's staging buffer (0: no staging). Needs the cache's tensors."""
     host_staging: bool = False
     """Stage GPU caches through pinned host memory instead of device memory."""
+    clock: Callable[[], float] | None = None
+    """Where the core's time comes from (default: the event loop's clock). Tests jump it."""
+    control_faults: ControlFaults | None = None
+    """Fault injection on outgoing control frames (``kvproto.testing``); never set in production."""
 
 
 class EndpointBase:
@@ -200,7 +213,8 @@ class EndpointBase:
 
     def _now(self) -> float:
         assert self._loop is not None
-        return self._loop.time()
+        clock = self.config.clock
+        return clock() if clock is not None else self._loop.time()
 
     # --- outputs ------------------------------------------------------------------------------
     def _flush(self) -> None:
@@ -250,8 +264,22 @@ class EndpointBase:
                 self.errors += 1
                 log.exception("%s: unexpected error while performing outputs", self.ROLE)
 
+    def _send_frame(self, sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
+        faults = self.config.control_faults
+        if faults is None:
+            self._send_now(sock, frames)
+            return
+        assert self._loop is not None
+        for delay, copy in faults.plan(frames):  # drop, duplicate, delay or reorder (tests only)
+            if delay <= 0:
+                self._send_now(sock, copy)
+            else:
+                self._loop.call_later(delay, self._send_now, sock, copy)
+
     @staticmethod
-    def _send_frame(sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
+    def _send_now(sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
+        if sock.closed:
+            return
         try:
             sock.send_multipart(frames, flags=zmq.DONTWAIT)
         except zmq.Again:
