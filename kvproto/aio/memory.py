@@ -68,7 +68,7 @@ class KVCache:
         tp_size: int = 1,
         tp_rank: int = 0,
         num_kv_heads: int | None = None,
-        layout: Layout = Layout.NHD,
+        layout: Layout | str = Layout.NHD,
         mla: bool = False,
         aux: Any = None,
     ) -> KVCache:
@@ -79,7 +79,7 @@ class KVCache:
         ``(num_blocks, heads, block_size, head_dim)`` for HND, and must be contiguous.
         ``num_kv_heads`` is the model's total (defaults to local heads x tp_size).
         """
-        layout = Layout(layout)
+        layout = Layout[layout.upper()] if isinstance(layout, str) else Layout(layout)
         if not planes or not planes[0]:
             raise ValueError("no cache tensors given")
         if len(planes) != (1 if mla else 2):
