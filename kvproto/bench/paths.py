@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transport", default="nixl")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--host-staging", action="store_true", help="stage CUDA caches through pinned host memory")
+    ap.add_argument("--paths", nargs="+", default=["sliced", "staged"], choices=["sliced", "staged"])
     args = ap.parse_args(argv)
     dev_name = torch.cuda.get_device_name() if args.device != "cpu" else "CPU"
     print(f"device: {dev_name}; transport {args.transport}; bf16, {args.layers} layers, {args.heads} KV heads x "
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     for tokens in args.tokens:
         s = Setup(args.layers, args.heads, args.head_dim, args.block, tokens, args.ratio, args.device,
                   args.transport, args.repeat, args.host_staging)
-        rows = [asyncio.run(_path_run(s, path)) for path in ("sliced", "staged")]
+        rows = [asyncio.run(_path_run(s, path)) for path in args.paths]
         nbytes = rows[0][1]
         raw = _raw_write_seconds(s, nbytes)
         for seconds, moved, descs, name in rows:
