@@ -18,9 +18,10 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_arguments(demo_parser)
 
     bench_parser = sub.add_parser("bench", help="benchmarks (ratios against references measured in the same run)")
-    bench_parser.add_argument("which", choices=["kernels", "paths"],
+    bench_parser.add_argument("which", choices=["kernels", "paths", "rss"],
                               help="kernels: staging gather/scatter vs device copy; "
-                                   "paths: sliced vs staged room vs one raw transport write")
+                                   "paths: sliced vs staged room vs one raw transport write; "
+                                   "rss: memory over 10,000 sequential rooms")
     bench_parser.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of that benchmark (--help)")
 
     args = parser.parse_args(argv)
@@ -36,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvproto.bench import paths
 
         return paths.main(args.rest)
+    if args.command == "bench" and args.which == "rss":
+        from kvproto.bench import rss
+
+        return rss.main(args.rest)
     parser.error(f"unknown command {args.command}")  # pragma: no cover
     return 2
 

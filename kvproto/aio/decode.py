@@ -255,10 +255,16 @@ class DecodeEndpoint(EndpointBase):
                 self._drop_link(link, ErrorCode.PEER_GONE, "prefill rank restarted")
         elif isinstance(msg, Abort):
             if link.registered:
-                self._drop_link(link, ErrorCode.coerce(msg.code), f"prefill closed the link: {msg.reason}")
+                code = ErrorCode.coerce(msg.code)
+                if code == ErrorCode.NOT_REGISTERED:
+                    code = ErrorCode.PEER_GONE  # the prefill rank forgot the link: it restarted
+                self._drop_link(link, code, f"prefill closed the link: {msg.reason}")
             else:
                 link.inbox.put_nowait(msg)
         elif isinstance(msg, (BootstrapInfo, RegisterAccept, RegisterReject)):
+            if link.registered:
+                self.core.stats.peer_violations += 1  # handshake replies after the handshake: dropped
+                return
             if isinstance(msg, RegisterAccept):
                 link.peer_minor = header.minor
             link.inbox.put_nowait(msg)
@@ -294,11 +300,13 @@ class DecodeEndpoint(EndpointBase):
             self.core.cluster_ready(cluster, ready, self._now())
             for link in links:
                 link.registered = True
-        except _BootstrapFailed as exc:
-            log.warning("bootstrap of %s failed: %s", cluster, exc.reason)
+        except Exception as exc:  # anything a bad peer makes the handshake raise fails the bootstrap
+            failure = exc if isinstance(exc, _BootstrapFailed) else _BootstrapFailed(
+                ErrorCode.PEER_PROTOCOL_ERROR, f"handshake with {cluster} failed: {type(exc).__name__}: {exc}")
+            log.warning("bootstrap of %s failed: %s", cluster, failure.reason)
             for link in links:
                 self._discard_link(link)
-            self.core.cluster_failed(cluster, exc.code, exc.reason, self._now())
+            self.core.cluster_failed(cluster, failure.code, failure.reason, self._now())
         finally:
             self._flush()
             self._bootstraps.pop(cluster, None)
@@ -369,6 +377,8 @@ class DecodeEndpoint(EndpointBase):
                 msg = await asyncio.wait_for(link.inbox.get(), 0.25)
             except asyncio.TimeoutError:
                 continue
+            if isinstance(msg, BootstrapInfo) and msg.tp_size == 0:
+                raise _BootstrapFailed(ErrorCode.PEER_PROTOCOL_ERROR, "rank table of a prefill instance of TP 0")
             if isinstance(msg, BootstrapInfo) and len(msg.ranks) == msg.tp_size:
                 if sorted(r.tp_rank for r in msg.ranks) != list(range(msg.tp_size)):
                     raise _BootstrapFailed(ErrorCode.PEER_PROTOCOL_ERROR, f"malformed rank table {msg.ranks}")

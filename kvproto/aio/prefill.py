@@ -18,6 +18,7 @@ rooms fail with PEER_GONE.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -70,6 +71,12 @@ from kvproto.wire import (
 )
 
 log = logging.getLogger("kvproto")
+
+_MAX_ADDRESS = 2**63
+"""Addresses and lengths from a peer must fit a signed 64-bit descriptor."""
+MAX_PAGES = 1 << 26
+"""Most pages (regions x pages per region) a decode rank may register: bounds descriptor lists."""
+MAX_AUX_SLOTS = 1 << 20
 
 
 @dataclass(slots=True)
@@ -189,6 +196,7 @@ class PrefillEndpoint(EndpointBase):
 
     def _close_io(self) -> None:
         for link in list(self._links.values()):
+            self._send(link.ident, Abort(code=ErrorCode.ENDPOINT_CLOSED, reason="prefill closed"))
             self._drop_link(link, ErrorCode.ENDPOINT_CLOSED, "endpoint closed")
         for sock in (self._router, self._announcer):
             if sock is not None:
@@ -313,6 +321,21 @@ class PrefillEndpoint(EndpointBase):
             self._send(ident, RegisterReject(link_id=msg.link_id, code=ErrorCode.TRANSPORT_ERROR,
                                              reason=f"cannot load the decode agent: {exc}"))
             return
+        try:
+            self._accept(ident, minor, msg, remote, agent, now)
+        except Exception as exc:
+            self._links.pop(ident, None)
+            self._pieces.pop(ident, None)
+            if not any(other.agent == agent for other in self._links.values()):
+                with contextlib.suppress(TransportError):
+                    self.transport.remove_peer(agent)
+            log.warning("rejected registration from %s: %r", msg.agent_name, exc)
+            self._send(ident, RegisterReject(link_id=msg.link_id, code=ErrorCode.INDEX_OUT_OF_RANGE,
+                                             reason=f"cannot use the registered memory: {exc}"))
+
+    def _accept(self, ident: bytes, minor: int, msg: Register, remote: _Remote, agent: str, now: float) -> None:
+        assert self.transport is not None and self._local is not None
+        decode_g = remote.geometry
         g = self.kv.geometry
         chosen = writers(g, decode_g)
         is_writer = g.tp_rank in chosen
@@ -380,6 +403,15 @@ class PrefillEndpoint(EndpointBase):
             check_compatible(self.kv.geometry, decode_g)
         except IncompatibleGeometry as exc:
             raise _Reject(ErrorCode.INCOMPATIBLE_GEOMETRY, str(exc)) from None
+        too_far = [r for r in msg.regions if r.address + r.length > _MAX_ADDRESS]
+        if too_far:
+            raise _Reject(ErrorCode.INDEX_OUT_OF_RANGE,
+                          f"region at {too_far[0].address:#x} of {too_far[0].length} bytes lies beyond 2**63")
+        if decode_g.num_regions * decode_g.num_blocks > MAX_PAGES:
+            raise _Reject(ErrorCode.INDEX_OUT_OF_RANGE,
+                          f"{decode_g.num_regions} regions of {decode_g.num_blocks} pages exceed {MAX_PAGES} pages")
+        if msg.aux_slots > MAX_AUX_SLOTS:
+            raise _Reject(ErrorCode.INDEX_OUT_OF_RANGE, f"{msg.aux_slots} aux slots exceed {MAX_AUX_SLOTS}")
         kv_rows = sorted((r for r in msg.regions if r.kind == RegionKind.KV), key=lambda r: r.index)
         if [r.index for r in kv_rows] != list(range(decode_g.num_regions)):
             raise _Reject(ErrorCode.INDEX_OUT_OF_RANGE,

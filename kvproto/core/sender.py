@@ -199,6 +199,9 @@ class SenderCore(CoreBase):
                                                    "endpoint closed"))
         self._parked.clear()
         self._parked_count = 0
+        for room_id in self._preaborted:
+            self.timers.cancel(("preaborted", room_id))
+        self._preaborted.clear()  # no room can be opened any more
 
     def abandon_drains(self) -> None:
         """Send the ABORTs still waiting for writes to finish (the endpoint is going away)."""
@@ -410,6 +413,11 @@ class SenderCore(CoreBase):
                 if not kept:
                     del self._parked[msg.room_id]
                     self.timers.cancel(("parked", msg.room_id))
+                if len(kept) < len(parked):
+                    # Decode sent that request, so it drains until we answer: nothing of a room
+                    # not opened here can be in flight, answer at once (or it drops the link).
+                    self.send(key, self._abort_message(msg.room_id, msg.generation, ErrorCode.coerce(msg.code),
+                                                       f"request withdrawn: {msg.reason}"))
             if msg.room_id in self._tombstones:
                 self._count_missing_room(msg.room_id)
             elif key in self.links and len(self._preaborted) < self.max_parked:

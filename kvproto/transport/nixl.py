@@ -173,7 +173,12 @@ class NixlTransport:
         self._check_open()
         with _nixl("add_peer"):
             raw = self._agent.add_remote_agent(metadata)
-        name = raw.decode() if isinstance(raw, bytes) else str(raw)
+        try:
+            name = raw.decode() if isinstance(raw, bytes) else str(raw)
+        except UnicodeDecodeError:
+            with _nixl("add_peer (undoing an agent with an undecodable name)"):
+                self._agent.remove_remote_agent(raw)
+            raise TransportError(f"add_peer: the peer's agent name {raw!r} is not UTF-8") from None
         self._invalidate(name, f"peer {name!r} was reloaded by add_peer")
         self._peers.add(name)
         return name

@@ -23,7 +23,17 @@ into pending ``Event``s that nothing delivers until the test says so:
                    ``scatter_done``. Staged token ranges are recorded per (prefill, decode, room).
 * ``RoomEnded`` -> recorded per core in ``ended``. A decode room that ends while a write into it
                    is still in flight (its ``done`` pending) or a scatter of it still runs is
-                   recorded in ``unsafe_ends`` unless it ended by CLOSE or by its drain deadline.
+                   recorded in ``unsafe_ends`` unless it ended by CLOSE or by its drain deadline
+                   (or, for writes of the dropped prefill rank only, by a ``DropLink``).
+* ``DropLink``  -> performed at once, as a dead peer would look (``drop_link``): the decode rank
+                   removes the link (``remove_link``: the link's rooms fail PEER_GONE and its cluster
+                   fails, to bootstrap again) and the prefill rank removes its link to that decode
+                   rank. Recorded in ``dropped``. Events already in flight stay pending; ``rejoin``
+                   bootstraps the cluster again (the dropped links' pending control events are lost
+                   with their sockets then).
+
+A ``done`` can be *stalled* (``stall``): the transport never reports the write, which stays in
+flight (pending, never deliverable), so a decode room ending meanwhile is an unsafe end.
 
 Staging (``staged``: every writer pair, or the given (prefill, decode) pairs) goes through one
 ``StagingRing`` of ``ring`` bytes per decode rank, shared by every writer and room; a pair's unit
@@ -56,7 +66,7 @@ from kvproto.core import (
     SenderLink,
     Timeouts,
 )
-from kvproto.core.events import PostStaged, Scatter
+from kvproto.core.events import DropLink, PostStaged, Scatter
 from kvproto.core.staging import StagingRing
 from kvproto.geometry import (
     DType,
@@ -107,6 +117,9 @@ class Event:
     order: int
     nbytes: int = 0
     fail: str | None = None
+    stalled: bool = False
+    """A ``done`` the transport never reports: it stays pending (the write may still land) but is
+    never deliverable."""
 
     @property
     def channel(self) -> tuple[str, int, int] | None:
@@ -170,6 +183,10 @@ class Net:
     """(decode rank, ending, in-flight events) of decode rooms that ended with writes in flight."""
     forced_ends: list[tuple[int, RoomEnded]] = field(init=False, default_factory=list)
     """Decode rooms whose drain deadline forced the report."""
+    dropped: list[tuple[int, DropLink]] = field(init=False, default_factory=list)
+    """(decode rank, output) of every DropLink a decode core asked for, in order (all performed)."""
+    dropped_ends: list[tuple[int, int, RoomEnded]] = field(init=False, default_factory=list)
+    """(decode rank, dropped prefill rank, ending) of decode rooms ended by performing a DropLink."""
 
     def __post_init__(self) -> None:
         self._order = itertools.count()
@@ -192,6 +209,9 @@ class Net:
         self.ended = defaultdict(list)
         self.scattered = defaultdict(list)
         self._draining_now: set[tuple[int, int]] = set()
+        self._drops: list[tuple[int, DropLink]] = []
+        self._cut: set[tuple[int, int]] = set()  # (prefill, decode) pairs whose link was dropped
+        self._dropping: tuple[int, int] | None = None  # (decode rank, prefill rank) being dropped
         self._given: dict[tuple[int, int], tuple[int, int]] = {}  # (p, room) -> (end token, pages)
         # prefill side: what PrefillEndpoint._on_register computes for each registered decode rank
         self.slinks: dict[int, list[SenderLink]] = {}
@@ -261,13 +281,22 @@ class Net:
 
     # --- outputs into events ---------------------------------------------------------------
     def pump(self) -> None:
-        """Turn every core's outputs into pending events (until no core has any)."""
-        for p, core in enumerate(self.senders):
-            for out in core.pop_outputs():
-                self._sender_output(p, out)
-        for d, core in enumerate(self.receivers):
-            for out in core.pop_outputs():
-                self._receiver_output(d, out)
+        """Turn every core's outputs into pending events, performing DropLinks, until no core has any."""
+        while True:
+            busy = False
+            for p, core in enumerate(self.senders):
+                for out in core.pop_outputs():
+                    busy = True
+                    self._sender_output(p, out)
+            for d, core in enumerate(self.receivers):
+                for out in core.pop_outputs():
+                    busy = True
+                    self._receiver_output(d, out)
+            drops, self._drops = self._drops, []
+            for d, out in drops:
+                self.drop_link(d, out.link[1], code=out.code, reason=out.reason)
+            if not busy and not drops:
+                return
 
     def _event(self, kind: str, p: int, d: int, payload: Any, **kw: Any) -> Event:
         ev = Event(kind, p, d, payload, next(self._order), **kw)
@@ -304,11 +333,21 @@ class Net:
         elif isinstance(out, Scatter):
             _, p = out.link
             self._event(SCATTER, p, d, out)
+        elif isinstance(out, DropLink):
+            self.dropped.append((d, out))
+            self._drops.append((d, out))  # performed once this batch of outputs is turned into events
         elif isinstance(out, RoomEnded):
             self.ended[("D", d)].append(out)
             if out.state is RoomState.SUCCESS:
                 self.seen_at_end[("D", d, out.room_id)] = frozenset(self.landed)
-            if (d, out.room_id) in self._draining_now:
+            if self._dropping is not None and self._dropping[0] == d:
+                # the dropped prefill rank is treated as dead: only its own writes are exempt
+                self.dropped_ends.append((d, self._dropping[1], out))
+                busy = [ev for ev in self.in_flight(d, out.room_id)
+                        if not (ev.kind == DONE and ev.p == self._dropping[1])]
+                if busy:
+                    self.unsafe_ends.append((d, out, busy))
+            elif (d, out.room_id) in self._draining_now:
                 self.forced_ends.append((d, out))
             elif out.code != ErrorCode.ENDPOINT_CLOSED:
                 busy = self.in_flight(d, out.room_id)
@@ -337,6 +376,38 @@ class Net:
             (ev.kind == DONE and ev.payload.room_id == room and decode_tag(ev.payload.tag).generation in gens)
             or (ev.kind == SCATTER and ev.payload.room_id == room))]
 
+    # --- links dropped and bootstrapped again ----------------------------------------------------
+    def drop_link(self, d: int, p: int, *, code: ErrorCode = ErrorCode.PEER_GONE, reason: str = "",
+                  prefill_side: bool = True) -> None:
+        """Decode rank ``d`` drops its link to prefill rank ``p`` (``remove_link``: the link's rooms
+        fail PEER_GONE, the cluster must bootstrap again) and, unless ``prefill_side`` is false,
+        ``p`` loses its link to ``d`` as a dead peer would look (``SenderCore.remove_link``)."""
+        self._cut.add((p, d))
+        outer, self._dropping = self._dropping, (d, p)
+        try:
+            self.receivers[d].remove_link(("prefill", p), self.now, code=code, reason=reason)
+            if prefill_side:
+                self.senders[p].remove_link(("decode", d), self.now, code=code)
+            self.pump()
+        finally:
+            self._dropping = outer
+
+    def rejoin(self, d: int) -> None:
+        """Decode rank ``d`` bootstraps its cluster again: the control events still pending on the
+        dropped links are lost with their sockets, every paired prefill rank registers ``d`` anew,
+        the cluster is ready."""
+        paired = {lk.prefill_rank for lk in self.rlinks[d]}
+        cut = {p for p in paired if (p, d) in self._cut}
+        self._cut -= {(p, d) for p in cut}
+        self.pending = [ev for ev in self.pending if not (ev.channel is not None and ev.d == d and ev.p in cut)]
+        for p in paired:
+            for link in self.slinks[p]:
+                if link.decode_rank == d:
+                    self.senders[p].add_link(link)
+        self.receivers[d].cluster_pending(CLUSTER)
+        self.receivers[d].cluster_ready(CLUSTER, self.rlinks[d], self.now)
+        self.pump()
+
     # --- delivery ------------------------------------------------------------------------------
     def deliverable(self, kinds: Iterable[str] | None = None) -> list[Event]:
         """Pending events that may go next: the head of each control FIFO, any tag or done."""
@@ -344,6 +415,8 @@ class Net:
         seen: set[tuple[str, int, int]] = set()
         out = []
         for ev in self.pending:
+            if ev.stalled:
+                continue
             ch = ev.channel
             if ch is not None:
                 if ch in seen:
@@ -352,6 +425,11 @@ class Net:
             if wanted is None or ev.kind in wanted:
                 out.append(ev)
         return out
+
+    def stall(self, ev: Event) -> None:
+        """The transport never reports write ``ev`` (a ``done``): it stays in flight for good."""
+        assert ev.kind == DONE
+        ev.stalled = True
 
     def deliver(self, ev: Event, *, keep: bool = False) -> None:
         """Deliver ``ev`` now (``keep``: leave a copy pending, i.e. a duplicate)."""
@@ -507,6 +585,7 @@ class Net:
                 assert core._parked == {}, f"{who} still has parked requests {core._parked}"
                 assert core._parked_count == 0
                 assert core._draining == {}, f"{who} still holds ABORTs {core._draining}"
+                assert core._preaborted == {}, f"{who} still remembers pre-aborted rooms {core._preaborted}"
             elif core.ring is not None:
                 ring = core.ring
                 assert (ring.used, ring.queued, ring.live_grants(), ring.owners()) == (0, 0, [], set()), \

@@ -23,7 +23,7 @@ from kvproto.wire import (
     TransferRequest,
 )
 
-from .conftest import DONE, SCATTER, TAG, TO_DECODE, TO_PREFILL, Net, agent_of, link_id_of
+from .conftest import CLUSTER, DONE, SCATTER, TAG, TO_DECODE, TO_PREFILL, Net, agent_of, link_id_of
 
 OK, FAILED = RoomState.SUCCESS, RoomState.FAILED
 B, W, T = RoomState.BOOTSTRAPPING, RoomState.WAITING_FOR_INPUT, RoomState.TRANSFERRING
@@ -321,7 +321,8 @@ def test_pair_waiting_deadline_prefill(make_net):
 def test_pair_waiting_deadline_decode(make_net, prefill_open):
     """decode never gets its destination: WAITING_TIMEOUT at +300 s on decode, and its ABORT (it has
     a generation from opening the room) tells prefill: a prefill room still waiting for the request
-    fails WAITING_TIMEOUT too; with none open the ABORT is counted as for an unknown room."""
+    fails WAITING_TIMEOUT too; with none open the ABORT is remembered (pre-abort), so a prefill room
+    opened within the parked timeout fails WAITING_TIMEOUT at once."""
     net = make_net(timeouts=Timeouts(bootstrap=None), d_timeouts=Timeouts())
     net.open(1, sides="PD" if prefill_open else "D")
     net.advance(300 - 2**-10)
@@ -335,7 +336,12 @@ def test_pair_waiting_deadline_decode(make_net, prefill_open):
     if prefill_open:
         net.assert_all_ended(1, FAILED, ErrorCode.WAITING_TIMEOUT)
     else:
-        assert net.ended[P0] == [] and net.senders[0].stats.unknown_room_messages == 1
+        assert net.ended[P0] == [] and net.senders[0].stats.unknown_room_messages == 0
+        assert list(net.senders[0]._preaborted) == [1]
+        assert net.senders[0].next_deadline() == net.now + 30.0
+        net.advance(30.0 - 2**-10)
+        net.open(1, sides="P")
+        net.assert_all_ended(1, FAILED, ErrorCode.WAITING_TIMEOUT)
     assert net.pending == []
     net.assert_clean()
 
@@ -419,11 +425,9 @@ def test_pair_prefill_abort_before_request_answers_aborted(make_net, decode_stat
 
 def test_pair_prefill_abort_with_partial_requests_reaches_all(make_net):
     """P1->D2: prefill aborts with only D0's request in; D0 hears ABORTED at once. D1's later
-    request carries a generation the ended room never saw, so prefill cannot tell it from a new
-    incarnation of the id: it is parked and refused UNKNOWN_ROOM when the parked deadline passes.
-
-    Known gap (see report): each decode rank picks its own generation, so D1 learns of the abort
-    only 30 s later and without its code."""
+    request carries a generation the ended room never saw, but D1 is a rank of the room's decode
+    instance that had not asked before the room ended (the tombstone remembers instance and
+    ranks): it is answered ABORTED at once, never parked, no deadline involved."""
     net = make_net(p_tp=1, d_tp=2)
     net.open(1)
     net.dest(1, 40, ranks=[0])
@@ -434,10 +438,12 @@ def test_pair_prefill_abort_with_partial_requests_reaches_all(make_net):
     assert net.ending(D0, 1).code == ErrorCode.ABORTED
     net.dest(1, 40, ranks=[1])
     net.run()
-    assert net.senders[0]._parked_count == 1 and net.state(("D", 1), 1) is T
-    net.advance(30.0)
-    net.run()
-    assert net.ending(("D", 1), 1).code == ErrorCode.UNKNOWN_ROOM
+    assert net.senders[0]._parked_count == 0
+    net.assert_all_ended(1, FAILED, ErrorCode.ABORTED)
+    ((_, _, late),) = net.messages(TO_DECODE, Abort, 1)[-1:]
+    assert (late.generation, late.code) == (net.requests(1)[(0, 1)].generation, ErrorCode.ABORTED)
+    assert net.senders[0].stats.late_messages == 1 and net.now == 1000.0
+    assert net.next_deadline() is None
     net.assert_ended_once()
     net.assert_clean()
 
@@ -460,20 +466,29 @@ def test_pair_decode_abort_reaches_prefill(net, prefill_state):
 
 
 def test_pair_decode_abort_withdraws_parked_request(net):
-    """decode aborts while its request is parked: prefill forgets it; a later open waits and times out.
+    """decode aborts while its request is parked: prefill withdraws the request (nothing is replayed)
+    and remembers the ABORT, so a later open fails ABORTED at once, no deadline involved.
 
-    Known gap (see report): prefill is not told the room is dead, only its bootstrap deadline ends it.
-    """
+    Regression: prefill withdrew the request without answering, so decode, draining for an answer
+    that never came, dropped the whole link (PEER_GONE for all its rooms) at its drain deadline."""
     net.open(1, sides="D")
     net.dest(1, 40)
     net.run()
+    gen = net.requests(1)[(0, 0)].generation
     net.abort("D", 0, 1)
     net.run()
-    assert net.senders[0]._parked_count == 0 and net.senders[0].next_deadline() is None
+    assert net.senders[0]._parked_count == 0 and net.senders[0]._parked == {}
+    assert list(net.senders[0]._preaborted) == [1]
+    ((_, _, answer),) = net.messages(TO_DECODE, Abort, 1)
+    assert (answer.generation, answer.code) == (gen, ErrorCode.ABORTED)
+    assert net.ending(D0, 1).code == ErrorCode.ABORTED and net.now == 1000.0
+    net.advance(29.0)
+    assert net.dropped == [] and net.forced_ends == []
     net.open(1, sides="P")
-    net.advance(30.0)
-    assert net.ending(P0, 1).code == ErrorCode.BOOTSTRAP_TIMEOUT
-    assert net.ending(D0, 1).code == ErrorCode.ABORTED
+    net.assert_all_ended(1, FAILED, ErrorCode.ABORTED)
+    assert net.pending == []
+    net.assert_ended_once()
+    net.assert_clean()
 
 
 def test_pair_decode_abort_while_bootstrapping_is_silent(make_net):
@@ -569,9 +584,13 @@ def test_pair_duplicate_tags_idempotent(net):
     assert net.receivers[0].stats.peer_violations == 0
 
 
-def test_pair_reused_room_id_never_completes_from_old_generation(net):
-    """Room 1 fails with a write in flight (decode's drain deadline forces its report) and is
-    reopened: the old tag, DONE report and the old ABORT it releases never count for the new one.
+@pytest.mark.parametrize("how", ["drain-deadline", "decode-link-lost"])
+def test_pair_reused_room_id_never_completes_from_old_generation(net, how):
+    """Room 1 fails with a write in flight and decode ends it without prefill's answer: at its drain
+    deadline (DropLink: both sides drop the link, prefill's held ABORT goes with it) or because
+    decode alone lost the link (prefill still holds its ABORT). The cluster bootstraps again and
+    room 1 is reopened: the old tag, DONE report and any old ABORT it releases never count for the
+    new incarnation.
 
     Regressions: prefill used to count a DONE of the old incarnation's write toward the new one;
     then (minor 1) to count it stale and hold the old ABORT forever."""
@@ -581,9 +600,18 @@ def test_pair_reused_room_id_never_completes_from_old_generation(net):
     net.abort("D", 0, 1)
     net.run()
     assert net.ending(P0, 1).code == ErrorCode.ABORTED and net.state(D0, 1) is T
-    net.advance(10.0)  # nobody can answer decode while the write is lost: the drain deadline
+    assert list(net.senders[0]._draining) == [(1, ("decode", 0))]
+    if how == "drain-deadline":
+        net.advance(10.0)  # nobody can answer decode while the write is lost: the drain deadline
+        assert [e.room_id for _, e in net.forced_ends] == [1]
+        assert [(d, out.link) for d, out in net.dropped] == [(0, ("prefill", 0))]
+        assert net.senders[0]._draining == {}  # nothing more is told through a dropped link
+    else:
+        net.drop_link(0, 0, prefill_side=False)
+        assert [(d, p, e.room_id) for d, p, e in net.dropped_ends] == [(0, 0, 1)]
     net.assert_all_ended(1, FAILED, ErrorCode.ABORTED)
-    assert [e.room_id for _, e in net.forced_ends] == [1]
+    net.assert_safe_ends()
+    net.rejoin(0)
     old_gen = net.requests(1)[(0, 0)].generation
     start(net, 1, 40)
     new_gen = [m.generation for _, _, m in net.messages(TO_PREFILL, TransferRequest, 1)][-1]
@@ -593,12 +621,16 @@ def test_pair_reused_room_id_never_completes_from_old_generation(net):
     net.run(kinds=[TAG])
     assert net.receivers[0].stats.stale_tags == 1
     for ev in [e for e in old if e.kind == DONE]:
-        net.deliver(ev)  # releases the old ABORT; a no-op for the new incarnation
+        net.deliver(ev)  # a no-op for the new incarnation (releases the old ABORT if still held)
     assert net.senders[0]._draining == {}
-    (late_abort,) = net.find(TO_DECODE)
-    assert late_abort.message().generation == old_gen
-    net.deliver(late_abort)
-    assert net.receivers[0].stats.stale_tags == 2
+    if how == "drain-deadline":
+        assert net.senders[0].stats.stale_tags == 1  # counted stale, not as the new write's DONE
+        assert net.find(TO_DECODE) == []
+    else:
+        (late_abort,) = net.find(TO_DECODE)
+        assert late_abort.message().generation == old_gen
+        net.deliver(late_abort)
+        assert net.receivers[0].stats.stale_tags == 2
     assert net.state(P0, 1) is T and net.state(D0, 1) is T
     assert net.messages(TO_DECODE, TransferDone, 1) == []
     # an old-generation TRANSFER_DONE forged from the old request does not complete decode either
@@ -608,6 +640,7 @@ def test_pair_reused_room_id_never_completes_from_old_generation(net):
     net.run()
     assert [e.state for e in net.endings(1)[P0]] == [FAILED, OK]
     assert [e.state for e in net.endings(1)[D0]] == [FAILED, OK]
+    net.assert_safe_ends()
     net.assert_clean()
 
 
@@ -627,8 +660,9 @@ def test_pair_tag_from_non_writer_fails_room(make_net):
 
 
 def test_pair_tag_seq_beyond_writes_fails_room(net):
-    """A tag with seq >= the writer's TRANSFER_DONE count fails decode PEER_PROTOCOL_ERROR, reported
-    once the writer is complete (its delayed tag 0 lands): until then a write counts as possible."""
+    """A tag with seq >= the writer's TRANSFER_DONE count fails decode PEER_PROTOCOL_ERROR at once:
+    the writer sent TRANSFER_DONE after all its writes, so it is settled although its delayed tag 0
+    has not landed (which is then late)."""
     start(net, 1, 40)
     net.chunk(1, 40, last=True)
     (tag_ev,) = net.take(TAG)
@@ -637,15 +671,17 @@ def test_pair_tag_seq_beyond_writes_fails_room(net):
     forged = Tag(kind=TagKind.KV, room_id=1, generation=gen, link_id=link_id_of(0), seq=1).encode()
     net.receivers[0].on_notification(agent_of(0), forged, net.now)
     net.pump()
-    assert net.ended[D0] == [] and net.receivers[0].rooms[1].failing
+    assert net.ending(D0, 1).code == ErrorCode.PEER_PROTOCOL_ERROR
+    assert net.receivers[0].stats.peer_violations == 1
     net.run()
     assert net.ending(P0, 1).state is OK
     assert net.senders[0].stats.late_messages == 1  # decode's ABORT came after prefill's end
     assert net.pending == []  # ... and an ended prefill room does not answer it
     net.pending.append(tag_ev)
     net.run()
-    assert net.ending(D0, 1).code == ErrorCode.PEER_PROTOCOL_ERROR
-    assert net.receivers[0].stats.peer_violations == 1
+    assert net.receivers[0].stats.late_messages == 1
+    assert net.now == 1000.0 and net.forced_ends == [] and net.dropped == []
+    net.assert_ended_once()
     net.assert_clean()
 
 
@@ -758,8 +794,9 @@ def test_pair_prefill_failure_abort_waits_for_its_writes(net):
 @pytest.mark.parametrize("cause", ["local-abort", "timeout", "violation"])
 def test_pair_drain_deadline_forces_report(make_net, cause):
     """The write's completion never comes: decode, failing, reports FAILED with its own code when the
-    drain deadline (10 s after the failure) passes, not before; a late completion then releases
-    prefill's ABORT, which decode counts as late."""
+    drain deadline (10 s after the failure) passes, not before, and drops the unanswering writer's
+    link (DropLink, PEER_GONE): both sides remove it, prefill's held ABORT goes with it, and the late
+    completion is then counted late on prefill (no ABORT follows)."""
     net = make_net(timeouts=Timeouts(transfer=None), d_timeouts=Timeouts(transfer=300.0))
     start(net, 1, 40)
     net.chunk(1, 16)
@@ -779,14 +816,203 @@ def test_pair_drain_deadline_forces_report(make_net, cause):
     failed_at = net.now
     net.run()
     assert net.ending(P0, 1).code == code and net.state(D0, 1) is T
+    assert list(net.senders[0]._draining) == [(1, ("decode", 0))]
     net.advance(10 - 2**-10)
-    assert net.state(D0, 1) is T
+    assert net.state(D0, 1) is T and net.dropped == []
     net.advance(2**-10)
     assert net.ending(D0, 1).code == code and net.now == failed_at + 10
     assert [(d, e.room_id) for d, e in net.forced_ends] == [(0, 1)]
+    ((d, drop),) = net.dropped
+    assert (d, drop.link, drop.code) == (0, ("prefill", 0), ErrorCode.PEER_GONE)
+    assert net.receivers[0].cluster_status(CLUSTER) == "failed"
+    assert ("decode", 0) not in net.senders[0].links and net.senders[0]._draining == {}
     net.pending.extend(lost)
     net.run()
-    assert net.receivers[0].stats.late_messages == 1  # prefill's ABORT, released by the report
+    assert net.senders[0].stats.late_messages == 1  # the report, for an ended room
+    assert net.messages(TO_DECODE, Abort, 1) == []
+    net.assert_ended_once()
+    net.assert_clean()
+
+
+@pytest.mark.parametrize("cause", ["local-abort", "timeout"])
+def test_pair_failure_after_transfer_done_with_lost_tag_reports_at_once(make_net, cause):
+    """The tag of prefill's only write is lost; its TRANSFER_DONE reached decode (prefill is SUCCESS).
+    Decode then fails (abort, or its transfer deadline: the tag never comes): the writer settled
+    with its TRANSFER_DONE, so decode reports FAILED at once, not at the drain deadline, and drops
+    no link."""
+    net = make_net(d_timeouts=Timeouts(transfer=300.0))
+    start(net, 1, 40)
+    net.chunk(1, 40, last=True)
+    net.take(TAG)
+    net.run()
+    assert net.ending(P0, 1).state is OK and net.state(D0, 1) is T
+    if cause == "local-abort":
+        net.abort("D", 0, 1)
+        code = ErrorCode.ABORTED
+    else:
+        net.advance(300.0)
+        code = ErrorCode.TRANSFER_TIMEOUT
+    failed_at = net.now
+    assert net.ending(D0, 1).code == code
+    net.run()
+    net.advance(10.0)
+    assert net.now == failed_at + 10 and net.ending(D0, 1).code == code  # reported once, before
+    assert net.forced_ends == [] and net.dropped == []
+    assert net.senders[0].stats.late_messages == 1  # decode's ABORT, after prefill's end
+    net.assert_ended_once()
+    net.assert_safe_ends()
+    net.assert_clean()
+
+
+@pytest.mark.parametrize("topo", [dict(p_tp=1, d_tp=1), dict(p_tp=2, d_tp=1)], ids=["P1-D1", "P2-D1"])
+def test_pair_drop_link_at_drain_deadline_fails_the_links_other_rooms(make_net, topo):
+    """Room 1's write completion from P0 never comes, so decode's drain deadline drops the link to
+    P0 (DropLink): the link's other rooms (transferring with a write in flight, waiting for KV, or
+    decode waiting for its destination) fail PEER_GONE on decode and on P0, which lost its link to
+    decode as well; another prefill rank hears PEER_GONE from decode. No room ends with a write in
+    flight other than the dropped rank's. After the cluster bootstraps again a new room succeeds."""
+    net = make_net(timeouts=Timeouts(transfer=None), **topo)
+    start(net, 1, 40)
+    net.chunk(1, 16)
+    lost = net.take(DONE, lambda e: e.p == 0 and e.payload.room_id == 1)
+    start(net, 2, 40)
+    net.chunk(2, 16)
+    net.run(kinds=[TAG, TO_DECODE, TO_PREFILL])  # room 2's writes are in flight (their DONEs pending)
+    start(net, 3, 40)  # prefill WAITING_FOR_INPUT, decode TRANSFERRING
+    net.open(4, sides="D")  # decode WAITING_FOR_INPUT
+    for ev in net.find(DONE, lambda e: e.payload.room_id == 1):
+        net.deliver(ev)  # room 1's other writers (P2-D1: P1) are over
+    net.abort("D", 0, 1)
+    net.run(kinds=[TO_DECODE, TO_PREFILL])
+    assert net.state(D0, 1) is T and net.receivers[0].rooms[1].failing
+    net.advance(10.0)
+    ((d, drop),) = net.dropped
+    assert (d, drop.link, drop.code) == (0, ("prefill", 0), ErrorCode.PEER_GONE)
+    assert net.ending(D0, 1).code == ErrorCode.ABORTED
+    assert net.ending(D0, 4).code == ErrorCode.PEER_GONE
+    for room in (2, 3):
+        assert net.ending(P0, room).code == ErrorCode.PEER_GONE
+        # P1-D1: nothing else can write, FAILED at once; P2-D1: draining until P1 answers
+        assert net.state(D0, room) is (FAILED if net.p_tp == 1 else T)
+    net.run()
+    net.pending.extend(lost)
+    net.run()
+    for room in (2, 3):
+        net.assert_all_ended(room, FAILED, ErrorCode.PEER_GONE)  # P1 too: decode told it
+    assert sorted(e.room_id for _, p, e in net.dropped_ends if p == 0) == ([2, 3, 4] if net.p_tp == 1 else [4])
+    net.assert_ended_once()
+    net.assert_safe_ends()
+    assert net.receivers[0].cluster_status(CLUSTER) == "failed"
+    net.rejoin(0)
+    start(net, 5, 40)
+    finish(net, 5, 40)
+    net.assert_all_ended(5, OK)
+    assert len(net.dropped) == 1
+    if net.p_tp == 2:  # P1 heard decode's ABORT for room 4, which it never opened: remembered 30 s
+        assert list(net.senders[1]._preaborted) == [4]
+        net.advance(30.0)
+    net.assert_clean()
+
+
+def test_pair_staging_stalled_on_prefill_while_other_room_succeeds(make_net):
+    """Room 1's grant is held up in decode's control channel while room 2, staged on the same link
+    and ring, completes on both sides. prefill's room 1 times out with its staging request still
+    awaiting the grant: STAGING_STALLED, told to decode (nothing in flight), which fails with it."""
+    net = make_net(staged=True, ring=16384, d_timeouts=Timeouts(transfer=None))  # 32 tokens of 512 B
+    start(net, 2, 16)
+    start(net, 1, 16)
+    net.chunk(2, 16, last=True)
+    net.run(kinds=[TO_DECODE])  # room 2's staging request reaches decode, granted
+    net.deliver(net.find(TO_PREFILL)[0])  # prefill gets room 2's grant and posts its staged write
+    net.chunk(1, 16, last=True)
+    net.run(kinds=[TO_DECODE])  # room 1's request reaches decode, granted; the grant waits
+    (held,) = [ev for ev in net.find(TO_PREFILL) if ev.message().room_id == 1]
+    assert isinstance(held.message(), StagingGrant)
+    net.run(kinds=[TAG, DONE, SCATTER, TO_DECODE])
+    net.assert_all_ended(2, OK)  # its watermark waits behind the grant: prefill needs none to succeed
+    assert net.state(P0, 1) is T and net.state(D0, 1) is T
+    net.advance(300.0)
+    assert net.ending(P0, 1).code == ErrorCode.STAGING_STALLED
+    assert net.state(D0, 1) is T  # decode hears it behind nothing: the ABORT is on the other channel
+    net.run(kinds=[TO_DECODE])
+    net.assert_all_ended(1, FAILED, ErrorCode.STAGING_STALLED)
+    net.run()  # the held grant and room 2's watermark come after both ends
+    assert net.senders[0].stats.late_messages == 2
+    assert not any(o.room_id == 1 for o in net.posts[0])
+    net.assert_ended_once()
+    net.assert_safe_ends()
+    net.assert_clean()
+
+
+@pytest.mark.parametrize("seq", [7, 0], ids=["never-granted", "watermarked-twice"])
+def test_pair_watermark_violation_fails_room(make_net, seq):
+    """decode's STAGING_WATERMARK names a seq prefill did not grant as staged (or watermarked
+    already): prefill fails the room PEER_PROTOCOL_ERROR and tells decode (after its writes in
+    flight), which fails with it; the other room on the same link and ring succeeds."""
+    net = make_net(staged=True, ring=2048)
+    start(net, 1, 40)
+    start(net, 2, 40)
+    net.chunk(1, 16)
+    net.run(kinds=[TO_DECODE, TO_PREFILL, TAG])  # pieces granted, posted, landed: scatters pending
+    first = net.find(SCATTER)[0]
+    net.deliver(first)
+    (wm,) = [ev for ev in net.find(TO_PREFILL) if isinstance(ev.message(), StagingWatermark)]
+    if seq == 0:
+        net.deliver(wm, keep=True)  # delivered twice: the second names a seq already watermarked
+    else:
+        net.tamper(wm, seq=seq)
+    net.run()
+    net.assert_all_ended(1, FAILED, ErrorCode.PEER_PROTOCOL_ERROR)
+    assert net.senders[0].stats.peer_violations == 1
+    finish(net, 2, 40, chunks=(16,))
+    net.assert_all_ended(2, OK)
+    net.assert_ended_once()
+    net.assert_safe_ends()
+    net.assert_clean()
+
+
+@pytest.mark.parametrize("opened", ["within-parked", "after-parked"])
+def test_pair_decode_abort_before_prefill_opens(make_net, opened):
+    """decode aborts (WAITING_FOR_INPUT: links ready, no request sent) before prefill opened the
+    room: prefill remembers the ABORT, so opening the room within the parked timeout fails it
+    ABORTED at once; opened after it, prefill waits and fails BOOTSTRAP_TIMEOUT at its deadline."""
+    net = make_net()
+    net.open(1, sides="D")
+    net.abort("D", 0, 1)
+    net.run()
+    assert net.ending(D0, 1).code == ErrorCode.ABORTED
+    net.advance(30.0 - 2**-10 if opened == "within-parked" else 30.0)
+    opened_at = net.now
+    net.open(1, sides="P")
+    if opened == "within-parked":
+        assert net.ending(P0, 1).code == ErrorCode.ABORTED and net.now == opened_at
+    else:
+        assert net.state(P0, 1) is B
+        net.advance(30.0)
+        assert net.ending(P0, 1).code == ErrorCode.BOOTSTRAP_TIMEOUT
+    assert net.pending == []
+    net.assert_ended_once()
+    net.assert_clean()
+
+
+def test_pair_decode_abort_of_parked_request_keeps_the_link(net):
+    """Regression: decode aborts room 1 while its request is parked at prefill (not opened yet);
+    prefill answers the ABORT at once, so decode ends room 1 without its drain deadline and never
+    drops the link: room 2, transferring on the same link meanwhile, succeeds."""
+    start(net, 2, 40)
+    net.chunk(2, 16)
+    net.open(1, sides="D")
+    net.dest(1, 40)
+    net.run(kinds=[TO_PREFILL])
+    assert net.senders[0]._parked_count == 1
+    net.abort("D", 0, 1)
+    net.run()
+    assert net.ending(D0, 1).code == ErrorCode.ABORTED
+    net.advance(20.0)
+    assert net.dropped == [] and net.forced_ends == []
+    finish(net, 2, 40)
+    net.assert_all_ended(2, OK)
+    net.advance(30.0)  # the pre-abort memory expires unused
     net.assert_clean()
 
 
@@ -1365,11 +1591,14 @@ def test_pair_parked_requests_all_answered_when_replay_fails_room(make_net):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), topo=st.sampled_from([(1, 1), (2, 1), (1, 2)]), ready=st.booleans(), staging=STAGINGS)
 def test_pair_random_faults_end_every_room_once(make_net, data, topo, ready, staging):
-    """Random schedules, direct or staged, with aborts on either side, failed writes and lost tags,
-    then the clock runs out: every room ends exactly once on every core, decode succeeds only if all
-    its writers did, no decode room ends while a write into it is in flight or a scatter of it
-    runs (but by its drain deadline), and no trace of any room remains: no room, deadline,
-    parked request, held ABORT or staging credit."""
+    """Random schedules, direct or staged, with aborts on either side, failed writes, lost tags and
+    a write whose completion never comes (stalled), then the clock runs out: every room ends
+    exactly once on every core, decode succeeds only if all its writers did, no decode room ends
+    while a write into it is in flight or a scatter of it runs (but by its drain deadline, or a
+    write of a link dropped then), and no trace of any room remains: no room, deadline, parked
+    request, pre-abort, held ABORT or staging credit. A link dropped at a drain deadline (DropLink)
+    is performed on both sides, only ever for a prefill rank with a stalled write; the decode rank
+    bootstraps again at a random later point."""
     p_tp, d_tp = topo
     ring, max_units = staging or (4096, 0)
     net = make_net(p_tp=p_tp, d_tp=d_tp, p_block=8, d_block=8, ready=ready, staged=staging is not None,
@@ -1389,7 +1618,13 @@ def test_pair_random_faults_end_every_room_once(make_net, data, topo, ready, sta
         for d in range(d_tp):
             scripts[("ready", d)] = [("ready",)]
     faults = data.draw(st.integers(0, 2), label="aborts")
+    stalls = data.draw(st.integers(0, 1), label="stalled writes")
+    stalled: set[tuple[int, int]] = set()
+    drops_seen = 0
     while True:
+        for d, _ in net.dropped[drops_seen:]:
+            scripts[("rejoin", d)] = [("rejoin",)]  # the I/O layer bootstraps the cluster again
+        drops_seen = len(net.dropped)
         apps = [key for key, todo in scripts.items() if todo]
         events = net.deliverable()
         if not apps and not events:
@@ -1410,6 +1645,9 @@ def test_pair_random_faults_end_every_room_once(make_net, data, topo, ready, sta
             if key[0] == "ready":
                 net.make_ready([key[1]])
                 continue
+            if key[0] == "rejoin":
+                net.rejoin(key[1])
+                continue
             side, rank, room = key
             if action[0] == "open":
                 net.open(room, sides=side, prefill=[rank], decode=[rank])
@@ -1420,9 +1658,14 @@ def test_pair_random_faults_end_every_room_once(make_net, data, topo, ready, sta
         else:
             ev = events[i - len(apps)]
             what = data.draw(st.sampled_from(["deliver", "deliver", "deliver", "fail" if ev.kind == DONE else
-                                              "lose" if ev.kind == TAG else "deliver"]), label="how")
+                                              "lose" if ev.kind == TAG else "deliver",
+                                              "stall" if ev.kind == DONE and stalls else "deliver"]), label="how")
             if what == "lose":
                 net.pending.remove(ev)
+            elif what == "stall":  # the transport never reports this write: prefill cannot answer
+                stalls -= 1
+                stalled.add((ev.p, ev.d))
+                net.stall(ev)
             else:
                 if what == "fail":
                     ev.fail = "injected"
@@ -1437,7 +1680,10 @@ def test_pair_random_faults_end_every_room_once(make_net, data, topo, ready, sta
     net.assert_no_early_success()
     net.assert_safe_ends()
     net.assert_clean()
+    # only a prefill rank that could not answer (a write never reported) is ever dropped
+    assert {(out.link[1], d) for d, out in net.dropped} <= stalled
     event(f"staged={staging is not None}")
     event(f"forced drains: {len(net.forced_ends)}")
+    event(f"links dropped: {len(net.dropped)}")
     event(f"decode failures: {sum(e.state is FAILED for d in range(d_tp) for e in net.ended[('D', d)])}")
     event(f"STAGING_STALLED: {any(e.code == ErrorCode.STAGING_STALLED for es in net.ended.values() for e in es)}")

@@ -8,7 +8,7 @@ import pytest
 
 import kvproto.core.base as core_base
 from kvproto.core import Input, ReceiverCore, ReceiverLink, RoomEnded, RoomState, Send, Timeouts
-from kvproto.core.events import Scatter
+from kvproto.core.events import DropLink, Scatter
 from kvproto.core.staging import StagingRing
 from kvproto.wire import (
     NO_SLOT,
@@ -50,6 +50,7 @@ class Out:
     sends: list[Send]
     ended: list[RoomEnded]
     scatters: list[Scatter]
+    drops: list[DropLink]
 
     def to(self, key) -> list:
         return [decode(encode(s.message)) for s in self.sends if s.link == key]
@@ -58,8 +59,8 @@ class Out:
 def pop(core: ReceiverCore) -> Out:
     outs = core.pop_outputs()
     o = Out([x for x in outs if isinstance(x, Send)], [x for x in outs if isinstance(x, RoomEnded)],
-            [x for x in outs if isinstance(x, Scatter)])
-    assert len(o.sends) + len(o.ended) + len(o.scatters) == len(outs), "a receiver posts no writes"
+            [x for x in outs if isinstance(x, Scatter)], [x for x in outs if isinstance(x, DropLink)])
+    assert len(o.sends) + len(o.ended) + len(o.scatters) + len(o.drops) == len(outs), "a receiver posts no writes"
     return o
 
 
@@ -117,6 +118,18 @@ def _drains_then_fails(core: ReceiverCore, room: int, gen: int, code, writers=("
             assert pop(core).ended == [] and core.room_state(room) is RoomState.TRANSFERRING
     _failed(pop(core), code)
     assert room not in core.rooms
+    return o
+
+
+def _fails_at_once(core: ReceiverCore, room: int, gen: int, code, links=("p0",)) -> Out:
+    """The room failed with no writer left that could still write (each completed, sent its
+    TRANSFER_DONE, or answered): it reports FAILED with ``code`` at once, no drain, and tells
+    ``links`` with an ABORT under its generation. Returns what the failure sent."""
+    o = pop(core)
+    _failed(o, code)
+    assert room not in core.rooms and o.drops == []
+    for key in links:
+        assert [(m.generation, m.code) for m in o.to(key) if isinstance(m, Abort)] == [(gen, code)]
     return o
 
 
@@ -448,12 +461,14 @@ def test_receiver_tag_from_non_writer_link_is_violation():
 
 
 def test_receiver_tag_seq_beyond_writes_is_violation():
-    """After TRANSFER_DONE(writes=n), a tag with seq >= n fails the room."""
+    """After TRANSFER_DONE(writes=n), a tag with seq >= n fails the room, at once: the writer sent
+    TRANSFER_DONE after all its writes, so nothing of it can still land (no drain)."""
     core, gen = transferring()
     core.on_message("p0", done(1, gen, 2), T0)
     core.on_notification("agent-0", tag(1, gen, 2), T0)
-    _drains_then_fails(core, 1, gen, ErrorCode.PEER_PROTOCOL_ERROR)
+    _fails_at_once(core, 1, gen, ErrorCode.PEER_PROTOCOL_ERROR)
     assert core.stats.peer_violations == 1
+    assert_clean(core)
 
 
 def test_receiver_done_fewer_than_seen_tags_is_violation():
@@ -465,11 +480,13 @@ def test_receiver_done_fewer_than_seen_tags_is_violation():
 
 
 def test_receiver_second_transfer_done_is_violation():
-    """Two TRANSFER_DONEs from one writer fail the room."""
+    """Two TRANSFER_DONEs from one writer fail the room (at once: the first one settled the writer)."""
     core, gen = transferring()
     core.on_message("p0", done(1, gen, 2), T0)
     core.on_message("p0", done(1, gen, 2), T0)
-    _drains_then_fails(core, 1, gen, ErrorCode.PEER_PROTOCOL_ERROR)
+    _fails_at_once(core, 1, gen, ErrorCode.PEER_PROTOCOL_ERROR)
+    assert core.stats.peer_violations == 1
+    assert_clean(core)
 
 
 def test_receiver_transfer_done_from_non_writer_is_violation():
@@ -618,7 +635,19 @@ def test_receiver_transfer_deadline_refreshes_on_progress():
     core.handle_timer(T0 + 599.999)
     assert core.room_state(1) is RoomState.TRANSFERRING
     core.handle_timer(T0 + 600)
+    # tag 1 never came, but the writer's TRANSFER_DONE settled it: no drain
+    _fails_at_once(core, 1, gen, ErrorCode.TRANSFER_TIMEOUT)
+    assert_clean(core)
+
+
+def test_receiver_transfer_deadline_without_transfer_done_drains():
+    """TRANSFER_TIMEOUT with the writer's TRANSFER_DONE not in yet: the writer may still write, so
+    the room drains until it answers (the timeout's twin of the test above)."""
+    core, gen = transferring()
+    core.on_notification("agent-0", tag(1, gen, 0), T0 + 100)
+    core.handle_timer(T0 + 400)
     _drains_then_fails(core, 1, gen, ErrorCode.TRANSFER_TIMEOUT)
+    assert_clean(core)
 
 
 def test_receiver_close_fails_every_live_room_once():
@@ -731,11 +760,13 @@ def test_receiver_drain_classifies_every_input(monkeypatch):
     seen.clear()
     core.on_message("p0", Abort(room_id=1, generation=gen, code=ErrorCode.TRANSPORT_ERROR, reason=""), T0)
     core.on_notification("agent-1", tag(1, gen, 0, p=1), T0)
-    core.on_message("p1", done(1, gen, 3), T0)
     core.abort(1, T0)
     core.peer_violation("p1", 1, gen, ErrorCode.MALFORMED_FRAME, "x", T0)
     core.on_notification("agent-1", tag(1, gen, 2, p=1), T0)
     core.on_notification("agent-1", tag(1, gen, 1, p=1), T0)
+    assert core.room_state(1) is RoomState.TRANSFERRING
+    core.on_message("p1", done(1, gen, 3), T0)  # p1 settles: the last unsettled writer
+    assert len(seen) == 7
     assert seen[0] == (RoomState.TRANSFERRING, Input.DRAIN)
     assert {inp for _, inp in seen[1:-1]} == {Input.DRAIN_PROGRESS}
     assert seen[-1] == (RoomState.TRANSFERRING, Input.DRAINED)
@@ -750,16 +781,52 @@ def test_receiver_drain_waits_for_every_writer():
     assert_clean(core)
 
 
-def test_receiver_drain_settles_when_writer_completes():
-    """A writer that completes (TRANSFER_DONE and every tag) while the room drains is settled."""
+def test_receiver_drain_settles_when_writer_sends_transfer_done():
+    """A writer whose TRANSFER_DONE arrives while the room drains is settled at once, even though
+    some of its tags never came: it sent TRANSFER_DONE only after all its writes were over. The
+    room reports FAILED (never SUCCESS) without waiting for the tags or the drain deadline; a tag
+    that comes after is late."""
     core, gen = transferring()
-    core.abort(1, T0)
-    core.on_message("p0", done(1, gen, 2), T0)
     core.on_notification("agent-0", tag(1, gen, 1), T0)
+    core.abort(1, T0)
     assert pop(core).ended == []
-    core.on_notification("agent-0", tag(1, gen, 0), T0)
-    _failed(pop(core), ErrorCode.ABORTED)
+    core.on_message("p0", done(1, gen, 3), T0 + 1)  # tags 0 and 2 are lost
+    o = pop(core)
+    _failed(o, ErrorCode.ABORTED)
+    assert o.sends == [] and o.drops == []
     assert core.stats.rooms_succeeded == 0
+    core.on_notification("agent-0", tag(1, gen, 0), T0 + 2)
+    assert core.stats.late_messages == 1
+    assert_clean(core)
+
+
+def test_receiver_failure_after_transfer_done_with_lost_tag_fails_at_once():
+    """The room fails after its only writer's TRANSFER_DONE while a tag is still missing (lost): it
+    reports FAILED at once (ABORT_PEERS), without draining or waiting for the drain deadline."""
+    core, gen = transferring(links=[rlink(0), rlink(1, writer=False)])
+    core.on_notification("agent-0", tag(1, gen, 0), T0)
+    core.on_message("p0", done(1, gen, 2), T0)  # tag 1 is lost
+    pop(core)
+    assert core.room_state(1) is RoomState.TRANSFERRING
+    core.abort(1, T0 + 1)
+    _fails_at_once(core, 1, gen, ErrorCode.ABORTED, links=("p0", "p1"))
+    assert core.next_deadline() is None
+    assert_clean(core)
+
+
+def test_receiver_transfer_done_settles_only_its_writer():
+    """Two writers, p0's TRANSFER_DONE in (one tag lost), p1 silent: a failure drains for p1 only;
+    p1's answer ends the room, p0's missing tag is never waited for."""
+    core, gen = transferring(links=[rlink(0), rlink(1, aux_owner=False)])
+    core.on_message("p0", done(1, gen, 2), T0)
+    core.on_notification("agent-0", tag(1, gen, 0), T0)
+    pop(core)
+    core.abort(1, T0)
+    o = pop(core)
+    assert o.ended == [] and core.rooms[1].failing
+    assert [m.code for m in o.to("p0")] == [ErrorCode.ABORTED] == [m.code for m in o.to("p1")]
+    answer(core, 1, gen, "p1")
+    _failed(pop(core), ErrorCode.ABORTED)
     assert_clean(core)
 
 
@@ -798,7 +865,8 @@ def test_receiver_failure_settling_the_last_writer_does_not_drain(how):
 @pytest.mark.parametrize("steps", [(10.0,), (10 - 2**-10, 2**-10)], ids=["one-step", "two-steps"])
 def test_receiver_drain_deadline_forces_report(steps):
     """Nobody answers: the drain deadline (Timeouts.drain, 10 s from the failure, not re-armed by
-    progress) forces the report, with the original code; the staging regions are released then."""
+    progress) forces the report, with the original code, after a DropLink (PEER_GONE) of the
+    writer that did not answer; the staging regions are released then."""
     core, gen = transferring(core=make_core(staging=StagingRing(4096)), links=[rlink(0, unit=256)])
     core.on_message("p0", StagingRequest(room_id=1, generation=gen, seq=0, start_token=0, end_token=16), T0)
     assert core.ring.live_grants() != []
@@ -813,7 +881,80 @@ def test_receiver_drain_deadline_forces_report(steps):
         core.handle_timer(now)
         assert core.room_state(1) is RoomState.TRANSFERRING and core.ring.live_grants() != []
     core.handle_timer(now + steps[-1])
-    _failed(pop(core), ErrorCode.ABORTED)
+    outs = core.pop_outputs()
+    assert [type(x) for x in outs] == [DropLink, RoomEnded]  # the link is dropped before the report
+    assert outs[0] == DropLink(link="p0", code=ErrorCode.PEER_GONE,
+                               reason="prefill rank 0 did not answer an ABORT within 10.0s")
+    assert (outs[1].state, outs[1].code) == (RoomState.FAILED, ErrorCode.ABORTED)
+    assert_clean(core)
+
+
+def test_receiver_drain_deadline_drops_only_unsettled_writers():
+    """Three writers: p0 answered, p1 sent TRANSFER_DONE (a tag lost), p2 silent: at the drain
+    deadline only p2's link is dropped, then FAILED is reported with the original code."""
+    core, gen = transferring(links=[rlink(0), rlink(1, aux_owner=False), rlink(2, aux_owner=False)])
+    core.on_message("p1", done(1, gen, 2), T0)
+    core.on_notification("agent-1", tag(1, gen, 1, p=1), T0)
+    core.handle_timer(T0 + 300)
+    o = pop(core)
+    assert o.ended == [] and o.drops == []
+    answer(core, 1, gen, "p0", code=ErrorCode.TRANSFER_TIMEOUT)
+    assert pop(core).ended == []
+    core.handle_timer(T0 + 310)
+    o = pop(core)
+    assert [(d.link, d.code) for d in o.drops] == [("p2", ErrorCode.PEER_GONE)]
+    _failed(o, ErrorCode.TRANSFER_TIMEOUT)
+    assert_clean(core)
+
+
+def test_receiver_drain_deadline_with_only_a_scatter_running_drops_no_link():
+    """The writer settled (its ABORT came) but a scatter of the room still runs: the drain deadline
+    forces the report and drops no link (no peer failed to answer)."""
+    core = staging_core()
+    core.open_room(1, C, T0)
+    core.set_destination(1, [1], 16, T0)
+    gen = core.rooms[1].generation
+    core.on_message("p0", sreq(1, gen, 0, 0, 16), T0)
+    core.on_notification("agent-0", staged(1, gen, 0), T0)
+    core.abort(1, T0)
+    answer(core, 1, gen, "p0")
+    assert pop(core).ended == [] and core.room_state(1) is RoomState.TRANSFERRING
+    core.handle_timer(T0 + 10)
+    o = pop(core)
+    assert o.drops == []
+    _failed(o, ErrorCode.ABORTED)
+    assert_clean(core)
+
+
+def test_receiver_drop_link_performed_fails_the_links_other_rooms():
+    """The I/O layer performs a DropLink with remove_link(PEER_GONE): every other room of the link
+    fails PEER_GONE (one waiting, one transferring), the cluster fails, and a room opened on it then
+    fails at once until the cluster bootstraps again."""
+    core, gen = transferring(1)
+    core.open_room(2, C, T0)  # WAITING_FOR_INPUT
+    core, gen3 = transferring(3, core=core)
+    core.on_notification("agent-0", tag(3, gen3, 0), T0)
+    pop(core)
+    core.abort(1, T0)
+    pop(core)
+    core.handle_timer(T0 + 10)
+    o = pop(core)
+    (drop,) = o.drops
+    _failed(o, ErrorCode.ABORTED)
+    core.remove_link(drop.link, T0 + 10, code=drop.code, reason=drop.reason)
+    o = pop(core)
+    assert sorted((e.room_id, e.state, e.code) for e in o.ended) == [
+        (2, RoomState.FAILED, ErrorCode.PEER_GONE), (3, RoomState.FAILED, ErrorCode.PEER_GONE)]
+    assert o.to("p0") == []  # nothing is said to a dropped link
+    assert core.cluster_status(C) == "failed"
+    core.open_room(4, C, T0 + 11)
+    _failed(pop(core), ErrorCode.PEER_GONE)
+    core.cluster_pending(C)
+    core.cluster_ready(C, [rlink(0)], T0 + 12)
+    core, gen5 = transferring(5, core=core)
+    core.on_notification("agent-0", tag(5, gen5, 0), T0 + 12)
+    core.on_message("p0", done(5, gen5, 1), T0 + 12)
+    assert [e.state for e in pop(core).ended] == [RoomState.SUCCESS]
     assert_clean(core)
 
 
@@ -995,7 +1136,10 @@ def test_receiver_staging_violation_fails_only_that_room(case, code):
         core.on_notification("agent-0", staged(1, gen, 0), T0)
     else:
         core.on_message(key, msg, T0)
-    o = _drains_then_fails(core, 1, gen, code)
+    if case == "after-transfer-done":  # the writer's TRANSFER_DONE settled it: no drain
+        o = _fails_at_once(core, 1, gen, code)
+    else:
+        o = _drains_then_fails(core, 1, gen, code)
     assert not any(isinstance(m, StagingGrant) for m in o.to("p0")) and o.scatters == []
     assert core.ring is None or core.ring.live_grants() == [g for g in live if g[0][0] != 1]
     assert core.room_state(2) is RoomState.TRANSFERRING

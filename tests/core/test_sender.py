@@ -91,10 +91,11 @@ def pop(core: SenderCore) -> Out:
 
 
 def assert_clean(core: SenderCore, *, drains: int = 0) -> None:
-    """No room, deadline or parked request left; ``drains`` ABORTs still held for writes."""
+    """No room, deadline, parked request or pre-abort left; ``drains`` ABORTs still held for writes."""
     assert core.rooms == {}
     assert len(core.timers) == 0 and core.next_deadline() is None
     assert core._parked == {} and core._parked_count == 0
+    assert core._preaborted == {}
     assert len(core._draining) == drains, core._draining
 
 
@@ -348,15 +349,24 @@ def test_sender_parked_requests_bounded():
 
 
 def test_sender_abort_withdraws_parked_request():
-    """decode's ABORT for a parked request (same link and generation) withdraws it and its deadline."""
+    """decode's ABORT for a parked request (same link and generation) withdraws it and its parked
+    deadline, answers it at once (decode drains until answered), and is remembered as a pre-abort.
+
+    Regression: the withdrawn request went unanswered, so decode dropped the link at its drain
+    deadline."""
     core = make_core()
     core.add_link(make_link())
     core.on_message("d0", req(3, gen=5), T0)
     core.on_message("d0", Abort(room_id=3, generation=6, code=ErrorCode.ABORTED, reason="x"), T0)
     assert core._parked_count == 1  # another generation: not this request
+    assert pop(core).sends == []  # ... and nothing to answer
     core.on_message("d0", Abort(room_id=3, generation=5, code=ErrorCode.ABORTED, reason="x"), T0)
-    assert_clean(core)
+    assert core._parked == {} and core._parked_count == 0
+    assert [(m.room_id, m.generation, m.code) for m in pop(core).to("d0")] == [(3, 5, ErrorCode.ABORTED)]
+    assert list(core._preaborted) == [3] and core.next_deadline() == T0 + 30.0
+    core.handle_timer(T0 + 30.0)
     assert pop(core).sends == []
+    assert_clean(core)
 
 
 def test_sender_remove_link_drops_its_parked_requests():
@@ -1365,3 +1375,242 @@ def test_sender_failure_with_staging_request_outstanding_aborts_at_once():
     core.write_failed(2, "d0", w.seq, "cancelled", T0, tag=w.tag)
     assert [(m.room_id, m.code) for m in pop(core).to("d0")] == [(2, ErrorCode.ABORTED)]
     assert_clean(core)
+
+
+@pytest.mark.parametrize("state", ["outstanding", "granted", "two-peers"])
+def test_sender_transfer_timeout_with_request_awaiting_grant_is_staging_stalled(state):
+    """A TRANSFERRING room that times out while a staging request of any of its peers awaits its
+    grant fails STAGING_STALLED (decode's ring is not serving it); once granted (the staged write in
+    flight, nothing awaiting a grant) it is a plain TRANSFER_TIMEOUT."""
+    core = make_core()
+    paired = (0, 1) if state == "two-peers" else (0,)
+    core.add_link(make_link(0, paired=paired, unit=UNIT, capacity=CAP))
+    if state == "two-peers":  # a second, direct peer with its write in flight
+        core.add_link(make_link(1, paired=paired, aux_owner=False))
+    core.open_room(1, T0)
+    core.on_message("d0", req(1, 40, gen=11), T0)
+    if state == "two-peers":
+        core.on_message("d1", req(1, 40, gen=21), T0)
+    core.submit_chunk(1, [1, 2, 3], 40, T0, last=True)
+    pop(core)
+    if state == "granted":
+        core.on_message("d0", grant(1, 0, 0, 40), T0 + 1)
+        (w,) = pop(core).staged
+    core.handle_timer(T0 + 299.9)
+    assert core.room_state(1) is RoomState.TRANSFERRING
+    core.handle_timer(T0 + 300.0)
+    o = pop(core)
+    code = ErrorCode.TRANSFER_TIMEOUT if state == "granted" else ErrorCode.STAGING_STALLED
+    _failed(o, code)
+    if state == "granted":
+        assert o.to("d0") == []  # the staged write is in flight: the ABORT waits for it
+        core.write_done(1, "d0", w.seq, 1, T0 + 302, tag=w.tag)
+        assert [m.code for m in pop(core).to("d0")] == [code]
+    else:
+        assert [m.code for m in o.to("d0")] == [code]  # a request awaiting its grant is no write
+    assert_clean(core, drains=1 if state == "two-peers" else 0)
+
+
+def test_sender_staging_stalled_only_for_the_room_awaiting_its_grant():
+    """Two staged rooms on one link, both timing out: the one whose request awaits its grant fails
+    STAGING_STALLED, the one whose grant came (write in flight) TRANSFER_TIMEOUT."""
+    core = _two_staged_rooms()
+    core.on_message("d0", grant(2, 0, 0, 40, gen=12), T0)
+    (w2,) = pop(core).staged
+    core.handle_timer(T0 + 300.0)
+    assert {e.room_id: e.code for e in pop(core).ended} == {1: ErrorCode.STAGING_STALLED,
+                                                           2: ErrorCode.TRANSFER_TIMEOUT}
+    core.write_done(2, "d0", w2.seq, 1, T0 + 301, tag=w2.tag)
+    assert [(m.room_id, m.code) for m in pop(core).to("d0")] == [(2, ErrorCode.TRANSFER_TIMEOUT)]
+    assert_clean(core)
+
+
+def test_sender_waiting_timeout_of_staged_link_is_not_staging_stalled():
+    """STAGING_STALLED is only a TRANSFERRING verdict: a staged room waiting for its KV times out
+    WAITING_TIMEOUT."""
+    core = staged_core()
+    core.handle_timer(T0 + 300.0)
+    _failed(pop(core), ErrorCode.WAITING_TIMEOUT)
+    assert_clean(core)
+
+
+@pytest.mark.parametrize("case", ["never-granted", "reserved-not-granted", "aux-write", "twice"])
+def test_sender_watermark_for_write_not_staged_is_violation(case):
+    """A STAGING_WATERMARK must name a seq granted as staged and not yet watermarked: one for a seq
+    never used, a seq reserved by a request still awaiting its grant, a direct (aux) write, or a
+    second one for the same seq fails the room PEER_PROTOCOL_ERROR; the ABORT waits for the writes
+    in flight; the other room on the link carries on."""
+    core = make_core()
+    core.add_link(make_link(unit=UNIT, capacity=CAP, max_units=16))
+    core.open_room(1, T0)
+    core.on_message("d0", req(1, 40, gen=11, aux=1), T0)
+    core.submit_chunk(1, [1, 2, 3], 40, T0, last=True, aux_slot=0)
+    (aux,) = pop(core).aux  # seq 1 (seq 0 is reserved by the staging request)
+    core.on_message("d0", grant(1, 0, 0, 16), T0)
+    o = pop(core)
+    (w,) = o.staged
+    (nxt,) = o.to("d0")  # seq 2 asked for [16, 32)
+    core.on_message("d0", StagingWatermark(room_id=1, generation=11, seq=0, watermark=CAP), T0)
+    assert core.room_state(1) is RoomState.TRANSFERRING and core.rooms[1].peers[0].consumed == 1
+    core.open_room(2, T0)
+    core.on_message("d0", req(2, 16, gen=12), T0)
+    seq = {"never-granted": 7, "reserved-not-granted": nxt.seq, "aux-write": aux.seq, "twice": 0}[case]
+    core.on_message("d0", StagingWatermark(room_id=1, generation=11, seq=seq, watermark=CAP), T0)
+    o = pop(core)
+    _failed(o, ErrorCode.PEER_PROTOCOL_ERROR)
+    assert core.stats.peer_violations == 1
+    assert o.to("d0") == []  # the staged write and the aux write are in flight
+    core.write_done(1, "d0", w.seq, 1, T0, tag=w.tag)
+    core.write_done(1, "d0", aux.seq, 1, T0, tag=aux.tag)
+    assert [(m.room_id, m.code) for m in pop(core).to("d0")] == [(1, ErrorCode.PEER_PROTOCOL_ERROR)]
+    core.on_message("d0", StagingWatermark(room_id=1, generation=11, seq=0, watermark=CAP), T0)
+    assert core.stats.late_messages == 1 and pop(core).ended == []  # after the end: late
+    core.submit_chunk(2, [4], 16, T0, last=True)
+    (rq,) = pop(core).to("d0")
+    core.on_message("d0", grant(2, rq.seq, 0, 16, gen=12), T0)
+    (w2,) = pop(core).staged
+    core.on_message("d0", StagingWatermark(room_id=2, generation=12, seq=w2.seq, watermark=CAP), T0)
+    core.write_done(2, "d0", w2.seq, 1, T0, tag=w2.tag)
+    assert [e.state for e in pop(core).ended] == [RoomState.SUCCESS]
+    assert_clean(core)
+
+
+def test_sender_watermark_of_other_generation_is_not_violation():
+    """A watermark naming another generation of the room is not this incarnation's: it is counted,
+    the room carries on."""
+    core = staged_core()
+    core.submit_chunk(1, [1, 2, 3], 40, T0, last=True)
+    pop(core)
+    core.on_message("d0", StagingWatermark(room_id=1, generation=99, seq=0, watermark=CAP), T0)
+    assert core.room_state(1) is RoomState.TRANSFERRING and core.stats.peer_violations == 0
+
+
+# --- pre-abort: decode gave up before the room opened here (minor 1) ----------------------------------
+
+
+@pytest.mark.parametrize("code", [ErrorCode.ABORTED, ErrorCode.WAITING_TIMEOUT])
+def test_sender_abort_before_open_fails_room_on_open(code):
+    """An ABORT from a registered decode link for a room not open here (and not ended here) is
+    remembered; opening the room within the parked timeout fails it at once with the ABORT's code
+    (nothing to tell: no request reached it), instead of at its bootstrap deadline."""
+    core = make_core()
+    core.add_link(make_link())
+    core.on_message("d0", Abort(room_id=4, generation=5, code=code, reason="gave up"), T0)
+    assert pop(core).sends == [] and core.stats.unknown_room_messages == 0
+    assert core.next_deadline() == T0 + 30.0
+    core.open_room(4, T0 + 29.5)
+    o = pop(core)
+    _failed(o, code)
+    assert "gave up" in o.ended[0].reason and o.sends == []
+    core.on_message("d0", req(4, gen=5), T0 + 29.6)  # its request, if it still comes, is answered
+    assert [(m.generation, m.code) for m in pop(core).to("d0")] == [(5, code)]
+    assert_clean(core)
+
+
+def test_sender_abort_before_open_forgotten_after_parked_timeout():
+    """The pre-abort is kept ``timeouts.parked``: a room opened later waits for its requests as
+    usual and fails BOOTSTRAP_TIMEOUT at its own deadline."""
+    core = make_core(timeouts=Timeouts(parked=20.0))
+    core.add_link(make_link())
+    core.on_message("d0", Abort(room_id=4, generation=5, code=ErrorCode.ABORTED, reason=""), T0)
+    core.handle_timer(T0 + 20.0)
+    assert core._preaborted == {} and core.next_deadline() is None
+    core.open_room(4, T0 + 21)
+    assert core.room_state(4) is RoomState.BOOTSTRAPPING and pop(core).ended == []
+    core.handle_timer(T0 + 51)
+    _failed(pop(core), ErrorCode.BOOTSTRAP_TIMEOUT)
+    assert_clean(core)
+
+
+@pytest.mark.parametrize("source", ["unregistered-link", "ended-room", "bound-full"])
+def test_sender_abort_before_open_not_remembered(source):
+    """No pre-abort from an unregistered link, for a room that already ended here (the ABORT is
+    late), or past max_parked remembered ones: the ABORT is only counted."""
+    core = make_core(max_parked=1)
+    core.add_link(make_link())
+    if source == "ended-room":
+        core.open_room(4, T0)
+        core.abort(4, T0)
+        pop(core)
+    if source == "bound-full":
+        core.on_message("d0", Abort(room_id=9, generation=1, code=ErrorCode.ABORTED, reason=""), T0)
+    key = "zz" if source == "unregistered-link" else "d0"
+    core.on_message(key, Abort(room_id=4, generation=5, code=ErrorCode.ABORTED, reason=""), T0)
+    assert 4 not in core._preaborted and pop(core).sends == []
+    counted = core.stats.late_messages if source == "ended-room" else core.stats.unknown_room_messages
+    assert counted == 1
+    if source != "ended-room":
+        core.open_room(4, T0 + 1)
+        assert core.room_state(4) is RoomState.BOOTSTRAPPING
+
+
+def test_sender_abort_before_open_answers_parked_requests_of_other_ranks():
+    """P1->D2: D1's request is parked, D0 aborts (WAITING_FOR_INPUT, it sent none): on open the
+    room fails at once with D0's code and D1's replayed request is answered with it."""
+    core = make_core()
+    core.add_link(make_link(0, paired=(0, 1)))
+    core.add_link(make_link(1, paired=(0, 1), writer=False, aux_owner=False))
+    core.on_message("d1", req(2, gen=21), T0)
+    core.on_message("d0", Abort(room_id=2, generation=20, code=ErrorCode.WAITING_TIMEOUT, reason="w"), T0)
+    assert core._parked_count == 1 and pop(core).sends == []  # D1's request is not D0's to withdraw
+    core.open_room(2, T0 + 1)
+    o = pop(core)
+    _failed(o, ErrorCode.WAITING_TIMEOUT)
+    assert [(m.generation, m.code) for m in o.to("d1")] == [(21, ErrorCode.WAITING_TIMEOUT)]
+    assert o.to("d0") == []
+    assert_clean(core)
+
+
+def test_sender_close_forgets_pre_aborts():
+    """Regression: close() left pre-abort memories (and their deadlines) behind; now nothing is
+    left once the endpoint is closed."""
+    core = make_core()
+    core.add_link(make_link())
+    core.on_message("d0", Abort(room_id=4, generation=5, code=ErrorCode.ABORTED, reason=""), T0)
+    core.close(T0)
+    assert pop(core).sends == []
+    assert_clean(core)
+
+
+# --- tombstones: ranks that had not asked before the room ended (minor 1) -------------------------------
+
+
+@pytest.mark.parametrize("how", ["abort", "bootstrap-timeout"])
+def test_sender_late_request_from_rank_that_had_not_asked_is_answered(how):
+    """Two paired decode ranks; the room ends with only d0's request in. d1's later request (a
+    generation the room never saw) comes from a rank of the room's instance that had not asked: it
+    is answered at once with the room's code and counted late, never parked."""
+    core = make_core()
+    core.add_link(make_link(0, paired=(0, 1)))
+    core.add_link(make_link(1, paired=(0, 1)))
+    core.open_room(1, T0)
+    core.on_message("d0", req(1, gen=3), T0)
+    if how == "abort":
+        core.abort(1, T0)
+        code = ErrorCode.ABORTED
+    else:
+        core.handle_timer(T0 + 30.0)
+        code = ErrorCode.BOOTSTRAP_TIMEOUT
+    assert [(m.generation, m.code) for m in pop(core).to("d0")] == [(3, code)]
+    core.on_message("d1", req(1, gen=4), T0 + 31)
+    assert [(m.generation, m.code) for m in pop(core).to("d1")] == [(4, code)]
+    assert core._parked == {} and core.stats.late_messages == 1
+    assert_clean(core)
+
+
+@pytest.mark.parametrize("who", ["rank-that-asked", "other-instance"])
+def test_sender_late_request_of_new_generation_still_parked(who):
+    """The tombstone rule is narrow: a new generation from a rank that had asked (a new incarnation
+    of the room id), or from a rank of another decode instance, is parked as before."""
+    core = make_core()
+    core.add_link(make_link(0, paired=(0, 1)))
+    core.add_link(make_link(1, paired=(0, 1)))
+    core.add_link(make_link(1, key="b1", instance="decode-B", paired=(0, 1)))
+    core.open_room(1, T0)
+    core.on_message("d0", req(1, gen=3), T0)
+    core.abort(1, T0)
+    pop(core)
+    key = "d0" if who == "rank-that-asked" else "b1"
+    core.on_message(key, req(1, gen=9), T0 + 1)
+    assert pop(core).sends == []
+    assert core._parked_count == 1 and core.stats.late_messages == 0
