@@ -20,7 +20,7 @@ from kvproto.core.state import Effect, Input, Role, RoomState, transition
 from kvproto.core.timers import Timers
 from kvproto.wire import Abort, ErrorCode, LocalProtocolError
 
-TOMBSTONES = 65536
+TOMBSTONES = 4096
 """How many ended room ids are remembered to tell late messages from unknown ones."""
 
 _TIMEOUT_CODE = {

@@ -2,7 +2,8 @@
 
 ``load_transport("nixl", "prefill-0")`` imports the adapter's module only when it is first
 asked for, so importing ``kvproto.transport`` never imports NIXL. ``available_transports()``
-lists the adapters whose module imports on this machine.
+lists the adapters whose module imports on this machine. ``simulated`` is the loopback adapter
+with seeded faults, for tests (``kvproto.testing``; option ``faults=FaultPlan(...)``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ __all__ = [
 _ADAPTERS: dict[str, tuple[str, str]] = {
     "loopback": ("kvproto.transport.loopback", "LoopbackTransport"),
     "nixl": ("kvproto.transport.nixl", "NixlTransport"),
+    "simulated": ("kvproto.testing.simulated", "SimulatedTransport"),
 }
 
 

@@ -1,0 +1,333 @@
+"""The simulated adapter: the loopback adapter plus seeded data-plane faults.
+
+Theory of operation
+-------------------
+``SimulatedTransport`` is a ``LoopbackTransport`` (agents in one process, bytes copied with
+``memmove`` at the write's first poll, the tag delivered only after the bytes) whose every
+write and notification first passes through a ``FaultPlan``. With an empty plan it behaves
+exactly as the loopback adapter and passes the same conformance suite.
+
+Who decides what:
+
+* the *initiator's* plan decides the fate of each write when it is posted (fail with nothing
+  copied, copy then fail, copy and notify then fail, or stay PENDING for N more polls) and the
+  fate of each tag when it is sent (drop it, duplicate it, or hold it back for a few of the
+  target's drains, which delivers it out of order);
+* the *target* shuffles a drained batch that holds a tag marked for reordering (with its own
+  plan's generator);
+* ``FaultPlan.lose(peer)``: from then on every write to ``peer`` polls ERROR with nothing
+  copied, tags to ``peer`` vanish, and tags *from* ``peer`` are dropped on arrival.
+
+Plans are plain mutable objects: change their probabilities, ``lose`` a peer, or swap the
+whole plan (``SimulatedTransport.faults``) in the middle of a test. Every decision draws from
+the plan's ``random.Random(seed)``, so one plan and one sequence of calls give one outcome.
+
+For invariant checks the module keeps every live simulated agent in a registry:
+``pending_writes(target)`` lists the writes of any agent into ``target`` that are posted, not
+yet run and not released — the writes that may still land in the target's memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import random
+import weakref
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvproto.transport.base import MemKind, Notification, TransportError, XferState
+from kvproto.transport.loopback import (
+    _FORMAT as _LOOPBACK_FORMAT,
+)
+from kvproto.transport.loopback import (
+    LoopbackTransport,
+    LoopbackXfer,
+    _first_outside,
+    _live,
+)
+
+_FORMAT = "kvproto-simulated/1"
+_AGENTS: weakref.WeakValueDictionary[str, SimulatedTransport] = weakref.WeakValueDictionary()
+
+# Fates of a write, decided at post time.
+OK, FAIL, FAIL_AFTER_COPY, FAIL_AFTER_TAG = "ok", "fail_write", "fail_after_copy", "fail_after_tag"
+
+FAULT_KINDS = (
+    "fail_write", "fail_after_copy", "fail_after_tag", "delay_write",
+    "drop_tag", "duplicate_tag", "reorder_tag", "lost_write", "lost_tag",
+)
+"""The names ``FaultPlan.counts`` counts under (``lost_*``: writes and tags of a lost peer)."""
+
+
+@dataclass
+class FaultPlan:
+    """Seeded data-plane faults of one agent. Probabilities are per write or per tag."""
+
+    seed: int = 0
+    fail_write: float = 0.0
+    """The write polls ERROR and copies nothing."""
+    fail_after_copy: float = 0.0
+    """The bytes land, the tag is not sent, the write polls ERROR."""
+    fail_after_tag: float = 0.0
+    """The bytes land, the tag is sent, and still the write polls ERROR."""
+    delay_write: float = 0.0
+    """The write stays PENDING for a number of polls drawn from ``delay_polls``."""
+    delay_polls: tuple[int, int] = (1, 8)
+    drop_tag: float = 0.0
+    """The bytes land, the tag never arrives."""
+    duplicate_tag: float = 0.0
+    """The tag arrives twice (the copy possibly later)."""
+    reorder_tag: float = 0.0
+    """The tag is held back for 0..``reorder_span`` of the target's drains and its batch shuffled."""
+    reorder_span: int = 4
+    lost: set[str] = field(default_factory=set)
+    """Peers this agent lost (see ``lose``)."""
+    enabled: bool = True
+    """False: no fault is injected (lost peers stay lost)."""
+    match: Callable[[str, bytes], bool] | None = None
+    """Only writes and tags for which ``match(peer, tag)`` is true are faulted (None: all)."""
+    counts: Counter[str] = field(default_factory=Counter)
+    """Faults injected so far, by kind (``FAULT_KINDS``)."""
+    log: list[tuple[str, str, bytes]] = field(default_factory=list)
+    """(kind, peer, tag) of every fault injected, in order."""
+    record_landed: bool = False
+    """Keep, in ``landed``, every write that lands in this agent's memory (for invariant checks)."""
+    landed: list[PendingWrite] = field(default_factory=list)
+    """Writes whose bytes landed in this agent's memory, in order (with ``record_landed``)."""
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+
+    def lose(self, peer: str) -> None:
+        """From now on writes to ``peer`` fail, and tags to and from it vanish."""
+        self.lost.add(peer)
+
+    def off(self) -> None:
+        self.enabled = False
+
+    def on(self) -> None:
+        self.enabled = True
+
+    def _roll(self, p: float) -> bool:
+        return p > 0.0 and self.rng.random() < p
+
+    def _applies(self, peer: str, tag: bytes) -> bool:
+        return self.enabled and (self.match is None or self.match(peer, tag))
+
+    def _record(self, kind: str, peer: str, tag: bytes) -> None:
+        self.counts[kind] += 1
+        self.log.append((kind, peer, bytes(tag)))
+
+    def write_fate(self, peer: str, tag: bytes) -> tuple[str, int]:
+        """(fate, polls to wait) of a write posted to ``peer``."""
+        if not self._applies(peer, tag):
+            return OK, 0
+        fate = OK
+        for kind, p in ((FAIL, self.fail_write), (FAIL_AFTER_COPY, self.fail_after_copy),
+                        (FAIL_AFTER_TAG, self.fail_after_tag)):
+            if self._roll(p):
+                fate = kind
+                self._record(kind, peer, tag)
+                break
+        delay = 0
+        if self._roll(self.delay_write):
+            lo, hi = self.delay_polls
+            delay = self.rng.randint(lo, hi)
+            self._record("delay_write", peer, tag)
+        return fate, delay
+
+    def tag_fate(self, peer: str, tag: bytes) -> list[int]:
+        """Holds (in target drains) of each copy of a tag sent to ``peer``: [] drops it; a
+        negative hold marks a copy for reordering."""
+        if not self._applies(peer, tag):
+            return [0]
+        if self._roll(self.drop_tag):
+            self._record("drop_tag", peer, tag)
+            return []
+        copies = [0]
+        if self._roll(self.duplicate_tag):
+            self._record("duplicate_tag", peer, tag)
+            copies.append(self.rng.randint(0, self.reorder_span))
+        if self._roll(self.reorder_tag):
+            self._record("reorder_tag", peer, tag)
+            copies = [-1 - self.rng.randint(0, self.reorder_span) for _ in copies]
+        return copies
+
+
+@dataclass(eq=False, slots=True)
+class SimulatedXfer(LoopbackXfer):
+    fate: str = OK
+    delay: int = 0
+    """Polls left before the write runs."""
+
+
+@dataclass(slots=True)
+class _Queued:
+    note: Notification
+    hold: int
+    shuffle: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PendingWrite:
+    """A write that may still land (or, in ``FaultPlan.landed``, that did): ``rows`` are its merged
+    (address, length, device) targets."""
+
+    initiator: str
+    target: str
+    tag: bytes
+    rows: np.ndarray
+
+    def overlaps(self, start: int, end: int) -> bool:
+        lo, ln = self.rows[:, 0], self.rows[:, 1]
+        return bool(((lo < end) & (lo + ln > start)).any())
+
+
+def pending_writes(target: str) -> list[PendingWrite]:
+    """Writes of every live simulated agent into agent ``target`` that may still land."""
+    out = []
+    for agent in list(_AGENTS.values()):
+        for xfer in agent._outstanding:
+            if xfer.peer == target and xfer.state is XferState.PENDING and not xfer.released:
+                out.append(PendingWrite(agent.name, target, xfer.tag, xfer.remote))
+    return out
+
+
+class SimulatedTransport(LoopbackTransport):
+    """A loopback ``Transport`` with seeded faults (``faults``; see the module docstring)."""
+
+    def __init__(self, name: str, *, faults: FaultPlan | None = None) -> None:
+        super().__init__(name)
+        self.faults = faults if faults is not None else FaultPlan()
+        self._outstanding: set[SimulatedXfer] = set()
+        self._queue: list[_Queued] = []
+        _AGENTS[name] = self
+
+    # --- metadata: simulated agents peer only with simulated agents ---------------------------
+    def metadata(self) -> bytes:
+        doc = json.loads(super().metadata())
+        doc["format"] = _FORMAT
+        return json.dumps(doc).encode()
+
+    def add_peer(self, metadata: bytes) -> str:
+        self._check_open()
+        try:
+            doc = json.loads(metadata)
+            if doc["format"] != _FORMAT:
+                raise ValueError(f"format {doc['format']!r}")
+            doc["format"] = _LOOPBACK_FORMAT
+        except (ValueError, KeyError, TypeError) as e:
+            raise TransportError(f"add_peer: not simulated metadata ({e})") from e
+        return super().add_peer(json.dumps(doc).encode())
+
+    # --- writes ------------------------------------------------------------------------------
+    def _post(self, peer: str, local: np.ndarray, local_kind: MemKind, remote: np.ndarray,
+              remote_kind: MemKind, tag: bytes, nbytes: int) -> SimulatedXfer:
+        self.stats.writes += 1
+        self.stats.descriptors += len(local)
+        self.stats.bytes += nbytes
+        fate, delay = self.faults.write_fate(peer, tag)
+        xfer = SimulatedXfer(peer, local, local_kind, remote, remote_kind, bytes(tag), fate=fate, delay=delay)
+        self._outstanding.add(xfer)
+        return xfer
+
+    def poll(self, xfer: SimulatedXfer) -> XferState:  # type: ignore[override]
+        self._check_open()
+        if xfer.released:
+            raise TransportError("poll: the write was released")
+        if xfer.state is XferState.PENDING:
+            if xfer.delay > 0:
+                xfer.delay -= 1
+                return XferState.PENDING
+            xfer.error = self._run(xfer)
+            xfer.state = XferState.DONE if xfer.error is None else XferState.ERROR
+            self._outstanding.discard(xfer)
+        return xfer.state
+
+    def release(self, xfer: SimulatedXfer) -> None:  # type: ignore[override]
+        super().release(xfer)
+        self._outstanding.discard(xfer)
+
+    def _run(self, xfer: SimulatedXfer) -> str | None:  # type: ignore[override]
+        """Copy a write's bytes and send its tag, as its fate says; returns why it failed, or None."""
+        if xfer.peer in self.faults.lost:
+            self.faults._record("lost_write", xfer.peer, xfer.tag)
+            return f"injected: peer {xfer.peer!r} is lost"
+        if xfer.fate == FAIL:
+            return "injected: the write failed"
+        peer = self._peers.get(xfer.peer)
+        if peer is None:
+            return f"peer {xfer.peer!r} was removed before the write ran"
+        target = _live(xfer.peer, peer.token)
+        if not isinstance(target, SimulatedTransport):
+            return f"peer {xfer.peer!r} closed before the write ran"
+        pos = _first_outside(xfer.local, xfer.local_kind, self._regions())
+        if pos is not None:
+            return f"local row {pos} is no longer registered"
+        pos = _first_outside(xfer.remote, xfer.remote_kind, target._regions())
+        if pos is not None:
+            return f"remote row {pos} is no longer registered by {xfer.peer!r}"
+        pairs = zip(xfer.local.tolist(), xfer.remote.tolist(), strict=True)
+        for (src, length, _), (dst, _, _) in pairs:
+            ctypes.memmove(dst, src, length)
+        if target.faults.record_landed:
+            target.faults.landed.append(PendingWrite(self.name, target.name, xfer.tag, xfer.remote))
+        if xfer.fate == FAIL_AFTER_COPY:
+            return "injected: the write failed after its bytes landed"
+        if xfer.tag:
+            self._send_tag(target, xfer.tag)
+        if xfer.fate == FAIL_AFTER_TAG:
+            return "injected: the write failed after its bytes and tag landed"
+        return None
+
+    # --- notifications -------------------------------------------------------------------------
+    def notify(self, peer: str, tag: bytes) -> None:
+        target = _live(peer, self._peer(peer, "notify").token)
+        if not isinstance(target, SimulatedTransport):
+            raise TransportError(f"notify: peer {peer!r} has closed")
+        if not tag:
+            raise TransportError("notify: the tag is empty")
+        self._send_tag(target, bytes(tag))
+
+    def _send_tag(self, target: SimulatedTransport, tag: bytes) -> None:
+        if target.name in self.faults.lost:
+            self.faults._record("lost_tag", target.name, tag)
+            return
+        target._arrive(Notification(self.name, bytes(tag)), self.faults.tag_fate(target.name, tag))
+
+    def _arrive(self, note: Notification, holds: list[int]) -> None:
+        if note.peer in self.faults.lost:
+            self.faults._record("lost_tag", note.peer, note.tag)
+            return
+        for hold in holds:
+            self._queue.append(_Queued(note, abs(hold) - 1 if hold < 0 else hold, hold < 0))
+
+    def drain_notifications(self) -> list[Notification]:
+        self._check_open()
+        if not self._queue:
+            return []
+        ready: list[_Queued] = []
+        kept: list[_Queued] = []
+        for item in self._queue:
+            if item.hold > 0:
+                item.hold -= 1
+                kept.append(item)
+            else:
+                ready.append(item)
+        self._queue = kept
+        if len(ready) > 1 and any(item.shuffle for item in ready):
+            self.faults.rng.shuffle(ready)
+        return [item.note for item in ready]
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        super().close()
+        self._outstanding.clear()
+        self._queue.clear()
+        if _AGENTS.get(self.name) is self:
+            del _AGENTS[self.name]
