@@ -24,8 +24,9 @@ at ``scatter_done``, which releases the region and answers with a STAGING_WATERM
 
 Failure while writes may land (see ``state``): a TRANSFERRING room with unsettled writers or a
 scatter running is classified DRAIN instead of failing; it keeps its pages and staging
-regions until every writer settles (completes, answers with ABORT, or its link goes) and no
-scatter runs, or the drain deadline passes; then it fails with the original code.
+regions until every writer settles (its TRANSFER_DONE arrived, it answered with ABORT, or its
+link went) and no scatter runs, or the drain deadline passes (``DropLink`` for the writers that
+never answered); then it fails with the original code.
 """
 
 from __future__ import annotations

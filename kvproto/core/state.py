@@ -25,10 +25,11 @@ message for an ended room is dropped and counted, never raised (house rule 4).
 A RECEIVER that fails while TRANSFERRING with writers that may still be writing into its
 pages (or staging regions) does not enter FAILED at once: the failure is classified ``DRAIN``,
 which sends ABORT to the writers and keeps the room TRANSFERRING, its memory out of reuse, while
-every later event is classified ``DRAIN_PROGRESS`` until each writer has *settled* (completed,
-answered with its own ABORT, which a prefill rank sends only once none of its writes into this
-rank remains in flight, or gone) and no local scatter is running; then ``DRAINED`` enters
-FAILED and the failure is reported, once, with the original code. The application therefore
+every later event is classified ``DRAIN_PROGRESS`` until each writer has *settled* (sent its
+TRANSFER_DONE, which follows all its writes; answered with its own ABORT, which a prefill rank sends only once none of its writes into this
+rank remains in flight; or gone) and no local scatter is running, or the drain deadline
+passes (then the writers still owing an answer are dropped as untrustworthy); then ``DRAINED``
+enters FAILED and the failure is reported, once, with the original code. The application therefore
 never sees FAILED while a write may still land in the pages it would free.
 
 Effects name what the room must do on the way; the room carries the data (which chunk, which
