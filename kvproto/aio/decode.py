@@ -293,8 +293,9 @@ class DecodeEndpoint(EndpointBase):
         links: list[_Link] = []
         try:
             try:
-                ready = await asyncio.wait_for(self._handshake(cluster, links), timeout)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(timeout):  # unlike wait_for, never swallows a cancel
+                    ready = await self._handshake(cluster, links)
+            except TimeoutError:
                 raise _BootstrapFailed(ErrorCode.BOOTSTRAP_TIMEOUT,
                                        f"prefill instance {cluster} did not complete the handshake in {timeout}s") from None
             self.core.cluster_ready(cluster, ready, self._now())
@@ -374,8 +375,9 @@ class DecodeEndpoint(EndpointBase):
         while True:
             self._send_frame(link.sock, [query])
             try:
-                msg = await asyncio.wait_for(link.inbox.get(), 0.25)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(0.25):
+                    msg = await link.inbox.get()
+            except TimeoutError:
                 continue
             if isinstance(msg, BootstrapInfo) and msg.tp_size == 0:
                 raise _BootstrapFailed(ErrorCode.PEER_PROTOCOL_ERROR, "rank table of a prefill instance of TP 0")
@@ -448,7 +450,9 @@ class DecodeEndpoint(EndpointBase):
         scattered = self._copies.poll() if self._staging is not None else 0
         self.core.handle_timer(now)
         interval, limit = self.config.heartbeat_interval, self.config.heartbeat_timeout
+        stalled = self._stall(now)
         for link in list(self._links.values()):
+            link.last_seen += stalled
             if not link.registered:
                 continue
             if now - link.last_seen > limit:

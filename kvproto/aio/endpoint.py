@@ -149,6 +149,7 @@ class EndpointBase:
         self.core: Any = None
         self.errors = 0
         """Unexpected exceptions absorbed by the guards (each logged)."""
+        self._last_tick: float | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
     async def __aenter__(self) -> Any:
@@ -183,7 +184,10 @@ class EndpointBase:
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks:
+            _done, stuck = await asyncio.wait(tasks, timeout=5.0)
+            for task in stuck:  # a task that ignores its cancel must not hold close() forever
+                log.error("%s task %s did not stop at close", self.ROLE, task.get_name())
         self._close_io()
         assert self._ctx is not None
         self._ctx.destroy(linger=0)  # sockets closed above keep their own linger; nothing else may block
@@ -316,11 +320,19 @@ class EndpointBase:
                 wait = max(0.0, min(wait, deadline - self._now()))
             self._wake.clear()
             try:
-                await asyncio.wait_for(self._wake.wait(), wait)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(wait):
+                    await self._wake.wait()
+            except TimeoutError:
                 pass
             else:
                 delay = 0.0
+
+    def _stall(self, now: float) -> float:
+        """Seconds this endpoint itself was stalled (or its clock jumped) since the last progress
+        pass, beyond a heartbeat interval: peers are not blamed for silence during that time."""
+        last, self._last_tick = self._last_tick, now
+        gap = now - last if last is not None else 0.0
+        return gap if gap > self.config.heartbeat_interval else 0.0
 
     def _kick(self) -> None:
         """Wake the progress task (new writes to poll, new deadlines)."""

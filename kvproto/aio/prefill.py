@@ -534,6 +534,9 @@ class PrefillEndpoint(EndpointBase):
             self._finish(xfer, pending, state is XferState.DONE, now)
         self.core.handle_timer(now)
         limit = self.config.heartbeat_timeout
+        stalled = self._stall(now)
+        for link in self._links.values():
+            link.last_seen += stalled
         for link in [lk for lk in self._links.values() if now - lk.last_seen > limit]:
             self._drop_link(link, ErrorCode.PEER_GONE, f"no heartbeat for {limit}s")
         return finished > 0

@@ -310,10 +310,17 @@ class SenderCore(CoreBase):
                                                f"room {msg.room_id} is already bound to decode instance {room.instance!r}, "
                                                f"not {link.instance!r} (the TP ranks of one decode engine must share EndpointConfig.instance)"))
             return
+        known = room.peers.get(link.decode_rank)
+        if known is not None and known.link.key == key and known.request == msg:
+            self.stats.late_messages += 1  # the same request twice (a duplicated frame): idempotent
+            return
         problem = self._check_request(room, link, msg)
         if problem is not None:
             code, reason = problem
-            self.send(key, self._abort_message(msg.room_id, msg.generation, code, reason))
+            if known is None or known.link.key != key:
+                # Not a peer of the room: nothing of ours is in flight to it, tell it now. A peer
+                # hears the code through ABORT_PEERS, after its writes in flight are over.
+                self.send(key, self._abort_message(msg.room_id, msg.generation, code, reason))
             self.apply(room, Input.PEER_VIOLATION, now, code=code, reason=reason, origin=key)
             return
         room.instance = link.instance
