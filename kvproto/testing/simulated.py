@@ -24,7 +24,8 @@ the plan's ``random.Random(seed)``, so one plan and one sequence of calls give o
 
 For invariant checks the module keeps every live simulated agent in a registry:
 ``pending_writes(target)`` lists the writes of any agent into ``target`` that are posted, not
-yet run and not released — the writes that may still land in the target's memory.
+yet run and not released — the writes that may still land in the target's memory; and an agent
+whose plan sets ``record_landed`` keeps every write that landed in its memory, in order.
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ class _Queued:
     shuffle: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class PendingWrite:
     """A write that may still land (or, in ``FaultPlan.landed``, that did): ``rows`` are its merged
     (address, length, device) targets."""
