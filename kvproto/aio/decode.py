@@ -8,7 +8,10 @@ rank has announced), connect one DEALER to each prefill rank that pairs with thi
 geometry: the pairing depends only on the two TP sizes and the head count), REGISTER with each
 (geometry, memory table, transport metadata, a fresh ``link_id``), and wait for every accept.
 Then ``ReceiverCore.cluster_ready`` releases the waiting rooms; a reject or the bootstrap
-deadline fails them with the code. A later room for a failed address bootstraps again.
+deadline fails them with the code. A later room for a failed address bootstraps again. A room
+that ends while its address still bootstraps leaves its ABORT with the core, which sends it
+once the links register (``ReceiverCore``: "Ends that no link can carry yet"); ``close()``
+gives such bootstraps a short grace to finish so that those ABORTs go out.
 
 Each link has a reader task (the pump of that socket). Heartbeats go out every
 ``heartbeat_interval``; a link silent for ``heartbeat_timeout``, or whose peer answers with a
@@ -46,6 +49,7 @@ from kvproto.geometry import (
 )
 from kvproto.wire import (
     MINOR,
+    LocalProtocolError,
     Abort,
     BootstrapInfo,
     BootstrapQuery,
@@ -135,25 +139,22 @@ class DecodeEndpoint(EndpointBase):
         """
         self._check_open()
         now = self._now()
+        destination = None
+        if pages is not None:
+            if num_tokens is None:
+                raise LocalProtocolError("num_tokens is required with pages")
+            destination = self.core.check_destination(pages, num_tokens, prefix_tokens=prefix_tokens,
+                                                      aux_slot=aux_slot)
+        self.core.check_new_room(room_id)
+        # Every check that can refuse has passed: only now may the call change anything (start a
+        # bootstrap, open the room, record its handle), so a refused call leaves all as it was.
         if self.core.cluster_status(bootstrap) in ("unknown", "failed"):
             self._start_bootstrap(bootstrap)
+        self.core.open_room(room_id, bootstrap, now, destination=destination)
         handle = ReceiverRoomHandle(self, room_id, self._loop, now)  # type: ignore[arg-type]
         self._handles[room_id] = handle
-        try:
-            self.core.open_room(room_id, bootstrap, now)
-            if pages is not None:
-                if num_tokens is None:
-                    raise ValueError("num_tokens is required with pages")
-                self.core.set_destination(room_id, pages, num_tokens, now, prefix_tokens=prefix_tokens,
-                                          aux_slot=aux_slot)
-        except Exception:
-            if self.core.room_state(room_id) is not None and room_id in self.core.rooms:
-                self.core.abort(room_id, now, "invalid destination")
-            self._handles.pop(room_id, None)
-            raise
-        finally:
-            self._flush()
-            self._kick()
+        self._flush()
+        self._kick()
         return handle
 
     def _set_destination(self, room_id: int, pages: Sequence[int], num_tokens: int, prefix_tokens: int,
@@ -165,6 +166,14 @@ class DecodeEndpoint(EndpointBase):
         finally:
             self._flush()
             self._kick()
+
+    async def _settle(self, grace: float) -> None:
+        """Let bootstraps that hold ended rooms' ABORTs finish (up to ``grace``), so that the
+        prefill ranks hear ENDPOINT_CLOSED at once instead of waiting for their deadline; where
+        the handshake cannot finish in time, they fail those rooms at their own deadline."""
+        holding = [task for cluster, task in self._bootstraps.items() if self.core.held_ends(cluster)]
+        if holding:
+            await asyncio.wait(holding, timeout=grace)
 
     # --- sockets ------------------------------------------------------------------------------------
     async def _start_io(self) -> None:

@@ -180,7 +180,7 @@ class EndpointBase:
         self._closed = True
         self.core.close(self._now())
         self._flush()
-        await self._drain_writes(grace=2.0)
+        await self._settle(grace=2.0)
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
@@ -356,5 +356,7 @@ class EndpointBase:
         activity (a notification, a finished write), so the next pass should come at once."""
         raise NotImplementedError
 
-    async def _drain_writes(self, grace: float) -> None:
-        """Wait up to ``grace`` seconds for posted writes to finish (sender)."""
+    async def _settle(self, grace: float) -> None:
+        """At close, before the tasks stop: wait up to ``grace`` seconds for what peers must still
+        hear to go out (prefill: writes in flight and the ABORTs held behind them; decode: the
+        ends of rooms whose prefill links are still bootstrapping)."""

@@ -142,15 +142,10 @@ class PrefillEndpoint(EndpointBase):
         """Start the prefill side of room ``room_id``; decode's request may come before or after."""
         self._check_open()
         now = self._now()
+        self.core.open_room(room_id, now)  # refuses (a live id...) before it changes anything
         handle = SenderRoomHandle(self, room_id, self._loop, now)  # type: ignore[arg-type]
-        self._handles[room_id] = handle
-        try:
-            self.core.open_room(room_id, now)
-        except Exception:
-            del self._handles[room_id]
-            raise
-        finally:
-            self._flush()
+        self._handles[room_id] = handle  # before the flush: the room may already have ended
+        self._flush()
         return handle
 
     def _submit_chunk(self, room_id: int, pages: Sequence[int], end_token: int, last: bool, aux_slot: int | None) -> None:
@@ -554,7 +549,7 @@ class PrefillEndpoint(EndpointBase):
             self.core.write_failed(pending.room_id, pending.link, pending.seq, "transport reported ERR", now,
                                    tag=pending.tag)
 
-    async def _drain_writes(self, grace: float) -> None:
+    async def _settle(self, grace: float) -> None:
         """At close: let posted writes finish (their rooms' ABORTs go out as they do), then give up."""
         assert self.transport is not None
         deadline = self._now() + grace

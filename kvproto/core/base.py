@@ -12,6 +12,7 @@ late messages are counted as late rather than unknown.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,19 @@ _TIMEOUT_CODE = {
     RoomState.WAITING_FOR_INPUT: ErrorCode.WAITING_TIMEOUT,
     RoomState.TRANSFERRING: ErrorCode.TRANSFER_TIMEOUT,
 }
+
+
+def duplicate_page(pages: Sequence[int]) -> int | None:
+    """The first page that ``pages`` lists twice, or None. Two token ranges of one room must
+    never share a page: one would silently overwrite the other."""
+    if len(set(pages)) == len(pages):
+        return None
+    seen: set[int] = set()
+    for page in pages:
+        if page in seen:
+            return page
+        seen.add(page)
+    return None  # pragma: no cover - unreachable: the set was smaller than the list
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,12 +108,16 @@ class CoreBase:
         if self.closed:
             raise LocalProtocolError("endpoint is closed", ErrorCode.ENDPOINT_CLOSED)
 
-    def _new_room_check(self, room_id: int) -> None:
+    def check_new_room(self, room_id: int) -> None:
+        """Raise ``LocalProtocolError`` if ``open_room(room_id)`` would be refused; change nothing."""
         self._check_open()
         if not 0 < room_id < 2**64:
             raise LocalProtocolError(f"room id {room_id} outside [1, 2**64)")
         if room_id in self.rooms:
             raise LocalProtocolError(f"room {room_id} is already live", ErrorCode.DUPLICATE_ROOM)
+
+    def _new_room_check(self, room_id: int) -> None:
+        self.check_new_room(room_id)
         self._tombstones.pop(room_id, None)
 
     # --- the one place that assigns state -----------------------------------------------------

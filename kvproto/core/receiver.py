@@ -22,6 +22,17 @@ Staging (a writer that asks): STAGING_REQUESTs of a writer must cover its tokens
 ring grants them FIFO; a STAGED tag turns into a ``Scatter`` output and counts as arrived only
 at ``scatter_done``, which releases the region and answers with a STAGING_WATERMARK.
 
+Ends that no link can carry yet: a room that fails while BOOTSTRAPPING (the application's
+abort, its deadline, the endpoint's close) has no link to tell, yet the prefill ranks of its
+cluster may already hold the room open (or open it soon) and would wait for their own deadline,
+pinning their pages. So its ABORT is *held* in the cluster until the bootstrap settles: when the
+cluster becomes ready the held ABORTs go to every paired prefill rank, before any new room's
+request (a prefill rank fails the room, or remembers a pre-abort for a room it has not opened);
+when the bootstrap fails they are dropped (no prefill rank ever heard of this decode rank). A
+room id opened again while its end is held supersedes it: the prefill side has one room per id,
+and the new incarnation will talk to it. Held ends are bounded per cluster (``MAX_HELD_ENDS``,
+oldest dropped first) and live no longer than the bootstrap, itself bounded by its deadline.
+
 Failure while writes may land (see ``state``): a TRANSFERRING room with unsettled writers or a
 scatter running is classified DRAIN instead of failing; it keeps its pages and staging
 regions until every writer settles (its TRANSFER_DONE arrived, it answered with ABORT, or its
@@ -35,7 +46,7 @@ import random
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from kvproto.core.base import CoreBase, RoomBase, Tombstone
+from kvproto.core.base import CoreBase, RoomBase, Tombstone, duplicate_page
 from kvproto.core.events import DropLink, LinkKey, Scatter, Timeouts
 from kvproto.core.staging import StagingRing
 from kvproto.core.state import Effect, Input, Role, RoomState
@@ -59,6 +70,9 @@ _FAILURES = frozenset({Input.PEER_ABORT, Input.PEER_GONE, Input.PEER_VIOLATION, 
                        Input.TIMEOUT, Input.CLOSE})
 
 ClusterKey = Hashable
+
+MAX_HELD_ENDS = 65536
+"""Most ABORTs held per bootstrapping cluster (see "Ends that no link can carry yet")."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -116,6 +130,8 @@ class _Cluster:
     ready: bool = False
     links: tuple[ReceiverLink, ...] = ()
     failure: tuple[ErrorCode | int, str] | None = None
+    held_ends: dict[int, Abort] = field(default_factory=dict)
+    """room id -> the ABORT of a room that ended while this cluster bootstrapped."""
 
 
 class ReceiverCore(CoreBase):
@@ -155,9 +171,13 @@ class ReceiverCore(CoreBase):
         if not any(link.writer for link in links):
             self.cluster_failed(cluster, ErrorCode.INCOMPATIBLE_GEOMETRY, "no prefill rank writes to this rank", now)
             return
+        held = self.clusters[cluster].held_ends if cluster in self.clusters else {}
         self.clusters[cluster] = _Cluster(ready=True, links=tuple(links))
         for link in links:
             self.links_by_id[link.link_id] = link
+        for abort in held.values():  # ends first: a prefill rank must not serve a room that ended
+            for link in links:
+                self.send(link.key, abort)
         for room in [r for r in self.rooms.values() if r.cluster == cluster and r.state is RoomState.BOOTSTRAPPING]:
             room.links = tuple(links)
             self.apply(room, Input.LINKS_READY_WITH_INPUT if room.destination else Input.LINKS_READY, now)
@@ -167,6 +187,7 @@ class ReceiverCore(CoreBase):
         for link in state.links:
             self.links_by_id.pop(link.link_id, None)
         state.ready, state.links, state.failure = False, (), (code, reason)
+        state.held_ends.clear()  # no prefill rank of the cluster ever registered this rank
         for room in [r for r in self.rooms.values() if r.cluster == cluster and not r.links]:  # still bootstrapping
             self.apply(room, Input.PEER_GONE, now, code=code, reason=reason)
 
@@ -182,19 +203,25 @@ class ReceiverCore(CoreBase):
         self.cluster_failed(gone.cluster, code, reason, now)
 
     # --- application API ----------------------------------------------------------------------
-    def open_room(self, room_id: int, cluster: ClusterKey, now: float) -> ReceiverRoom:
+    def open_room(self, room_id: int, cluster: ClusterKey, now: float, *,
+                  destination: Destination | None = None) -> ReceiverRoom:
+        """Open a room fed by ``cluster``; ``destination`` (from ``check_destination``) may come
+        now or later through ``set_destination``. A refused call changes nothing."""
         self._new_room_check(room_id)
         self._generation = self._generation % 0xFFFFFFFF + 1
-        room = ReceiverRoom(room_id=room_id, cluster=cluster, created=now, generation=self._generation)
+        room = ReceiverRoom(room_id=room_id, cluster=cluster, created=now, generation=self._generation,
+                            destination=destination)
         self.rooms[room_id] = room
         self.timers.schedule(room_id, self._deadline(RoomState.BOOTSTRAPPING, now))
         state = self.clusters.get(cluster)
         if state is not None and state.ready:
             room.links = state.links
-            self.apply(room, Input.LINKS_READY, now)
+            self.apply(room, Input.LINKS_READY_WITH_INPUT if destination else Input.LINKS_READY, now)
         elif state is not None and state.failure:
             code, reason = state.failure
             self.apply(room, Input.PEER_GONE, now, code=code, reason=reason)
+        elif state is not None:
+            state.held_ends.pop(room_id, None)  # this incarnation supersedes the one that ended
         return room
 
     def set_destination(
@@ -215,6 +242,14 @@ class ReceiverCore(CoreBase):
             raise LocalProtocolError(f"room {room_id} was never opened", ErrorCode.UNKNOWN_ROOM)
         if room.destination is not None:
             raise LocalProtocolError(f"room {room_id} already has its destination")
+        dest = self.check_destination(pages, num_tokens, prefix_tokens=prefix_tokens, aux_slot=aux_slot)
+        if room.state is RoomState.BOOTSTRAPPING or room.state is RoomState.WAITING_FOR_INPUT:
+            room.destination = dest
+        self.apply(room, Input.DESTINATION, now)
+
+    def check_destination(self, pages: Sequence[int], num_tokens: int, *, prefix_tokens: int = 0,
+                          aux_slot: int | None = None) -> Destination:
+        """The destination, validated against this rank's cache; ``LocalProtocolError`` if unusable."""
         need = -(-num_tokens // self.block_size)
         if not 0 < num_tokens < 2**32:
             raise LocalProtocolError(f"token count {num_tokens} outside [1, 2**32)", ErrorCode.TOKEN_COUNT_MISMATCH)
@@ -224,14 +259,15 @@ class ReceiverCore(CoreBase):
         bad = [p for p in pages if not 0 <= p < self.num_blocks]
         if bad:
             raise LocalProtocolError(f"page {bad[0]} outside [0, {self.num_blocks})", ErrorCode.INDEX_OUT_OF_RANGE)
+        twice = duplicate_page(pages)
+        if twice is not None:
+            raise LocalProtocolError(f"page {twice} is listed twice: two token ranges would share it",
+                                     ErrorCode.INDEX_OUT_OF_RANGE)
         if not 0 <= prefix_tokens <= num_tokens or prefix_tokens % self.block_size:
             raise LocalProtocolError(f"prefix of {prefix_tokens} tokens must be whole blocks within {num_tokens}")
         if aux_slot is not None and not 0 <= aux_slot < self.aux_slots:
             raise LocalProtocolError(f"aux slot {aux_slot} outside [0, {self.aux_slots})", ErrorCode.INDEX_OUT_OF_RANGE)
-        dest = Destination(pages=tuple(pages), num_tokens=num_tokens, prefix_tokens=prefix_tokens, aux_slot=aux_slot)
-        if room.state is RoomState.BOOTSTRAPPING or room.state is RoomState.WAITING_FOR_INPUT:
-            room.destination = dest
-        self.apply(room, Input.DESTINATION, now)
+        return Destination(pages=tuple(pages), num_tokens=num_tokens, prefix_tokens=prefix_tokens, aux_slot=aux_slot)
 
     # --- control plane ---------------------------------------------------------------------------
     def on_message(self, key: LinkKey, msg: Message, now: float) -> None:
@@ -462,14 +498,32 @@ class ReceiverCore(CoreBase):
                     aux_slot=NO_SLOT if dest.aux_slot is None else dest.aux_slot,
                     expected_writers=len(writers), dst_pages=dest.pages))
         elif effect in (Effect.ABORT_PEERS, Effect.ABORT_AND_DRAIN):
+            abort = self._abort_message(room.room_id, room.generation, room.code, room.reason)
             for link in room.links:
                 if link.key != origin:
-                    self.send(link.key, self._abort_message(room.room_id, room.generation, room.code, room.reason))
+                    self.send(link.key, abort)
+            cluster = self.clusters.get(room.cluster)
+            if not room.links and cluster is not None and not cluster.ready and cluster.failure is None:
+                self._hold_end(cluster, abort)
             if effect is Effect.ABORT_AND_DRAIN:
                 room.failing = True
                 if self.ring is not None:
                     self.ring.cancel_queued(room.room_id)
         return None
+
+    @staticmethod
+    def _hold_end(cluster: _Cluster, abort: Abort) -> None:
+        """Keep the ABORT of a room that ended before its cluster's links came up."""
+        held = cluster.held_ends
+        held.pop(abort.room_id, None)
+        held[abort.room_id] = abort
+        if len(held) > MAX_HELD_ENDS:
+            del held[next(iter(held))]
+
+    def held_ends(self, cluster: ClusterKey) -> int:
+        """How many ended rooms' ABORTs wait for ``cluster``'s links."""
+        state = self.clusters.get(cluster)
+        return len(state.held_ends) if state is not None else 0
 
     def _tombstone(self, room: ReceiverRoom) -> Tombstone:
         return Tombstone(room.state, room.code, frozenset({room.generation}))

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvproto.core.base import CoreBase, RoomBase, Tombstone
+from kvproto.core.base import CoreBase, RoomBase, Tombstone, duplicate_page
 from kvproto.core.events import LinkKey, PostAux, PostStaged, PostWrite, Timeouts
 from kvproto.core.state import Effect, Input, Role, RoomState
 from kvproto.wire import (
@@ -264,6 +264,10 @@ class SenderCore(CoreBase):
         bad = [p for p in pages if not 0 <= p < self.num_blocks]
         if bad:
             raise LocalProtocolError(f"page {bad[0]} outside [0, {self.num_blocks})", ErrorCode.INDEX_OUT_OF_RANGE)
+        twice = duplicate_page([*room.src_pages, *pages])
+        if twice is not None:
+            raise LocalProtocolError(f"page {twice} is listed twice in room {room_id}: two token ranges would share it",
+                                     ErrorCode.INDEX_OUT_OF_RANGE)
         if aux_slot is not None and (not last or not 0 <= aux_slot < self.aux_slots):
             raise LocalProtocolError(f"aux slot {aux_slot} needs the last chunk and a slot in [0, {self.aux_slots})")
         room.src_pages.extend(pages)
@@ -352,6 +356,10 @@ class SenderCore(CoreBase):
         if msg.dst_pages and max(msg.dst_pages) >= link.num_blocks:
             return ErrorCode.INDEX_OUT_OF_RANGE, (
                 f"destination page {max(msg.dst_pages)} outside the {link.num_blocks} registered pages")
+        twice = duplicate_page(msg.dst_pages)
+        if twice is not None:
+            return ErrorCode.INDEX_OUT_OF_RANGE, (
+                f"destination page {twice} is listed twice: two token ranges would share it")
         if msg.aux_slot != NO_SLOT and msg.aux_slot >= link.aux_slots:
             return ErrorCode.INDEX_OUT_OF_RANGE, f"aux slot {msg.aux_slot} outside the {link.aux_slots} registered slots"
         if msg.generation == 0:

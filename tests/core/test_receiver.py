@@ -287,9 +287,10 @@ def test_receiver_remove_link_fails_rooms_of_its_cluster():
         ([1, 2, 3], 40, dict(prefix_tokens=8), ErrorCode.PEER_PROTOCOL_ERROR),
         ([1, 2, 3], 40, dict(prefix_tokens=48), ErrorCode.PEER_PROTOCOL_ERROR),
         ([1, 2, 3], 40, dict(aux_slot=4), ErrorCode.INDEX_OUT_OF_RANGE),
+        ([1, 2, 1], 40, {}, ErrorCode.INDEX_OUT_OF_RANGE),
     ],
     ids=["few-pages", "many-pages", "zero-tokens", "page-oob", "page-neg", "prefix-block", "prefix-beyond",
-         "aux-oob"],
+         "aux-oob", "page-twice"],
 )
 def test_receiver_set_destination_misuse_raises(pages, n, kw, code):
     """A bad destination raises LocalProtocolError with its code and sends nothing."""
@@ -1231,3 +1232,103 @@ def test_receiver_drain_waits_for_running_scatter():
     o = pop(core)
     _failed(o, ErrorCode.ABORTED)
     assert_clean(core)
+
+
+# --- rooms that end while their cluster bootstraps (held ends) ------------------------------------
+
+
+def _end(core: ReceiverCore, room: int, how: str, now: float = T0) -> None:
+    if how == "abort":
+        core.abort(room, now)
+    elif how == "deadline":
+        core.handle_timer(now + core.timeouts.bootstrap)
+    else:
+        core.close(now)
+
+
+@pytest.mark.parametrize("how, code", [("abort", ErrorCode.ABORTED), ("deadline", ErrorCode.BOOTSTRAP_TIMEOUT),
+                                       ("close", ErrorCode.ENDPOINT_CLOSED)])
+def test_receiver_end_while_bootstrapping_is_held_until_links_register(how, code):
+    """A room that ends before its cluster's links exist fails at once; its ABORT (its code, its
+    generation) reaches every paired prefill rank as soon as the cluster becomes ready, before
+    the requests of any room that was waiting for the same links."""
+    core = make_core(timeouts=Timeouts(bootstrap=30.0))
+    core.cluster_pending(C)
+    core.open_room(1, C, T0)
+    gen = core.rooms[1].generation
+    if how != "close":
+        core.open_room(2, C, T0 + 1)  # still waiting when room 1 ends (its deadline is 1 s later)
+        core.set_destination(2, [5], 16, T0 + 1)
+    _end(core, 1, how)
+    o = pop(core)
+    assert [(e.room_id, e.state, e.code) for e in o.ended] == [(1, RoomState.FAILED, code)]
+    assert o.sends == [] and core.held_ends(C) == 1
+    core.cluster_ready(C, [rlink(0), rlink(1, writer=False)], T0 + 0.5)
+    o = pop(core)
+    for key in ("p0", "p1"):
+        msgs = o.to(key)
+        assert isinstance(msgs[0], Abort) and (msgs[0].room_id, msgs[0].generation, msgs[0].code) == (1, gen, code)
+        assert [m.room_id for m in msgs[1:]] == ([] if how == "close" else [2])
+    assert core.held_ends(C) == 0
+
+
+def test_receiver_held_end_dropped_when_bootstrap_fails():
+    """No prefill rank registered this rank: a failed bootstrap drops the held ABORTs, and a later
+    bootstrap of the same address does not send them."""
+    core = make_core()
+    core.cluster_pending(C)
+    core.open_room(1, C, T0)
+    core.abort(1, T0)
+    assert core.held_ends(C) == 1
+    core.cluster_failed(C, ErrorCode.BOOTSTRAP_TIMEOUT, "slow", T0)
+    assert core.held_ends(C) == 0
+    core.cluster_pending(C)
+    core.cluster_ready(C, [rlink(0)], T0)
+    assert pop(core).sends == []
+
+
+def test_receiver_held_end_superseded_by_a_new_incarnation():
+    """Reopening a room id whose end is held drops that end: the new room is the one the prefill
+    side will serve; only its request goes out."""
+    core = make_core()
+    core.cluster_pending(C)
+    core.open_room(1, C, T0)
+    core.abort(1, T0)
+    core.open_room(1, C, T0)
+    core.set_destination(1, [3], 16, T0)
+    assert core.held_ends(C) == 0
+    pop(core)
+    core.cluster_ready(C, [rlink(0)], T0)
+    msgs = pop(core).to("p0")
+    assert [type(m).__name__ for m in msgs] == ["TransferRequest"]
+    assert core.room_state(1) is RoomState.TRANSFERRING
+
+
+def test_receiver_held_ends_are_bounded(monkeypatch):
+    """At most MAX_HELD_ENDS per cluster are held, the oldest dropped first."""
+    import kvproto.core.receiver as receiver
+
+    monkeypatch.setattr(receiver, "MAX_HELD_ENDS", 3)
+    core = make_core()
+    core.cluster_pending(C)
+    for room in range(1, 6):
+        core.open_room(room, C, T0)
+        core.abort(room, T0)
+    assert core.held_ends(C) == 3
+    core.cluster_ready(C, [rlink(0)], T0)
+    assert [m.room_id for m in pop(core).to("p0")] == [3, 4, 5]
+
+
+def test_receiver_open_room_with_destination_refused_changes_nothing():
+    """open_room(..., destination=...) on a live id raises DUPLICATE_ROOM and leaves the live room,
+    its destination and its deadline as they were."""
+    core = make_core()
+    core.cluster_ready(C, [rlink(0)], T0)
+    core.open_room(1, C, T0)
+    dest = core.check_destination([2], 16)
+    before = (core.rooms[1].generation, core.room_state(1), core.next_deadline())
+    with pytest.raises(LocalProtocolError) as info:
+        core.open_room(1, C, T0 + 5, destination=dest)
+    assert info.value.code is ErrorCode.DUPLICATE_ROOM
+    assert (core.rooms[1].generation, core.room_state(1), core.next_deadline()) == before
+    assert core.rooms[1].destination is None and pop(core).sends == []

@@ -252,9 +252,11 @@ def test_sender_aux_slot_on_non_last_chunk_raises():
         ([([-1], 16, False)], ErrorCode.INDEX_OUT_OF_RANGE),
         ([([1, 2, 3], 40, True, 4)], ErrorCode.PEER_PROTOCOL_ERROR),  # aux slot outside [0, 4)
         ([([1, 2, 3], 40, True), ([], 40, True)], ErrorCode.PEER_PROTOCOL_ERROR),  # second last chunk
+        ([([1, 2, 1], 40, True)], ErrorCode.INDEX_OUT_OF_RANGE),  # a page twice in one chunk
+        ([([1], 16, False), ([2, 1], 40, True)], ErrorCode.INDEX_OUT_OF_RANGE),  # a page twice across chunks
     ],
     ids=["off-boundary", "no-advance", "backwards", "extra-page", "missing-page", "page-oob", "page-neg",
-         "aux-oob", "double-last"],
+         "aux-oob", "double-last", "page-twice", "page-twice-across-chunks"],
 )
 def test_sender_submit_chunk_misuse_raises(chunks, code):
     """Misused submit_chunk raises LocalProtocolError (with its code) and changes nothing."""
@@ -517,8 +519,9 @@ def test_sender_decode_ranks_disagree_fails_mismatch():
         (dict(n=16, prefix=32, pages=(0,)), ErrorCode.INDEX_OUT_OF_RANGE),  # prefix beyond num_tokens
         (dict(pages=(0, 1)), ErrorCode.TOKEN_COUNT_MISMATCH),  # 40 tokens need 3 pages
         (dict(gen=0), ErrorCode.PEER_PROTOCOL_ERROR),  # no generation
+        (dict(pages=(4, 9, 4)), ErrorCode.INDEX_OUT_OF_RANGE),  # dst page listed twice
     ],
-    ids=["dst-page", "aux-slot", "prefix-block", "prefix-beyond", "page-count", "generation-0"],
+    ids=["dst-page", "aux-slot", "prefix-block", "prefix-beyond", "page-count", "generation-0", "dst-page-twice"],
 )
 @pytest.mark.parametrize("with_chunks", [False, True], ids=["no-input", "input-queued"])
 def test_sender_bad_request_fails_room_without_writes(request_kw, code, with_chunks):
@@ -1614,3 +1617,22 @@ def test_sender_late_request_of_new_generation_still_parked(who):
     core.on_message(key, req(1, gen=9), T0 + 1)
     assert pop(core).sends == []
     assert core._parked_count == 1 and core.stats.late_messages == 0
+
+
+def test_sender_duplicate_pages_vector_is_refused_with_its_abort_vector():
+    """The golden TRANSFER_REQUEST that lists a page twice fails the room before anything is
+    written, and the answer is byte for byte the golden ABORT (INDEX_OUT_OF_RANGE)."""
+    from tests.wire.test_vectors import read_vector
+
+    request = decode(read_vector("transfer_request_duplicate_pages.hex"))
+    core = make_core()
+    core.add_link(make_link(blocks=64, aux=8, paired=(0,)))
+    core.open_room(request.room_id, T0)
+    core.submit_chunk(request.room_id, list(range(7)), 100, T0, last=True)
+    core.on_message("d0", request, T0)
+    o = pop(core)
+    assert o.posts == []
+    _failed(o, ErrorCode.INDEX_OUT_OF_RANGE)
+    (sent,) = [s.message for s in o.sends]
+    assert encode(sent, minor=1) == read_vector("abort_duplicate_pages.hex")
+    assert_clean(core)

@@ -29,11 +29,12 @@ with ``cut`` its control frames stop too: the link dies), and a 30 s jump of one
   requests and pre-aborts may wait for theirs), no held ABORTs (``_draining``), empty staging
   rings, empty ``_handles`` and ``_pending``;
 * with control faults off, no cut link and no clock jump (``quiet``), failure codes agree: a
-  side fails with a code that was injected for that room (ABORTED, TRANSPORT_ERROR) or PEER_GONE;
-  a timeout is allowed only where the script made one necessary (a lost tag: decode
-  TRANSFER_TIMEOUT or STAGING_STALLED, and on staged paths the stalled ring's other rooms; an
-  abort before the request could leave: prefill BOOTSTRAP_TIMEOUT), a code carried by the peer's
-  ABORT counts as the peer's; and a
+  side fails with a code that was injected for that room (ABORTED, TRANSPORT_ERROR,
+  ENDPOINT_CLOSED when the script closes the decode endpoint) or PEER_GONE; a timeout is allowed
+  only where the script made one necessary (a lost tag: decode TRANSFER_TIMEOUT or
+  STAGING_STALLED, and on staged paths the stalled ring's other rooms) — a decode abort or close
+  while the link still bootstraps must reach the prefill, never leave it to its BOOTSTRAP_TIMEOUT —
+  a code carried by the peer's ABORT counts as the peer's; and a
   decode room that fails after its prefill did (or after an abort) fails well under the
   transfer timeout after it.
 """
@@ -46,7 +47,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -127,6 +128,9 @@ class Script:
     """Per message type (``MsgType`` name) probabilities overriding ``control`` (turning it on)."""
     delay_polls: tuple[int, int] = (1, 8)
     """``FaultPlan.delay_polls`` of every prefill agent."""
+    close_decode: float | None = None
+    """Seconds after the script starts at which the decode endpoint closes (every decode room is
+    open by then, its link to the prefill instance typically still bootstrapping)."""
 
     @property
     def quiet(self) -> bool:
@@ -179,9 +183,21 @@ class Script:
         jump = None
         if rng.random() < 0.1:
             jump = (rng.choice(["D"] + [f"P{r}" for r in range(tp)]), round(rng.uniform(0.0, 0.5), 3))
+        # Endings while the decode's link still bootstraps, drawn apart so that the scripts of the
+        # draws above stay what they were for every seed.
+        extra = random.Random(seed * 7919 + 13)
+        close_decode = None
+        first = min(rooms, key=lambda r: r.decode_at)
+        if extra.random() < 0.12:  # abort while bootstrapping: right after the first decode open
+            i = rooms.index(first)
+            rooms[i] = replace(first, abort=("D", round(first.decode_at + 0.001, 4)))
+        elif extra.random() < 0.1:  # close while bootstrapping: every decode room opens, then close
+            rooms = [replace(r, decode_at=first.decode_at, dest_at=None) for r in rooms]
+            close_decode = round(first.decode_at + extra.uniform(0.0005, 0.005), 4)
         return cls(seed=seed, prefill_tp=tp, path=path, staging_bytes=staging, rooms=tuple(rooms),
                    data=tuple(sorted(data.items())),
-                   control=tuple(sorted(control.items())) if control is not None else None, lose=lose, jump=jump)
+                   control=tuple(sorted(control.items())) if control is not None else None, lose=lose, jump=jump,
+                   close_decode=close_decode)
 
 
 # --- caches ---------------------------------------------------------------------------------------------
@@ -430,6 +446,8 @@ async def run_script(script: Script, *, summarize: bool = True) -> Outcome:
             tasks.append(asyncio.create_task(_lose(out, script, plans, faults, decode.agent_name, t0)))
         if script.jump is not None:
             tasks.append(asyncio.create_task(_jump(out, script, clocks, t0)))
+        if script.close_decode is not None:
+            tasks.append(asyncio.create_task(_close_decode(out, script, decode, t0)))
         await asyncio.gather(*tasks)
         expected = {(s, r.room_id) for r in script.rooms for s in ["D", *names[:-1]]}
         deadline = t0 + WALL_S
@@ -552,6 +570,16 @@ async def _lose(out: Outcome, script: Script, plans: list[FaultPlan], faults: di
         out.counts["cut_links"] += 1
 
 
+async def _close_decode(out: Outcome, script: Script, decode: DecodeEndpoint, t0: float) -> None:
+    assert script.close_decode is not None
+    await _at(t0, script.close_decode)
+    out.counts["decode_closes"] += 1
+    out.counts["decode_closes_bootstrapping"] += any(
+        h.poll() is RoomState.BOOTSTRAPPING for h in list(decode._handles.values()))
+    out.events[(0, "close")] = asyncio.get_running_loop().time()
+    await decode.close()
+
+
 async def _jump(out: Outcome, script: Script, clocks: dict[str, JumpClock], t0: float) -> None:
     assert script.jump is not None
     who, at = script.jump
@@ -635,9 +663,12 @@ def _check_codes(out: Outcome, script: Script) -> None:
                 # A grant is no progress for the prefill room's deadline: one starved by a stalled ring
                 # can time out (TRANSFER_TIMEOUT) just after its late grant arrived.
                 allowed_timeouts["P"].add(ErrorCode.TRANSFER_TIMEOUT)
+        if script.close_decode is not None:
+            origins.add(ErrorCode.ENDPOINT_CLOSED)
+        # A decode room that ends while its link bootstraps holds its ABORT until the link is up:
+        # the prefill fails with the decode's code, never by waiting out its own deadline.
         abort_state = out.notes.get((r.room_id, "abort_state"))
         if aborted and r.abort and r.abort[0] == "D" and abort_state is RoomState.BOOTSTRAPPING:
-            allowed_timeouts["P"].add(ErrorCode.BOOTSTRAP_TIMEOUT)  # no link yet: the abort cannot leave decode
             out.counts["abort_in_bootstrap"] += 1
         for side, e in ends.items():
             if e.state is not RoomState.FAILED:

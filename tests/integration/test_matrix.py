@@ -47,8 +47,9 @@ def test_matrix_geometry_moves_every_byte(case: str, path: str, capsys: pytest.C
     path (direct where pages match byte for byte, else staged) and on the sliced fallback."""
     cfg = dataclasses.replace(SMALL, path=path, staging_mb=1, **CASES[case])
     code = run(cfg)
-    out = capsys.readouterr().out
-    assert code == 0, out
+    captured = capsys.readouterr()
+    out = captured.out
+    assert code == 0, out + captured.err
     assert f"in {cfg.rooms} rooms" in out and "OK, 0 mismatching bytes" in out
     paths = out.split("paths: ", 1)[1].split(";", 1)[0]
     if case == "full-prefix-hit":

@@ -221,6 +221,12 @@ STAGING_WATERMARK = StagingWatermark(room_id=0x00C0FFEE, generation=1_000_001, s
                                      watermark=0x30000 + 32 * STAGING_UNIT)
 
 
+TRANSFER_REQUEST_DUPLICATE_PAGES = TransferRequest(
+    room_id=0x00C0FFEE, generation=1_000_001, num_tokens=100, prefix_tokens=32, aux_slot=5,
+    expected_writers=2, dst_pages=(17, 18, 19, 41, 40, 41, 43))
+"""transfer_request.hex with page 41 listed twice (tokens [48, 64) and [80, 96))."""
+
+
 def _vectors() -> list[Vector]:
     good = [
         frame("bootstrap_query.hex", BootstrapQuery(requester="kvproto-decode-0-0123456789ab"),
@@ -402,8 +408,19 @@ def _vectors() -> list[Vector]:
                                         seq=0),
             "minor 1: the tag of the staged write that fills the grant of staging_grant.hex"),
     ]
+    duplicates = [
+        frame("transfer_request_duplicate_pages.hex", TRANSFER_REQUEST_DUPLICATE_PAGES,
+              "minor 1: wire-valid, but page 41 holds both tokens [48, 64) and [80, 96): a prefill rank refuses "
+              "it before writing anything, answering abort_duplicate_pages.hex and failing the room "
+              "(INDEX_OUT_OF_RANGE)", minor=1),
+        frame("abort_duplicate_pages.hex", Abort(room_id=0x00C0FFEE, generation=1_000_001,
+                                                  code=ErrorCode.INDEX_OUT_OF_RANGE,
+                                                  reason="destination page 41 is listed twice: two token ranges "
+                                                         "would share it"),
+              "minor 1: the prefill rank's answer to transfer_request_duplicate_pages.hex", minor=1),
+    ]
     # The MAX_FRAME bound is tested in tests/wire/test_fuzz.py rather than with 16 MiB files.
-    return good + tail + rejects + tags + tag_rejects + staging
+    return good + tail + rejects + tags + tag_rejects + staging + duplicates
 
 
 VECTORS = _vectors()
