@@ -18,10 +18,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_arguments(demo_parser)
 
     bench_parser = sub.add_parser("bench", help="benchmarks (ratios against references measured in the same run)")
-    bench_parser.add_argument("which", choices=["kernels", "paths", "rss"],
+    bench_parser.add_argument("which", choices=["kernels", "paths", "rooms", "rss", "transfer"],
                               help="kernels: staging gather/scatter vs device copy; "
                                    "paths: sliced vs staged room vs one raw transport write; "
-                                   "rss: memory over 10,000 sequential rooms")
+                                   "rooms: control-plane cost and event-loop lag with 1-page rooms; "
+                                   "rss: memory over 10,000 sequential rooms; "
+                                   "transfer: rooms between two processes (GPUs) vs raw transport writes")
     bench_parser.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of that benchmark (--help)")
 
     args = parser.parse_args(argv)
@@ -37,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvproto.bench import paths
 
         return paths.main(args.rest)
+    if args.command == "bench" and args.which in ("rooms", "transfer"):
+        import importlib
+
+        return importlib.import_module(f"kvproto.bench.{args.which}").main(args.rest)
     if args.command == "bench" and args.which == "rss":
         from kvproto.bench import rss
 

@@ -32,6 +32,7 @@ import zmq
 import zmq.asyncio
 import zmq.utils.monitor
 
+from kvproto.aio.channel import Channel
 from kvproto.aio.endpoint import EndpointBase, EndpointConfig
 from kvproto.aio.memory import KVCache, geometry_from_wire, geometry_to_wire
 from kvproto.aio.room import ReceiverRoomHandle
@@ -79,7 +80,7 @@ class _Link:
     cluster: str
     prefill_rank: int
     endpoint: str
-    sock: zmq.asyncio.Socket
+    channel: Channel | None = None
     inbox: asyncio.Queue[Message] = field(default_factory=asyncio.Queue)
     last_seen: float = 0.0
     last_beat: float = 0.0
@@ -186,22 +187,29 @@ class DecodeEndpoint(EndpointBase):
             task.cancel()
         for link in list(self._links.values()):
             if link.registered:
-                self._send_frame(link.sock, [encode(Abort(code=ErrorCode.ENDPOINT_CLOSED, reason="decode closed"))])
+                self._send_frame(link.channel, [encode(Abort(code=ErrorCode.ENDPOINT_CLOSED, reason="decode closed"))])
             self._discard_link(link, linger=200)
 
     def _connect(self, cluster: str, prefill_rank: int, endpoint: str) -> _Link:
         assert self._ctx is not None
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        if self.config.curve is not None:
-            self.config.curve.client(sock)
-        link = _Link(self._next_link_id, cluster, prefill_rank, endpoint, sock, last_seen=self._now())
+        monitor = None
+        try:
+            if self.config.curve is not None:
+                self.config.curve.client(sock)
+            monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+            sock.connect(endpoint)  # refuses a malformed address: nothing is recorded before it
+        except Exception:
+            if monitor is not None:
+                sock.disable_monitor()
+                monitor.close(linger=0)
+            sock.close(linger=0)
+            raise
+        link = _Link(self._next_link_id, cluster, prefill_rank, endpoint, last_seen=self._now(), monitor=monitor)
         self._next_link_id += 1
         self._links[link.link_id] = link
-        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
-        link.monitor = monitor
-        sock.connect(endpoint)
-        self._spawn(self._reader(link), f"link-{link.link_id}")
+        link.channel = self._channel(sock, "frame", self._on_message, link)
         link.watcher = self._spawn(self._watch_handshake(link, monitor), f"monitor-{link.link_id}")
         return link
 
@@ -223,23 +231,22 @@ class DecodeEndpoint(EndpointBase):
             return
         if link.watcher is not None:
             link.watcher.cancel()
-        link.sock.disable_monitor()
+        assert link.channel is not None
+        link.channel.sock.disable_monitor()
         if link.monitor is not None:
             link.monitor.close(linger=0)
-        link.sock.close(linger=linger)
+        link.channel.close(linger=linger)
 
-    async def _reader(self, link: _Link) -> None:
-        try:
-            while True:
-                frame = await link.sock.recv()
-                self._guard("frame", self._on_frame, link, frame)
-        except zmq.ZMQError:
-            pass  # socket closed: the link was discarded
+    def _on_message(self, link: _Link, frames: list[bytes]) -> None:
+        if len(frames) != 1:
+            self.core.stats.peer_violations += 1
+            return
+        self._on_frame(link, frames[0])
 
     def _send(self, link: Any, message: Message) -> None:
         target = self._links.get(link)
-        if target is not None:
-            self._send_frame(target.sock, [encode(message)])
+        if target is not None and target.channel is not None:
+            self._send_frame(target.channel, [encode(message)])
 
     # --- incoming frames --------------------------------------------------------------------------
     def _on_frame(self, link: _Link, frame: bytes) -> None:
@@ -342,7 +349,7 @@ class DecodeEndpoint(EndpointBase):
                 links.append(link)
                 targets[rank] = link
         for link in targets.values():
-            self._send_frame(link.sock, [encode(self._register_message(link))])
+            self._send_frame(link.channel, [encode(self._register_message(link))])
         accepts = await asyncio.gather(*(self._await_accept(link) for link in targets.values()))
         result = []
         prefill_g = None
@@ -382,7 +389,7 @@ class DecodeEndpoint(EndpointBase):
     async def _query(self, link: _Link) -> BootstrapInfo:
         query = encode(BootstrapQuery(requester=self.agent_name))
         while True:
-            self._send_frame(link.sock, [query])
+            self._send_frame(link.channel, [query])
             try:
                 async with asyncio.timeout(0.25):
                     msg = await link.inbox.get()
@@ -450,6 +457,12 @@ class DecodeEndpoint(EndpointBase):
         if handle is not None:
             handle.stats.paths.add(f"staged-{self._staging.where}")
 
+    def _busy(self) -> bool:
+        return (self._staging is not None and len(self._copies) > 0) or self.core.expecting_data()
+
+    def _transferring(self) -> bool:
+        return self.core.transferring > 0
+
     def _progress_once(self) -> bool:
         assert self.transport is not None
         now = self._now()
@@ -469,5 +482,5 @@ class DecodeEndpoint(EndpointBase):
             elif now - link.last_beat >= interval:
                 link.last_beat = now
                 link.beats += 1
-                self._send_frame(link.sock, [encode(Heartbeat(boot_id=self.boot_id, seq=link.beats))])
+                self._send_frame(link.channel, [encode(Heartbeat(boot_id=self.boot_id, seq=link.beats))])
         return bool(notes) or scattered > 0

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import zmq
 import zmq.asyncio
 
+from kvproto.aio.channel import Channel
 from kvproto.aio.memory import KVCache
 from kvproto.aio.room import _Handle
 from kvproto.core import RoomEnded, RoomState, Send, Timeouts
@@ -111,6 +112,11 @@ class EndpointConfig:
     heartbeat_timeout: float = 5.0
     """A peer silent for this long is gone: its rooms fail with PEER_GONE."""
     idle_poll_s: float = 0.001
+    """Longest pause of the progress task while nothing is in flight."""
+    transfer_poll_s: float = 0.0002
+    """Longest pause while this rank has rooms TRANSFERRING (a decode rank waiting for writes it
+    cannot see yet: transports such as UCX over shared memory advance a write only while its
+    target polls)."""
     curve: CurveAuth | None = None
     """Authenticate and encrypt the control plane with CURVE (see ``CurveAuth``)."""
     path: str = "auto"
@@ -268,28 +274,28 @@ class EndpointBase:
                 self.errors += 1
                 log.exception("%s: unexpected error while performing outputs", self.ROLE)
 
-    def _send_frame(self, sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
+    def _send_frame(self, channel: Channel, frames: list[bytes]) -> None:
         faults = self.config.control_faults
         if faults is None:
-            self._send_now(sock, frames)
+            channel.send(frames)
             return
         assert self._loop is not None
         for delay, copy in faults.plan(frames):  # drop, duplicate, delay or reorder (tests only)
             if delay <= 0:
-                self._send_now(sock, copy)
+                channel.send(copy)
             else:
-                self._loop.call_later(delay, self._send_now, sock, copy)
+                self._loop.call_later(delay, channel.send, copy)
 
-    @staticmethod
-    def _send_now(sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
-        if sock.closed:
-            return
-        try:
-            sock.send_multipart(frames, flags=zmq.DONTWAIT)
-        except zmq.Again:
-            log.warning("control socket queue full: dropped a frame")
-        except zmq.ZMQError as exc:
-            log.warning("control send failed: %s", exc)
+    def _channel(self, sock: zmq.asyncio.Socket, what: str, handler: Callable[..., None], *args: Any) -> Channel:
+        """Serve ``sock`` from the loop's reader callbacks: ``handler(*args, frames)`` per message,
+        inside the guard, the progress task woken after each."""
+
+        def on_message(frames: list[bytes]) -> None:
+            self._guard(what, handler, *args, frames)
+            self._kick()
+
+        assert self._loop is not None
+        return Channel(sock, self._loop, on_message)
 
     @staticmethod
     def _encode(message: Message) -> bytes:
@@ -297,9 +303,12 @@ class EndpointBase:
 
     # --- progress -----------------------------------------------------------------------------
     async def _progress_loop(self) -> None:
-        """Spin while the data plane is active; back off (50 us doubling to ``idle_poll_s``)
-        while it is quiet, so a rank waiting for its peer's compute leaves the CPU to it."""
-        idle = self.config.idle_poll_s
+        """Spin (yielding to the loop between passes) while the data plane is active or work this
+        endpoint drives is in flight (``_busy``: writes to poll, copies to finish, staged writes
+        or tags known to be on their way); otherwise back off (50 us doubling to
+        ``idle_poll_s``), so a rank waiting for its peer's compute leaves the CPU to it. Every
+        control message wakes it at once (``_kick``), so an ending announced on the control
+        plane is acted on without back-off latency."""
         delay = 0.0
         while True:
             active = False
@@ -309,10 +318,11 @@ class EndpointBase:
                 self.errors += 1
                 log.exception("%s: unexpected error in progress", self.ROLE)
             self._flush()
-            if active:
+            if active or self._busy():
                 delay = 0.0
                 await asyncio.sleep(0)
                 continue
+            idle = self.config.transfer_poll_s if self._transferring() else self.config.idle_poll_s
             delay = min(idle, max(50e-6, delay * 2))
             wait = delay
             deadline = self.core.next_deadline()
@@ -355,6 +365,14 @@ class EndpointBase:
         """One pass of transport progress, timers and liveness; True if it saw data-plane
         activity (a notification, a finished write), so the next pass should come at once."""
         raise NotImplementedError
+
+    def _busy(self) -> bool:
+        """Work in flight that this endpoint must drive to completion (see ``_progress_loop``)."""
+        return False
+
+    def _transferring(self) -> bool:
+        """Rooms wait for bytes this endpoint cannot see coming (see ``transfer_poll_s``)."""
+        return False
 
     async def _settle(self, grace: float) -> None:
         """At close, before the tasks stop: wait up to ``grace`` seconds for what peers must still

@@ -28,6 +28,7 @@ import zmq
 import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
+from kvproto.aio.channel import Channel
 from kvproto.aio.endpoint import EndpointBase, EndpointConfig
 from kvproto.aio.memory import KVCache, geometry_from_wire, geometry_to_wire
 from kvproto.aio.paths import LinkPath, LocalLists, Posted
@@ -116,8 +117,8 @@ class PrefillEndpoint(EndpointBase):
             block_size=g.block_size, num_blocks=g.num_blocks, aux_slots=aux.slots if aux else 0,
             timeouts=self.config.timeouts,
         )
-        self._router: zmq.asyncio.Socket | None = None
-        self._announcer: zmq.asyncio.Socket | None = None
+        self._router: Channel | None = None
+        self._announcer: Channel | None = None
         self.address = ""
         self._links: dict[bytes, _DecodeLink] = {}
         self._pending: dict[Any, _Pending] = {}
@@ -175,27 +176,27 @@ class PrefillEndpoint(EndpointBase):
             port = self.config.port
         else:
             port = router.bind_to_random_port(f"tcp://{self.config.host}")
-        self._router = router
+        self._router = self._channel(router, "frame", self._on_message)
         self.address = f"tcp://{self.config.host}:{port}"
         g = self.kv.geometry
         self._rank_table[g.tp_rank] = RankAddress(tp_rank=g.tp_rank, endpoint=self.address, boot_id=self.boot_id)
-        self._spawn(self._pump(), "pump")
         if g.tp_rank != 0:
             announcer = self._ctx.socket(zmq.DEALER)
             announcer.setsockopt(zmq.LINGER, 0)
             if curve is not None:
                 curve.client(announcer, curve.server_key or curve.public_key)
             announcer.connect(self._bootstrap_target)  # type: ignore[arg-type]
-            self._announcer = announcer
+            self._announcer = self._channel(announcer, "announce ack", lambda frames: None)  # acks: drained
             self._spawn(self._announce_loop(), "announce")
 
     def _close_io(self) -> None:
         for link in list(self._links.values()):
             self._send(link.ident, Abort(code=ErrorCode.ENDPOINT_CLOSED, reason="prefill closed"))
             self._drop_link(link, ErrorCode.ENDPOINT_CLOSED, "endpoint closed")
-        for sock in (self._router, self._announcer):
-            if sock is not None:
-                sock.close()
+        if self._router is not None:
+            self._router.close(linger=500)
+        if self._announcer is not None:
+            self._announcer.close()
         if self._auth is not None:
             self._auth.stop()
         if self._local is not None:
@@ -207,23 +208,13 @@ class PrefillEndpoint(EndpointBase):
         assert self._announcer is not None
         while True:
             self._send_frame(self._announcer, [msg])
-            try:
-                # Drain acks (BOOTSTRAP_INFO) so the socket never fills up.
-                while await self._announcer.poll(0):
-                    await self._announcer.recv()
-            except zmq.ZMQError:
-                pass
             await asyncio.sleep(self.config.heartbeat_interval)
 
-    async def _pump(self) -> None:
-        assert self._router is not None
-        while True:
-            frames = await self._router.recv_multipart()
-            if len(frames) != 2:
-                self.errors += 1
-                continue
-            ident, frame = frames
-            self._guard("frame", self._on_frame, ident, frame)
+    def _on_message(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            self.errors += 1
+            return
+        self._on_frame(*frames)
 
     def _send(self, link: Any, message: Message) -> None:
         assert self._router is not None
@@ -535,6 +526,9 @@ class PrefillEndpoint(EndpointBase):
         for link in [lk for lk in self._links.values() if now - lk.last_seen > limit]:
             self._drop_link(link, ErrorCode.PEER_GONE, f"no heartbeat for {limit}s")
         return finished > 0
+
+    def _busy(self) -> bool:
+        return bool(self._pending) or (self._staging is not None and len(self._copies) > 0)
 
     def _finish(self, xfer: Any, pending: _Pending, ok: bool, now: float) -> None:
         assert self.transport is not None

@@ -11,7 +11,7 @@ late messages are counted as late rather than unknown.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +54,8 @@ class Tombstone:
     instance: str | None = None
     """Sender: the decode instance the room served, and the ranks that had sent requests."""
     ranks: frozenset[int] = frozenset()
+    answered: frozenset[int] = frozenset()
+    """Sender: generations of late requests answered with the room's ABORT after it ended."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -73,6 +75,8 @@ class CoreBase:
     def __init__(self, *, timeouts: Timeouts | None = None) -> None:
         self.timeouts = timeouts or Timeouts()
         self.rooms: dict[int, Any] = {}
+        self.live_states: Counter[RoomState] = Counter()
+        """How many live rooms are in each state (kept by ``_add_room``, ``apply`` and ``_end``)."""
         self.timers = Timers()
         self.stats = CoreStats()
         self._outputs: list[Output] = []
@@ -150,6 +154,9 @@ class CoreBase:
                 self.stats.peer_violations += 1
         follow = self._effect(room, effect, now, origin)
         entered = nxt is not room.state
+        if entered:
+            self.live_states[room.state] -= 1
+            self.live_states[nxt] += 1
         room.state = nxt
         if nxt.terminal:
             self._end(room, now)
@@ -170,8 +177,18 @@ class CoreBase:
         }[state]
         return None if limit is None else now + limit
 
+    @property
+    def transferring(self) -> int:
+        """Live rooms in TRANSFERRING."""
+        return self.live_states[RoomState.TRANSFERRING]
+
+    def _add_room(self, room: Any) -> None:
+        self.rooms[room.room_id] = room
+        self.live_states[room.state] += 1
+
     def _end(self, room: Any, now: float) -> None:
         room.ended = now
+        self.live_states[room.state] -= 1  # the terminal state just entered: live rooms only
         self.rooms.pop(room.room_id, None)
         self.timers.cancel(room.room_id)
         tombstone = self._tombstone(room)

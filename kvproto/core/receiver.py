@@ -154,6 +154,8 @@ class ReceiverCore(CoreBase):
         self.ring = staging
         self.clusters: dict[ClusterKey, _Cluster] = {}
         self.links_by_id: dict[int, ReceiverLink] = {}
+        self._finishing: set[int] = set()
+        """Rooms with a writer whose TRANSFER_DONE came before all its tags (see ``expecting_data``)."""
         self._generation = random.Random(seed).randrange(1, 2**31)
 
     # --- clusters and links ------------------------------------------------------------------
@@ -211,7 +213,7 @@ class ReceiverCore(CoreBase):
         self._generation = self._generation % 0xFFFFFFFF + 1
         room = ReceiverRoom(room_id=room_id, cluster=cluster, created=now, generation=self._generation,
                             destination=destination)
-        self.rooms[room_id] = room
+        self._add_room(room)
         self.timers.schedule(room_id, self._deadline(RoomState.BOOTSTRAPPING, now))
         state = self.clusters.get(cluster)
         if state is not None and state.ready:
@@ -308,6 +310,8 @@ class ReceiverCore(CoreBase):
             return
         progress.writes = msg.writes
         progress.nbytes = msg.nbytes
+        if not progress.complete():
+            self._finishing.add(room.room_id)
         self.apply(room, self._arrival_input(room, Input.WRITER_DONE), now)
 
     def peer_violation(self, key: LinkKey, room_id: int, generation: int, code: ErrorCode, reason: str,
@@ -434,6 +438,12 @@ class ReceiverCore(CoreBase):
         self.apply(room, self._arrival_input(room, Input.ARRIVAL), now)
         self._grant()
 
+    def expecting_data(self) -> bool:
+        """Whether bytes are known to be on their way: a granted staging region not yet written
+        or scattered, or a room whose writers announced their writes (TRANSFER_DONE) with tags
+        still to arrive. The I/O layer polls promptly while this holds."""
+        return bool(self._finishing) or (self.ring is not None and self.ring.used > 0)
+
     @staticmethod
     def _arrival_input(room: ReceiverRoom, partial: Input) -> Input:
         if room.writers and all(p.complete() for p in room.writers.values()):
@@ -529,6 +539,7 @@ class ReceiverCore(CoreBase):
         return Tombstone(room.state, room.code, frozenset({room.generation}))
 
     def _forget(self, room: ReceiverRoom) -> None:
+        self._finishing.discard(room.room_id)
         if self.ring is not None:
             self.ring.cancel_owner(room.room_id)  # safe: the room ended drained (or never wrote)
             if self.rooms:

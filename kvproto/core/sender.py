@@ -30,7 +30,7 @@ failure is reported once, sends ABORT to every other link of the room, and frees
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvproto.core.base import CoreBase, RoomBase, Tombstone, duplicate_page
 from kvproto.core.events import LinkKey, PostAux, PostStaged, PostWrite, Timeouts
@@ -127,6 +127,9 @@ class SenderRoom(RoomBase):
     src_pages: list[int] = field(default_factory=list)
     chunks: list[_Chunk] = field(default_factory=list)
     posted_chunks: int = 0
+    stale_generations: frozenset[int] = frozenset()
+    """Generations the room id's previous incarnation accepted or answered with ABORT: a request
+    carrying one is a late copy meant for that incarnation, never for this one."""
 
     @property
     def end_token(self) -> int:
@@ -211,9 +214,11 @@ class SenderCore(CoreBase):
 
     # --- application API --------------------------------------------------------------------
     def open_room(self, room_id: int, now: float) -> SenderRoom:
+        ended = self._tombstones.get(room_id)
         self._new_room_check(room_id)
-        room = SenderRoom(room_id=room_id, created=now)
-        self.rooms[room_id] = room
+        room = SenderRoom(room_id=room_id, created=now, stale_generations=frozenset() if ended is None else
+                          ended.generations | ended.answered)
+        self._add_room(room)
         self.timers.schedule(room_id, self._deadline(RoomState.BOOTSTRAPPING, now))
         preaborted = self._preaborted.pop(room_id, None)
         if preaborted is not None:
@@ -308,6 +313,9 @@ class SenderCore(CoreBase):
             return
         if room.state.terminal:  # pragma: no cover - ended rooms leave self.rooms
             return
+        if msg.generation in room.stale_generations:
+            self.stats.stale_tags += 1  # a late copy of a request the previous incarnation already settled
+            return
         if room.instance is not None and room.instance != link.instance:
             self.stats.peer_violations += 1
             self.send(key, self._abort_message(msg.room_id, msg.generation, ErrorCode.DUPLICATE_ROOM,
@@ -392,9 +400,13 @@ class SenderCore(CoreBase):
             # generation was seen, or the room ended before this decode rank's request reached
             # it): tell decode why it ended (e.g. ABORTED before decode's request arrived).
             self.stats.late_messages += 1
+            drain = self._draining.get((msg.room_id, key))
+            if drain is not None and drain.generation == msg.generation:
+                return  # the room's ABORT to that rank is held until its writes there are over: that is the answer
             code = ended.code if ended.state is RoomState.FAILED and ended.code is not None else ErrorCode.UNKNOWN_ROOM
             self.send(key, self._abort_message(msg.room_id, msg.generation, code,
                                                f"room {msg.room_id} already ended here ({ended.state.name})"))
+            self._tombstones[msg.room_id] = replace(ended, answered=ended.answered | {msg.generation})
             return
         if self._parked_count >= self.max_parked:
             self.send(key, self._abort_message(msg.room_id, msg.generation, ErrorCode.UNKNOWN_ROOM,

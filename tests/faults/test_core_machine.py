@@ -538,6 +538,9 @@ class CoreMachine(RuleBasedStateMachine):
         p = self.pair
         assert set(p.sender.rooms) == set(p.s_live), (set(p.sender.rooms), set(p.s_live))
         assert set(p.receiver.rooms) == set(p.r_live), (set(p.receiver.rooms), set(p.r_live))
+        for core in (p.sender, p.receiver):  # the per-state counts agree with the rooms
+            counted = {state: n for state, n in core.live_states.items() if n}
+            assert counted == dict(Counter(room.state for room in core.rooms.values())), counted
 
     def teardown(self) -> None:
         if not hasattr(self, "pair"):
@@ -609,3 +612,46 @@ def test_sender_conflicting_request_abort_waits_for_writes_regression() -> None:
     p.settle()
     assert p.violations == []
     assert [inc.ended.code for inc in p.r_ended if inc.ended] == [ErrorCode.PEER_PROTOCOL_ERROR]
+
+
+def test_sender_late_duplicate_request_after_timeout_waits_for_writes_regression() -> None:
+    """A duplicated TRANSFER_REQUEST that reaches the sender after its room timed out with writes
+    in flight is not answered at once: the room's held ABORT, sent when the writes are over, is the
+    answer (found by the machine: the immediate answer let the draining receiver report FAILED
+    while both writes could still land)."""
+    p = Pair(staged=False, max_units=0, seed=0)
+    p.open_receiver(1, tokens=1, prefix=0, with_dest=True)
+    p.open_sender(1, tokens=1, prefix=0)
+    p.chunk(1, step=1)
+    p.deliver("P", 0, keep=True)  # the request arrives; its copy stays queued
+    assert len(p.writes) == 2
+    p.now += 30.0  # both rooms' transfer deadlines pass with the writes in flight
+    p.sender.handle_timer(p.now)
+    p.pump()
+    p.receiver.handle_timer(p.now)
+    p.pump()
+    assert 1 not in p.sender.rooms and p.receiver.rooms[1].failing
+    p.deliver("P", 0)  # the late copy
+    assert p.to_decode == [], "the late copy was answered ahead of the writes"
+    p.settle()
+    assert p.violations == []
+
+
+def test_sender_reopened_room_ignores_request_answered_by_old_incarnation_regression() -> None:
+    """The sender aborts a room before the request arrives, answers the request with its ABORT, and
+    the application opens the id again: a duplicate of that request must not bind the new
+    incarnation (found by the machine: the new room accepted the copy and wrote, while the receiver,
+    told by the ABORT that the writer had settled, reported FAILED with those writes in flight)."""
+    p = Pair(staged=False, max_units=0, seed=0)
+    p.open_receiver(1, tokens=1, prefix=0, with_dest=True)
+    p.open_sender(1, tokens=1, prefix=0)
+    p.sender.abort(1, p.now)
+    p.pump()
+    p.deliver("P", 0, keep=True)  # answered at once: the room ended before any request
+    assert len(p.to_decode) == 1
+    p.open_sender(1, tokens=1, prefix=0)
+    p.chunk(1, step=1)
+    p.deliver("P", 0)  # the copy reaches the new incarnation
+    assert p.writes == [] and p.sender.stats.stale_tags == 1
+    p.settle()
+    assert p.violations == []
