@@ -108,8 +108,8 @@ class DecodeEndpoint(EndpointBase):
         super().__init__(kv, config)
         g = kv.geometry
         self._staging: StagingBuffer | None = None
-        if self.config.staging_bytes and kv.tensors:
-            self._staging = StagingBuffer(kv, self.config.staging_bytes, host=self.config.host_staging)
+        if self._staging_bytes():
+            self._staging = StagingBuffer(kv, self._staging_bytes(), host=self.config.host_staging)
             self._copies = Copies(kv.tensors[0].device)
             self._regions = kernels.Regions(kv.tensors)
         self.core = ReceiverCore(

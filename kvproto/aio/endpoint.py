@@ -34,7 +34,7 @@ import zmq.asyncio
 from kvproto.aio.channel import Channel
 from kvproto.aio.memory import KVCache
 from kvproto.aio.room import _Handle
-from kvproto.core import RoomEnded, RoomState, Send, Timeouts
+from kvproto.core import PathCost, RoomEnded, RoomState, Send, Timeouts
 from kvproto.transport import Transport, load_transport
 from kvproto.wire import ErrorCode, LocalProtocolError, Message, encode
 
@@ -120,11 +120,16 @@ class EndpointConfig:
     curve: CurveAuth | None = None
     """Authenticate and encrypt the control plane with CURVE (see ``CurveAuth``)."""
     path: str = "auto"
-    """How a prefill rank moves bytes to a decode rank: ``auto`` (direct where both sides' pages
-    are byte-identical, else staged where the decode offers staging, else sliced), ``sliced``,
-    or ``staged`` (where possible, else as ``auto``)."""
-    staging_bytes: int = 64 << 20
-    """Size of this rank's staging buffer (0: no staging). Needs the cache's tensors."""
+    """How a prefill rank moves bytes to a decode rank: ``auto`` (where both sides' pages are
+    byte-identical, direct or staged per room, whichever ``path_cost`` prices lower; else staged
+    where the decode offers staging; else sliced), ``direct`` (where pages are byte-identical,
+    else as ``auto``), ``staged`` (where possible, else as ``auto``) or ``sliced``."""
+    path_cost: PathCost | None = None
+    """Constants of the direct-or-staged choice (``kvproto.core.cost``); None: the defaults for
+    the cache's memory kind. ``kvproto bench transfer`` measures them."""
+    staging_bytes: int | None = None
+    """Size of this rank's staging buffer (0: no staging; None: 256 MiB for GPU caches, 64 MiB
+    for host caches). Needs the cache's tensors."""
     host_staging: bool = False
     """Stage GPU caches through pinned host memory instead of device memory."""
     clock: Callable[[], float] | None = None
@@ -220,6 +225,15 @@ class EndpointBase:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("%s task %s died: %r", self.ROLE, task.get_name(), task.exception())
+
+    def _staging_bytes(self) -> int:
+        """This rank's staging buffer size (``EndpointConfig.staging_bytes``); 0 without tensors."""
+        size = self.config.staging_bytes
+        if not self.kv.tensors:
+            return 0
+        if size is None:
+            size = (256 << 20) if self.kv.tensors[0].device.type == "cuda" else (64 << 20)
+        return size
 
     def _now(self) -> float:
         assert self._loop is not None

@@ -35,7 +35,7 @@ from kvproto.aio.paths import LinkPath, LocalLists, Posted
 from kvproto.aio.room import SenderRoomHandle
 from kvproto import kernels
 from kvproto.aio.staging import Copies, PieceShape, StagingBuffer, Stager, gather_piece
-from kvproto.core import PostAux, PostStaged, PostWrite, SenderCore, SenderLink
+from kvproto.core import DEVICE_COST, HOST_COST, PostAux, PostStaged, PostWrite, SenderCore, SenderLink
 from kvproto.geometry import (
     IncompatibleGeometry,
     KVGeometry,
@@ -73,6 +73,9 @@ from kvproto.wire import (
 
 log = logging.getLogger("kvproto")
 
+STAGING_DEPTH = 4
+"""Staged pieces are at most 1/STAGING_DEPTH of the smaller of the two staging buffers, so that
+several are in flight at once: one gathered, one on the wire, one scattered, one granted ahead."""
 _MAX_ADDRESS = 2**63
 """Addresses and lengths from a peer must fit a signed 64-bit descriptor."""
 MAX_PAGES = 1 << 26
@@ -127,8 +130,8 @@ class PrefillEndpoint(EndpointBase):
         self._auth: _KeyAuthenticator | None = None
         self._pieces: dict[bytes, tuple[PieceShape, int]] = {}
         self._staging: StagingBuffer | None = None
-        if self.config.staging_bytes and kv.tensors:
-            self._staging = StagingBuffer(kv, self.config.staging_bytes, host=self.config.host_staging)
+        if self._staging_bytes():
+            self._staging = StagingBuffer(kv, self._staging_bytes(), host=self.config.host_staging)
             self._stager = Stager(self._staging)
             self._copies = Copies(kv.tensors[0].device)
             self._regions = kernels.Regions(kv.tensors)
@@ -327,14 +330,17 @@ class PrefillEndpoint(EndpointBase):
         is_writer = g.tp_rank in chosen
         plan = plan_pair(g, decode_g) if is_writer else None
         piece = PieceShape(g.num_regions, plan.head_count, g.head_dim, g.itemsize) if plan else None
-        kind = self._choose_path(plan, piece, remote, minor)
+        kind, can_stage = self._choose_path(plan, piece, remote, minor)
         path = LinkPath(
             transport=self.transport, local=self._local, peer=agent, plan=plan, remote=decode_g,
             remote_bases=remote.bases, remote_kind=remote.kind, remote_device=remote.device,
             remote_aux=remote.aux, kind=kind, remote_staging=remote.staging,
         )
-        staged = kind == "staged"
+        # A direct link that can also stage picks per room by cost (``kvproto.core.cost``).
+        by_cost = kind == "direct" and can_stage and self.config.path == "auto"
+        staged = kind == "staged" or by_cost
         assert piece is not None or not staged
+        capacity = min(self._staging.capacity, remote.staging[1]) if staged and self._staging and remote.staging else 0
         link = SenderLink(
             key=ident, link_id=msg.link_id, instance=msg.instance, decode_rank=decode_g.tp_rank,
             num_blocks=decode_g.num_blocks, block_size=decode_g.block_size, aux_slots=msg.aux_slots,
@@ -342,7 +348,10 @@ class PrefillEndpoint(EndpointBase):
             aux_owner=is_writer and chosen[0] == g.tp_rank,
             stage_unit=piece.unit if staged and piece else 0,
             stage_capacity=remote.staging[1] if staged and remote.staging else 0,
-            stage_max_units=self._staging.capacity // piece.unit if staged and piece and self._staging else 0,
+            stage_max_units=max(1, capacity // (STAGING_DEPTH * piece.unit)) if staged and piece else 0,
+            cost=(self.config.path_cost or (DEVICE_COST if self.kv.mem_kind is MemKind.VRAM else HOST_COST))
+            if by_cost else None,
+            regions=g.num_regions,
         )
         if piece is not None:
             self._pieces[ident] = (piece, plan.src_head_offset)  # type: ignore[union-attr]
@@ -353,10 +362,10 @@ class PrefillEndpoint(EndpointBase):
             boot_id=self.boot_id, link_id=msg.link_id, agent_name=self.agent_name,
             geometry=geometry_to_wire(g), aux_slot_bytes=self.kv.aux.slot_bytes if self.kv.aux else 0))
 
-    def _choose_path(self, plan: Any, piece: PieceShape | None, remote: _Remote, minor: int) -> str:
-        """direct / sliced / staged for this pair (see ``EndpointConfig.path``)."""
+    def _choose_path(self, plan: Any, piece: PieceShape | None, remote: _Remote, minor: int) -> tuple[str, bool]:
+        """(direct / sliced / staged for this pair, whether it can stage); see ``EndpointConfig.path``."""
         if plan is None:
-            return "none"
+            return "none", False
         assert self.transport is not None and piece is not None
         can_stage = (
             minor >= 1 and remote.staging is not None and self._staging is not None
@@ -365,12 +374,12 @@ class PrefillEndpoint(EndpointBase):
         )
         want = self.config.path
         if want == "sliced":
-            return "sliced"
+            return "sliced", can_stage
         if want == "staged" and can_stage:
-            return "staged"
+            return "staged", can_stage
         if plan.direct:
-            return "direct"
-        return "staged" if can_stage else "sliced"
+            return "direct", can_stage
+        return ("staged" if can_stage else "sliced"), can_stage
 
     def _check_register(self, msg: Register) -> _Remote:
         cfg = self.config

@@ -16,6 +16,7 @@ from kvproto.core.events import (
     Send,
     Timeouts,
 )
+from kvproto.core.cost import DEVICE_COST, HOST_COST, PathCost
 from kvproto.core.receiver import Destination, ReceiverCore, ReceiverLink, ReceiverRoom
 from kvproto.core.sender import SenderCore, SenderLink, SenderRoom
 from kvproto.core.state import TABLE, Effect, Input, Role, RoomState, transition

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from kvproto.core.base import CoreBase, RoomBase, Tombstone, duplicate_page
+from kvproto.core.cost import PathCost, page_runs
 from kvproto.core.events import LinkKey, PostAux, PostStaged, PostWrite, Timeouts
 from kvproto.core.state import Effect, Input, Role, RoomState
 from kvproto.wire import (
@@ -76,7 +77,13 @@ class SenderLink:
     stage_capacity: int = 0
     """The decode rank's staging region size in bytes (grants are checked against it)."""
     stage_max_units: int = 0
-    """Most tokens one staged write may carry (this rank's own staging capacity)."""
+    """Most tokens one staged write may carry (a share of the smaller staging buffer)."""
+    cost: PathCost | None = None
+    """Pages byte-identical on both sides and staging possible: each room goes direct or staged,
+    whichever ``cost`` prices lower (``kvproto.core.cost``). None: every room takes the link's
+    one path (staged when ``stage_unit``, else direct or sliced)."""
+    regions: int = 0
+    """Regions (layers x planes) a direct write covers, for ``cost``."""
 
 
 @dataclass(slots=True)
@@ -98,6 +105,8 @@ class _Peer:
     """Staged links: watermarks received (pieces scattered on decode)."""
     staged_seqs: set[int] = field(default_factory=set)
     """Staged links: seqs granted and not yet watermarked."""
+    staged: bool | None = None
+    """Whether this room's writes to the link stage; decided at its first chunk with tokens."""
 
 
 @dataclass(slots=True)
@@ -636,7 +645,9 @@ class SenderCore(CoreBase):
                     continue
                 start = max(chunk.start, req.prefix_tokens)
                 end = min(chunk.end, req.num_tokens)
-                if link.stage_unit and start < end:
+                if start < end and peer.staged is None:
+                    peer.staged = self._stages(room, peer, start, end)
+                if peer.staged and start < end:
                     peer.stage_end = end
                     self._request_staging(room, peer)
                 elif start < end:
@@ -652,6 +663,18 @@ class SenderCore(CoreBase):
                         tag=self._tag(room.room_id, peer), src_slot=chunk.aux_slot, dst_slot=req.aux_slot))
                     peer.inflight.add(peer.posted)
                     peer.posted += 1
+
+    @staticmethod
+    def _stages(room: SenderRoom, peer: _Peer, start: int, end: int) -> bool:
+        """Whether the room's writes to ``peer`` stage (see ``kvproto.core.cost``)."""
+        link = peer.link
+        if not link.stage_unit:
+            return False
+        if link.cost is None:
+            return True
+        block = link.block_size
+        runs = page_runs(room.src_pages, peer.request.dst_pages, start // block, -(-end // block))
+        return link.cost.stage_wins(runs * link.regions, (end - start) * link.stage_unit)
 
     @staticmethod
     def _tag(room_id: int, peer: _Peer, seq: int | None = None, kind: TagKind = TagKind.KV) -> bytes:

@@ -197,3 +197,28 @@ async def test_endpoint_bootstrap_timeout_fails_room(transport: str) -> None:
         with pytest.raises(TransferFailed) as failed:
             await asyncio.wait_for(room.wait(), 5)
         assert failed.value.code is ErrorCode.BOOTSTRAP_TIMEOUT
+
+
+@pytest.mark.parametrize("transport", [t for t in TRANSPORTS if t != "simulated"])
+@pytest.mark.parametrize("fragmented", [False, True], ids=["contiguous", "fragmented"])
+async def test_endpoint_auto_path_prices_each_room(transport, fragmented) -> None:
+    """With byte-identical pages and staging on both sides, ``auto`` moves a room of pages
+    consecutive on both sides directly and a fragmented room staged (priced by ``path_cost``),
+    byte-exact either way."""
+    from kvproto.core import PathCost
+
+    cost = PathCost(per_descriptor_s=1e-4, copy_bytes_per_s=1e9, staged_fixed_s=1e-3)  # 4 regions: 1 run direct, 4 runs staged
+    src, dst = make_cache(seed=1), make_cache(seed=2)
+    src_pages = [3, 4, 5, 6] if not fragmented else [40, 3, 17, 9]
+    dst_pages = [10, 11, 12, 13] if not fragmented else [2, 30, 21, 8]
+    async with PrefillEndpoint(src.kv, config=config(transport, path_cost=cost)) as prefill, \
+            DecodeEndpoint(dst.kv, config=config(transport)) as decode:
+        d = decode.open_room(1, prefill.address, pages=dst_pages, num_tokens=16)
+        p = prefill.open_room(1)
+        p.send(src_pages, 16)
+        await asyncio.wait_for(asyncio.gather(d.wait(), p.wait()), 10)
+    assert p.stats.paths == ({"staged-cpu"} if fragmented else {"direct"})
+    for plane in range(2):
+        for layer in range(2):
+            for s, t in zip(src_pages, dst_pages):
+                assert dst.planes[plane][layer][t].equal(src.planes[plane][layer][s])

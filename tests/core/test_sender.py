@@ -1636,3 +1636,41 @@ def test_sender_duplicate_pages_vector_is_refused_with_its_abort_vector():
     (sent,) = [s.message for s in o.sends]
     assert encode(sent, minor=1) == read_vector("abort_duplicate_pages.hex")
     assert_clean(core)
+
+
+# --- direct or staged, per room, by cost ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dst, stages", [((0, 1, 2, 3), False), ((9, 2, 30, 17), True)],
+                         ids=["contiguous-direct", "fragmented-staged"])
+def test_sender_cost_chooses_direct_or_staged_per_room(dst, stages):
+    """A link whose pages match and that can stage prices each room: four pages consecutive on
+    both sides are one run (direct is cheaper); four scattered runs of 8 regions cost more than
+    staging (staged). Later chunks of the room keep its path."""
+    from kvproto.core import PathCost
+
+    cost = PathCost(per_descriptor_s=1e-5, copy_bytes_per_s=1e9, staged_fixed_s=1e-4)
+    link = replace(make_link(unit=100, capacity=1 << 20, max_units=1 << 10), cost=cost, regions=8)
+    core = make_core()
+    core.add_link(link)
+    core.open_room(1, T0)
+    core.on_message("d0", req(1, 64, pages=dst), T0)
+    core.submit_chunk(1, [4, 5], 32, T0, last=False)
+    o = pop(core)
+    if stages:
+        assert o.writes == [] and [type(m).__name__ for m in o.to("d0")] == ["StagingRequest"]
+    else:
+        assert len(o.writes) == 1 and o.sends == []
+    core.submit_chunk(1, [6, 7], 64, T0, last=True)
+    o = pop(core)
+    assert (o.writes == []) is stages, "the room switched paths between chunks"
+
+
+def test_sender_page_runs_counts_runs_consecutive_on_both_sides():
+    """page_runs merges only pages consecutive on both sides."""
+    from kvproto.core.cost import page_runs
+
+    assert page_runs([1, 2, 3, 4], [7, 8, 9, 10], 0, 4) == 1
+    assert page_runs([1, 2, 3, 4], [7, 8, 20, 21], 0, 4) == 2
+    assert page_runs([1, 5, 6, 9], [1, 2, 3, 4], 0, 4) == 3
+    assert page_runs([1, 2, 3, 4], [1, 2, 3, 4], 2, 2) == 0
