@@ -35,9 +35,10 @@ import zmq.utils.monitor
 from kvproto.aio.channel import Channel
 from kvproto.aio.endpoint import EndpointBase, EndpointConfig
 from kvproto.aio.memory import KVCache, geometry_from_wire, geometry_to_wire
+from kvproto.aio import trace
 from kvproto.aio.room import ReceiverRoomHandle
 from kvproto import kernels
-from kvproto.aio.staging import Copies, PieceShape, StagingBuffer, scatter_piece
+from kvproto.aio.staging import Copies, PageTables, PieceShape, StagingBuffer, scatter_piece, warm_kernels
 from kvproto.core import DropLink, ReceiverCore, ReceiverLink, Scatter
 from kvproto.core.staging import StagingRing
 from kvproto.geometry import (
@@ -112,6 +113,7 @@ class DecodeEndpoint(EndpointBase):
             self._staging = StagingBuffer(kv, self._staging_bytes(), host=self.config.host_staging)
             self._copies = Copies(kv.tensors[0].device)
             self._regions = kernels.Regions(kv.tensors)
+            self._tables = PageTables(kv)
         self.core = ReceiverCore(
             block_size=g.block_size, num_blocks=g.num_blocks, aux_slots=kv.aux.slots if kv.aux else 0,
             timeouts=self.config.timeouts,
@@ -181,6 +183,9 @@ class DecodeEndpoint(EndpointBase):
         if self._staging is not None:
             assert self.transport is not None
             self.transport.register([self._staging.region()])
+            warming = warm_kernels(self.kv, self._regions, gather=False, host=self._staging.where == "host")
+            if warming is not None and self.config.warm_up:
+                await asyncio.to_thread(warming.join)
 
     def _close_io(self) -> None:
         for task in self._bootstraps.values():
@@ -448,17 +453,28 @@ class DecodeEndpoint(EndpointBase):
         assert self._staging is not None
 
         def scatter(stream: Any) -> None:
+            pages = self._tables.get(output.room_id, output.dst_pages)
             scatter_piece(self.kv, self._regions, self._staging, output.offset, piece,  # type: ignore[arg-type]
-                          pages=output.dst_pages, start=output.start_token, end=output.end_token,
+                          pages=pages, start=output.start_token, end=output.end_token,
                           head_offset=head_offset, stream=stream)
 
-        self._copies.run(scatter, lambda: self.core.scatter_done(output.room_id, link_id, output.seq, self._now()))
+        def scattered() -> None:
+            trace.mark("scattered", output.room_id, output.seq)
+            self.core.scatter_done(output.room_id, link_id, output.seq, self._now())
+
+        trace.mark("tagged", output.room_id, output.seq)
+        self._copies.run(scatter, scattered)
         handle = self._handles.get(output.room_id)
         if handle is not None:
             handle.stats.paths.add(f"staged-{self._staging.where}")
 
     def _busy(self) -> bool:
         return (self._staging is not None and len(self._copies) > 0) or self.core.expecting_data()
+
+    def _room_ended(self, out: Any) -> None:
+        super()._room_ended(out)
+        if self._staging is not None:
+            self._tables.forget(out.room_id)
 
     def _transferring(self) -> bool:
         return self.core.transferring > 0

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import zmq
 import zmq.asyncio
 
+from kvproto.aio import trace
 from kvproto.aio.channel import Channel
 from kvproto.aio.memory import KVCache
 from kvproto.aio.room import _Handle
@@ -128,10 +129,15 @@ class EndpointConfig:
     """Constants of the direct-or-staged choice (``kvproto.core.cost``); None: the defaults for
     the cache's memory kind. ``kvproto bench transfer`` measures them."""
     staging_bytes: int | None = None
-    """Size of this rank's staging buffer (0: no staging; None: 256 MiB for GPU caches, 64 MiB
-    for host caches). Needs the cache's tensors."""
+    """Size of this rank's staging buffer (0: no staging; None: 1 GiB for GPU caches, 64 MiB for
+    host caches). A staged piece spends a few milliseconds between its grant and its scatter, so
+    the bytes a pair moves per second are bounded by this size over that time: 1 GiB keeps an
+    NVLink busy. Needs the cache's tensors."""
     host_staging: bool = False
     """Stage GPU caches through pinned host memory instead of device memory."""
+    warm_up: bool = True
+    """``start()`` returns once the staging kernels this rank will launch are compiled (GPU caches
+    with Triton), so that no room waits for compilation."""
     clock: Callable[[], float] | None = None
     """Where the core's time comes from (default: the event loop's clock). Tests jump it."""
     control_faults: ControlFaults | None = None
@@ -200,6 +206,7 @@ class EndpointBase:
             for task in stuck:  # a task that ignores its cancel must not hold close() forever
                 log.error("%s task %s did not stop at close", self.ROLE, task.get_name())
         self._close_io()
+        trace.dump(self.ROLE)
         assert self._ctx is not None
         self._ctx.destroy(linger=0)  # sockets closed above keep their own linger; nothing else may block
         assert self.transport is not None
@@ -232,7 +239,7 @@ class EndpointBase:
         if not self.kv.tensors:
             return 0
         if size is None:
-            size = (256 << 20) if self.kv.tensors[0].device.type == "cuda" else (64 << 20)
+            size = (1 << 30) if self.kv.tensors[0].device.type == "cuda" else (64 << 20)
         return size
 
     def _now(self) -> float:

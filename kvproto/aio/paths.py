@@ -152,13 +152,18 @@ class LinkPath:
         regions = np.arange(len(self.local_bases), dtype=np.int64)[:, None]
         local_idx = (regions * src_g.num_blocks + src_idx[None, :]).reshape(-1)
         remote_idx = (regions * dst_g.num_blocks + dst_idx[None, :]).reshape(-1)
-        if self._remote_pages is None:
-            rows = page_rows(self.remote_bases.tolist(), dst_g.num_blocks, dst_g.page_bytes, self.remote_device)
-            self._remote_pages = self.transport.prepare(self.peer, rows, self.remote_kind)
         xfer = self.transport.post_prepared(
-            self.peer, self.local.pages(), local_idx, self._remote_pages, remote_idx, tag
+            self.peer, self.local.pages(), local_idx, self.prepare(), remote_idx, tag
         )
         return Posted(xfer, nbytes, len(pattern) * len(self.local_bases))
+
+    def prepare(self) -> DescList:
+        """The peer's pages as a prepared list (one row per page of every region), made once."""
+        if self._remote_pages is None:
+            dst_g = self.remote
+            rows = page_rows(self.remote_bases.tolist(), dst_g.num_blocks, dst_g.page_bytes, self.remote_device)
+            self._remote_pages = self.transport.prepare(self.peer, rows, self.remote_kind)
+        return self._remote_pages
 
     def post_staged(self, tag: bytes, local: tuple[int, MemKind, int], remote_offset: int, nbytes: int) -> Posted:
         """One WRITE of ``nbytes`` from local staging ``(address, kind, device)`` into the decode

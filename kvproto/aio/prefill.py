@@ -32,9 +32,18 @@ from kvproto.aio.channel import Channel
 from kvproto.aio.endpoint import EndpointBase, EndpointConfig
 from kvproto.aio.memory import KVCache, geometry_from_wire, geometry_to_wire
 from kvproto.aio.paths import LinkPath, LocalLists, Posted
+from kvproto.aio import trace
 from kvproto.aio.room import SenderRoomHandle
 from kvproto import kernels
-from kvproto.aio.staging import Copies, PieceShape, StagingBuffer, Stager, gather_piece
+from kvproto.aio.staging import (
+    Copies,
+    PageTables,
+    PieceShape,
+    StagingBuffer,
+    Stager,
+    gather_piece,
+    warm_kernels,
+)
 from kvproto.core import DEVICE_COST, HOST_COST, PostAux, PostStaged, PostWrite, SenderCore, SenderLink
 from kvproto.geometry import (
     IncompatibleGeometry,
@@ -73,9 +82,10 @@ from kvproto.wire import (
 
 log = logging.getLogger("kvproto")
 
-STAGING_DEPTH = 4
+STAGING_DEPTH = 8
 """Staged pieces are at most 1/STAGING_DEPTH of the smaller of the two staging buffers, so that
-several are in flight at once: one gathered, one on the wire, one scattered, one granted ahead."""
+several are in flight at once (gathered, on the wire, scattered, granted ahead): what a pair moves
+per second is the bytes in flight over the few milliseconds a piece takes from grant to scatter."""
 _MAX_ADDRESS = 2**63
 """Addresses and lengths from a peer must fit a signed 64-bit descriptor."""
 MAX_PAGES = 1 << 26
@@ -133,6 +143,7 @@ class PrefillEndpoint(EndpointBase):
         if self._staging_bytes():
             self._staging = StagingBuffer(kv, self._staging_bytes(), host=self.config.host_staging)
             self._stager = Stager(self._staging)
+            self._tables = PageTables(kv)
             self._copies = Copies(kv.tensors[0].device)
             self._regions = kernels.Regions(kv.tensors)
 
@@ -164,8 +175,12 @@ class PrefillEndpoint(EndpointBase):
     async def _start_io(self) -> None:
         assert self._ctx is not None and self.transport is not None
         self._local = LocalLists(self.transport, self.kv)
+        self._local.pages()  # prepared now, not by the first room
         if self._staging is not None:
             self._staging_registration = self.transport.register([self._staging.region()])
+            warming = warm_kernels(self.kv, self._regions, gather=True, host=self._staging.where == "host")
+            if warming is not None and self.config.warm_up:
+                await asyncio.to_thread(warming.join)
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 500)
         curve = self.config.curve
@@ -353,6 +368,8 @@ class PrefillEndpoint(EndpointBase):
             if by_cost else None,
             regions=g.num_regions,
         )
+        if kind == "direct":
+            path.prepare()  # the peer's page list, before the first request needs it
         if piece is not None:
             self._pieces[ident] = (piece, plan.src_head_offset)  # type: ignore[union-attr]
         self._links[ident] = _DecodeLink(ident, link, agent, msg.boot_id, path, now)
@@ -492,9 +509,14 @@ class PrefillEndpoint(EndpointBase):
         nbytes = (out.end_token - out.start_token) * piece.unit
         assert self._staging is not None
 
+        trace.mark("granted", out.room_id, out.seq)
+
         def start(offset: int, key: Any) -> None:
+            trace.mark("gather", out.room_id, out.seq)
+
             def gather(stream: Any) -> None:
-                gather_piece(self.kv, self._regions, self._staging, offset, piece, pages=out.src_pages,  # type: ignore[arg-type]
+                pages = self._tables.get(out.room_id, out.src_pages)
+                gather_piece(self.kv, self._regions, self._staging, offset, piece, pages=pages,  # type: ignore[arg-type]
                              start=out.start_token, end=out.end_token, head_offset=head_offset, stream=stream)
 
             self._copies.run(gather, lambda: self._write_piece(out, offset, key, nbytes))
@@ -502,6 +524,7 @@ class PrefillEndpoint(EndpointBase):
         self._stager.acquire(nbytes, start)
 
     def _write_piece(self, out: PostStaged, offset: int, key: Any, nbytes: int) -> None:
+        trace.mark("gathered", out.room_id, out.seq)
         link = self._links.get(out.link)  # type: ignore[arg-type]
         buf = self._staging
         assert buf is not None
@@ -539,11 +562,17 @@ class PrefillEndpoint(EndpointBase):
     def _busy(self) -> bool:
         return bool(self._pending) or (self._staging is not None and len(self._copies) > 0)
 
+    def _room_ended(self, out: Any) -> None:
+        super()._room_ended(out)
+        if self._staging is not None:
+            self._tables.forget(out.room_id)
+
     def _finish(self, xfer: Any, pending: _Pending, ok: bool, now: float) -> None:
         assert self.transport is not None
         del self._pending[xfer]
         self.transport.release(xfer)
         if pending.local_key is not None:
+            trace.mark("written", pending.room_id, pending.seq)
             self._stager.release(pending.local_key)  # the staging region is free only now
         if ok:
             self.core.write_done(pending.room_id, pending.link, pending.seq, pending.posted.nbytes, now,

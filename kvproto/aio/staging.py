@@ -20,6 +20,8 @@ after the WRITE from it is DONE (``Stager.release``).
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,6 +33,8 @@ from kvproto import kernels
 from kvproto.aio.memory import KVCache
 from kvproto.core.staging import StagingRing
 from kvproto.transport.base import MemKind, MemoryRegion
+
+log = logging.getLogger("kvproto")
 
 
 class StagingBuffer:
@@ -116,22 +120,84 @@ class PieceShape:
 
 
 def gather_piece(kv: KVCache, regions: kernels.Regions, buf: StagingBuffer, offset: int, piece: PieceShape,
-                 *, pages: Sequence[int], start: int, end: int, head_offset: int, stream: Any) -> None:
+                 *, pages: torch.Tensor, start: int, end: int, head_offset: int, stream: Any) -> None:
     out = buf.view(offset, piece.shape(end - start), kv.torch_dtype)
-    kernels.gather(regions, layout=kv.geometry.layout, pages=_pages(pages, kv), start_token=start, end_token=end,
+    kernels.gather(regions, layout=kv.geometry.layout, pages=pages, start_token=start, end_token=end,
                    head_offset=head_offset, head_count=piece.head_count, out=out, stream=stream)
 
 
 def scatter_piece(kv: KVCache, regions: kernels.Regions, buf: StagingBuffer, offset: int, piece: PieceShape,
-                  *, pages: Sequence[int], start: int, end: int, head_offset: int, stream: Any) -> None:
+                  *, pages: torch.Tensor, start: int, end: int, head_offset: int, stream: Any) -> None:
     staging = buf.view(offset, piece.shape(end - start), kv.torch_dtype)
-    kernels.scatter(staging, regions, layout=kv.geometry.layout, pages=_pages(pages, kv), start_token=start,
+    kernels.scatter(staging, regions, layout=kv.geometry.layout, pages=pages, start_token=start,
                     end_token=end, head_offset=head_offset, stream=stream)
 
 
+class PageTables:
+    """Each room's page table, made once and reused by every piece of the room.
+
+    A room of a few GiB moves in a dozen or more pieces, all reading the same table. On a CUDA
+    cache the table goes to the device once (from pinned memory, asynchronously, on the stream
+    that runs the copies), so a piece enqueues its kernel and nothing else. The pages were
+    range-checked when they entered the core (the application's by the core's own checks, a
+    peer's against what it registered), which is why a device table may skip the kernels' checks.
+    ``forget`` drops a room's table when the room ends; a kernel still queued keeps its memory
+    safe (the allocator reuses it only in stream order).
+    """
+
+    def __init__(self, kv: KVCache) -> None:
+        self.kv = kv
+        self.cuda = bool(kv.tensors) and kv.tensors[0].device.type == "cuda"
+        self._tables: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}
+
+    def get(self, room_id: int, pages: Sequence[int]) -> torch.Tensor:
+        """The table of ``pages`` (a room's pages from token 0); call inside the copy's stream."""
+        known = self._tables.get(room_id)
+        if known is not None and known[0] == tuple(pages):
+            return known[1]
+        table = _pages(pages, self.kv)
+        if self.cuda:
+            table = table.to(self.kv.tensors[0].device, non_blocking=True)
+        self._tables[room_id] = (tuple(pages), table)
+        return table
+
+    def forget(self, room_id: int) -> None:
+        self._tables.pop(room_id, None)
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
+
+def warm_kernels(kv: KVCache, regions: kernels.Regions, *, gather: bool, host: bool) -> threading.Thread | None:
+    """Compile, in a background thread, the staging kernels this rank will launch: for every
+    head count a pair can move (the local heads and their divisors, which is what other TP
+    sizes take), so that the first room of a new link does not wait for compilation."""
+    if not kv.tensors or kv.tensors[0].device.type != "cuda":
+        return None
+    heads = kv.geometry.local_heads
+    counts = [n for n in range(heads, 0, -1) if heads % n == 0]
+
+    def run() -> None:
+        try:
+            kernels.warm_up(regions, layout=kv.geometry.layout, head_counts=counts, to_staging=gather,
+                            host_staging=host)
+        except Exception:  # noqa: BLE001 - a failed warm-up only means the first room compiles
+            log.warning("staging kernel warm-up failed; the first staged room will compile", exc_info=True)
+
+    thread = threading.Thread(target=run, name="kvproto-kernel-warm-up", daemon=True)
+    thread.start()
+    return thread
+
+
 def _pages(pages: Sequence[int], kv: KVCache) -> torch.Tensor:
-    # Page tables go to the kernels as host tensors: they are range-checked there (and by the core).
-    return torch.as_tensor(pages, dtype=torch.int64)
+    """The page table as a host tensor (range-checked by the kernels' plan, as by the core); in
+    pinned memory for a CUDA cache, so that its upload is truly asynchronous: a copy from
+    pageable memory makes the host wait for the stream, which would serialize the pipeline and
+    hold the event loop for the length of the copies queued before it."""
+    table = torch.as_tensor(pages, dtype=torch.int64)
+    if kv.tensors and kv.tensors[0].device.type == "cuda":
+        table = table.pin_memory()
+    return table
 
 
 class Stager:

@@ -40,7 +40,7 @@ import torch
 from kvproto.geometry.model import Layout
 from kvproto.kernels.plan import CopyPlan, Regions, StagingError, plan_copy
 
-__all__ = ["Backend", "CopyPlan", "Regions", "StagingError", "gather", "plan_copy", "scatter"]
+__all__ = ["Backend", "CopyPlan", "Regions", "StagingError", "gather", "plan_copy", "scatter", "warm_up"]
 
 Backend = Literal["auto", "triton", "torch", "cpu"]
 
@@ -122,6 +122,47 @@ def scatter(
             from kvproto.kernels import reference
 
             reference.scatter(staging, dst, **args)
+
+
+def warm_up(regions: Regions, *, layout: Layout | int, head_counts: Sequence[int], to_staging: bool,
+            host_staging: bool = False) -> int:
+    """Compile the Triton kernels that staged copies of ``regions`` will launch, by running each
+    once on small dummy tensors of the same dtype, page shape and page stride (so the cache
+    itself is never touched), on a stream of their own; returns how many variants ran.
+
+    The kernels specialize on the head count moved and on the tile of rows a launch covers, so
+    one copy of at least a tile's rows per head count compiles what a piece of any size uses.
+    Meant to run in a background thread when an endpoint starts, so that the first room of a
+    new link does not pay for compilation; CUDA regions with Triton only (else returns 0)."""
+    device = regions.device
+    if device.type != "cuda" or not _have_triton():
+        return 0
+    from kvproto.kernels.triton_kernels import TILE_BYTES
+
+    layout = Layout(layout)
+    nb, a, b, head_dim = regions.shape
+    block, heads = (a, b) if layout is Layout.NHD else (b, a)
+    row_bytes = head_dim * regions.dtype.itemsize
+    stream = torch.cuda.Stream(device)
+    ran = 0
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        for count in head_counts:
+            tokens = max(block, -(-max(1, TILE_BYTES // row_bytes) // count))
+            pages = -(-tokens // block)
+            dummy = Regions([torch.empty_strided((pages, *regions.shape[1:]), regions[0].stride(),
+                                                 dtype=regions.dtype, device=device)])
+            staging = torch.empty((1, tokens, count, head_dim), dtype=regions.dtype, device="cpu" if host_staging
+                                  else device, pin_memory=host_staging)
+            table = torch.arange(pages, dtype=torch.int64)
+            if to_staging:
+                gather(dummy, layout=layout, pages=table, start_token=0, end_token=tokens, head_offset=0,
+                       head_count=count, out=staging, stream=stream)
+            else:
+                scatter(staging, dummy, layout=layout, pages=table, start_token=0, end_token=tokens, head_offset=0,
+                        stream=stream)
+            ran += 1
+    stream.synchronize()
+    return ran
 
 
 def _device(cache: Sequence[torch.Tensor]) -> torch.device:

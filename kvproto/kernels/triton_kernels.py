@@ -36,6 +36,7 @@ device.
 from __future__ import annotations
 
 import functools
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -123,6 +124,7 @@ class _Table:
 
 
 _tables: OrderedDict[tuple[str, tuple[int, ...]], _Table] = OrderedDict()
+_tables_lock = threading.Lock()
 
 
 def region_table(cache: Sequence[torch.Tensor]) -> _Table:
@@ -140,6 +142,11 @@ def region_table(cache: Sequence[torch.Tensor]) -> _Table:
 
 
 def _lookup(regions: Regions) -> _Table:
+    with _tables_lock:  # kernels may be warmed up from a background thread (``kernels.warm_up``)
+        return _lookup_locked(regions)
+
+
+def _lookup_locked(regions: Regions) -> _Table:
     key = (str(regions.device), tuple(region.data_ptr() for region in regions))
     table = _tables.get(key)
     if table is not None:

@@ -619,6 +619,9 @@ def _leftovers(decode: DecodeEndpoint, prefills: list[PrefillEndpoint]) -> list[
             left.append(f"{name} room deadlines {room_timers}")
         if ep._handles:
             left.append(f"{name} handles {sorted(ep._handles)}")
+        tables = getattr(ep, "_tables", None)
+        if tables is not None and len(tables):
+            left.append(f"{name} page tables of {len(tables)} rooms")
     ring = decode.core.ring
     if ring is not None and (ring.used or ring.queued or ring.live_grants() or ring.owners()):
         left.append(f"D staging ring used {ring.used} queued {ring.queued} live {ring.live_grants()}")

@@ -531,3 +531,16 @@ def test_cuda_dispatch_runs_on_given_stream() -> None:
     done.record(stream)
     done.synchronize()
     assert same_bytes(out, reference.gather(source.regions, **source.span(0, 100, 1), head_count=2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernels_warm_up_compiles_every_head_count_without_touching_the_cache() -> None:
+    """warm_up runs one gather per head count on dummy tensors: the cache keeps its bytes."""
+    from kvproto.kernels import Regions, warm_up
+
+    regions = Regions([torch.randint(0, 100, (8, 16, 4, 64), device="cuda").to(torch.bfloat16) for _ in range(3)])
+    before = [r.clone() for r in regions]
+    assert warm_up(regions, layout=0, head_counts=[4, 2, 1], to_staging=False) == 3
+    assert warm_up(regions, layout=0, head_counts=[4, 2, 1], to_staging=True) == 3
+    assert all(torch.equal(a, b) for a, b in zip(regions, before))

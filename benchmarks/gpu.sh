@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The GPU measurements in one go: GPU tests, then kvproto bench transfer, rooms and kernels, each
+# writing its table to OUTDIR/<name>.txt and its figures to OUTDIR/<name>.json.
+#
+#   usage: benchmarks/gpu.sh OUTDIR [quick]
+#
+# Run from the repository root on a machine with one or two CUDA GPUs, with kvproto's
+# dependencies importable (wheels in .whl/ are installed to /tmp/site first if present).
+# Each step has its own time limit, so one slow step never loses the others' output.
+set -uo pipefail
+out=${1:?usage: benchmarks/gpu.sh OUTDIR [quick]}
+quick=${2:-}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+step() {  # step NAME SECONDS COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name (limit ${limit}s): $*"
+    local t0=$SECONDS
+    timeout "$limit" "$@" 2>&1 | grep -v "NIXL INFO" | tee "$out/$name.txt"
+    echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0))s"
+}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpus.txt"
+nvidia-smi topo -m >>"$out/gpus.txt" 2>&1
+if [ "$quick" = round2 ]; then
+    step gpu-tests 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/aio/test_gpu.py tests/kernels -x
+    step transfer 200 python3 -m kvproto.cli bench transfer --json "$out/transfer.json" --tp 1:1
+    step transfer-tp 120 python3 -m kvproto.cli bench transfer --json "$out/transfer-tp.json" --tp 1:2 2:1 \
+        --sizes-mib 128 1024 --paths auto
+    step transfer-1g 60 python3 -m kvproto.cli bench transfer --json "$out/transfer-1g.json" --tp 1:1 \
+        --sizes-mib 1024 --pages random --paths staged --staging-mib 1024
+    step rooms 60 python3 -m kvproto.cli bench rooms --json "$out/rooms.json" --rooms 2000 --windows 1 64 512
+    step kernels 80 python3 -m kvproto.cli bench kernels --layers 32 --tokens 1024 8192 --iters 5 --sweep --no-host
+    exit 0
+fi
+if [ "$quick" = quick ]; then
+    step transfer 240 python3 -m kvproto.cli bench transfer --json "$out/transfer.json" --sizes-mib 128 1024 --tp 1:1 \
+        --paths auto
+    exit 0
+fi
+step gpu-tests 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/aio/test_gpu.py tests/kernels -x
+step transfer 300 python3 -m kvproto.cli bench transfer --json "$out/transfer.json"
+step rooms 80 python3 -m kvproto.cli bench rooms --json "$out/rooms.json" --rooms 2000 --windows 1 64 512
+step kernels 60 python3 -m kvproto.cli bench kernels --layers 32 --tokens 1024 8192 --iters 5

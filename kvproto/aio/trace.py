@@ -1,0 +1,35 @@
+"""An optional timeline of the data path, for finding where a staged piece's time goes.
+
+Theory of operation
+-------------------
+With ``KVPROTO_TRACE=DIR`` in the environment, the endpoints append ``(time.monotonic(), event,
+room, seq)`` for each step of every staged piece (prefill: granted, gathered, written; decode:
+tagged, scattered) to a list in memory, and each endpoint writes its list to
+``DIR/<role>-<pid>.trace`` when it closes: one line per event. ``time.monotonic`` is one clock
+for every process of a host, so the files of both sides merge into one timeline. Without the
+variable ``mark`` is a test of a module constant and nothing is kept.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+DIR = os.environ.get("KVPROTO_TRACE", "")
+ENABLED = bool(DIR)
+_events: list[tuple[float, str, int, int]] = []
+
+
+def mark(event: str, room: int, seq: int) -> None:
+    if ENABLED:
+        _events.append((time.monotonic(), event, room, seq))
+
+
+def dump(role: str) -> None:
+    if not ENABLED or not _events:
+        return
+    os.makedirs(DIR, exist_ok=True)
+    with open(os.path.join(DIR, f"{role}-{os.getpid()}.trace"), "a") as f:
+        for t, event, room, seq in _events:
+            f.write(f"{t:.6f} {event} {room} {seq}\n")
+    _events.clear()

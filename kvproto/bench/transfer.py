@@ -1,0 +1,603 @@
+"""``kvproto bench transfer``: rooms between processes (one per rank, GPUs where there are two)
+against raw transport writes of the same bytes, measured in the same run.
+
+Theory of operation
+-------------------
+Every rank is its own process with its own cache, endpoint and transport agent, driven by the
+parent over a pipe. Prefill ranks live on the first GPU and decode ranks on the second where
+two exist (several ranks may share a GPU), all on one GPU where there is one, in host memory
+otherwise. A *case* is one (prefill TP → decode TP, room size, page order, path, rooms in
+flight); for each the parent starts fresh endpoints, so the first room also pays for the new
+link (bootstrap, descriptor lists, kernels), and reports:
+
+* the first room's latency, alone, and a warm room's latency, alone;
+* then ``rooms`` rooms with ``in flight`` open at a time on every decode rank: the bytes of all
+  of them over the wall-clock span from the first open to the last completion on any decode
+  rank (GB/s), beside the *raw* reference: ``in flight`` concurrent one-descriptor WRITEs of
+  the same size between the same two processes and devices, through a separate agent of the
+  same transport, over as many rounds (measured once per size and concurrency);
+* descriptors per room (as posted by the prefill ranks) and the path each room took.
+
+Every byte is checked: the prefill ranks fill their caches once with a pure function of
+(region, page, slot, global head, element); each decode rank recomputes, for every room as it
+completes, what its pages must hold from the room's source pages (the same seeded schedule
+runs in every process) and compares on the device, asynchronously on a side stream; a
+destination slot is reused only after its check ran. The totals are read once per case.
+
+The run also prints the constants of the direct-or-staged choice that it measured
+(``kvproto.core.cost``): the transport's cost per descriptor (a room's bytes as one write of
+page-sized descriptors against one single-descriptor write) and a device copy's bandwidth.
+
+It is a benchmark: the exit status is non-zero only when a room fails or a byte differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int = 32
+    heads: int = 8
+    head_dim: int = 128
+    block: int = 16
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token over every layer, K and V, every head (bf16)."""
+        return self.layers * 2 * self.heads * self.head_dim * 2
+
+
+@dataclass(frozen=True)
+class Case:
+    prefill_tp: int
+    decode_tp: int
+    size: int
+    """Room bytes over all heads."""
+    pages: str
+    """``contiguous`` (consecutive pages on both sides) or ``random``."""
+    path: str
+    in_flight: int
+    rooms: int
+    seed: int = 0
+    staging_mib: int = 0
+    """Staging buffer of every rank (0: the endpoint's default)."""
+    tamper: bool = False
+    """Flip one byte of the last room on decode rank 0 before the check (proves the check can fail)."""
+
+    def tokens(self, shape: Shape) -> int:
+        return max(1, self.size // shape.token_bytes)
+
+
+@dataclass
+class Row:
+    tp: str
+    size_mib: float
+    pages: str
+    path: str
+    in_flight: int
+    rooms: int
+    gbps: float
+    raw_gbps: float
+    ratio: float
+    descriptors_per_room: float
+    first_room_ms: float
+    warm_room_ms: float
+    first_minus_warm_ms: float
+    room_p50_ms: float
+    room_p99_ms: float
+    bad_bytes: int
+    paths: list[str] = field(default_factory=list)
+
+
+# --- the schedule every process derives the same way ---------------------------------------------
+
+
+def pages_per_room(case: Case, shape: Shape) -> int:
+    return -(-case.tokens(shape) // shape.block)
+
+
+def pools(case: Case, shape: Shape) -> tuple[int, int]:
+    """(prefill pages, decode pages): every room lands in pages of its own, so that all rooms
+    are checked after the timed phase, with nothing of the check inside it."""
+    n = pages_per_room(case, shape)
+    return max(2 * n, 64), (case.rooms + 2) * n
+
+
+def room_pages(case: Case, shape: Shape, i: int) -> tuple[list[int], list[int]]:
+    """(source pages on every prefill rank, destination pages on every decode rank) of room ``i``."""
+    n = pages_per_room(case, shape)
+    src_pool, _ = pools(case, shape)
+    rng = random.Random(case.seed * 1_000_003 + i)
+    dst = list(range(i * n, i * n + n))
+    if case.pages == "contiguous":
+        first = rng.randrange(0, src_pool - n + 1)
+        return list(range(first, first + n)), dst
+    rng.shuffle(dst)
+    return rng.sample(range(src_pool), n), dst
+
+
+def token_terms(torch: Any, regions: int, block: int, heads: Any, head_dim: int, device: Any) -> Any:
+    """The part of the reference content that does not depend on the page: int16 of shape
+    (regions, block, heads, head_dim), each below 16381."""
+    def axis(values: Any, dim: int, mult: int) -> Any:
+        shape = [1] * 4
+        shape[dim] = -1
+        return (values.to(device=device, dtype=torch.int32) * mult % 16381).view(shape)
+
+    total = axis(torch.arange(regions), 0, 40503) + axis(torch.arange(block), 1, 337) + axis(heads, 2, 97) + axis(
+        torch.arange(head_dim), 3, 13)
+    return (total % 16381).to(torch.int16)
+
+
+def page_terms(torch: Any, pages: Any) -> Any:
+    """The page's part of the reference content (int16, below 16381): word = token term + page term."""
+    return (pages.to(torch.int32) * 2654 % 16381).to(torch.int16)
+
+
+# --- a rank process --------------------------------------------------------------------------------
+
+
+class _Rank:
+    def __init__(self, role: str, rank: int, tp: int, shape: Shape, device: str, transport: str) -> None:
+        import torch
+
+        self.torch = torch
+        self.role, self.rank, self.tp, self.shape = role, rank, tp, shape
+        self.device = torch.device(device)
+        self.transport = transport
+        self.endpoint: Any = None
+        self.local_heads = shape.heads // tp
+        self.big: Any = None
+
+    def _cache(self, case: Case) -> Any:
+        from kvproto.aio import KVCache
+
+        torch, s = self.torch, self.shape
+        blocks = pools(case, s)[0 if self.role == "prefill" else 1]
+        self.big = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        regions = s.layers * 2
+        big = torch.zeros((regions, blocks, s.block, self.local_heads, s.head_dim), dtype=torch.bfloat16,
+                          device=self.device)
+        heads = torch.arange(self.rank * self.local_heads, (self.rank + 1) * self.local_heads)
+        self.terms = token_terms(torch, regions, s.block, heads, s.head_dim, self.device)
+        if self.role == "prefill":
+            words = big.view(torch.int16)
+            every_page = page_terms(torch, torch.arange(blocks, device=self.device))
+            for r in range(regions):
+                torch.add(self.terms[r][None], every_page[:, None, None, None], out=words[r])
+        self.big = big
+        planes = [[big[2 * layer + plane] for layer in range(s.layers)] for plane in range(2)]
+        return KVCache.from_tensors(planes, tp_size=self.tp, tp_rank=self.rank, num_kv_heads=s.heads)
+
+    def _config(self, case: Case) -> Any:
+        from kvproto.aio import EndpointConfig
+        from kvproto.core import Timeouts
+
+        t = 300.0
+        return EndpointConfig(transport=self.transport, path=case.path, instance="bench-transfer-decode",
+                              timeouts=Timeouts(bootstrap=t, waiting=t, transfer=t, parked=t),
+                              staging_bytes=case.staging_mib << 20 if case.staging_mib else None)
+
+    async def start(self, case: Case, bootstrap: str | None) -> str:
+        from kvproto.aio import DecodeEndpoint, PrefillEndpoint
+
+        kv = self._cache(case)
+        if self.role == "prefill":
+            self.endpoint = PrefillEndpoint(kv, bootstrap=bootstrap, config=self._config(case))
+        else:
+            self.endpoint = DecodeEndpoint(kv, config=self._config(case))
+        await self.endpoint.start()
+        return getattr(self.endpoint, "address", "")
+
+    async def stop(self) -> None:
+        if self.endpoint is not None:
+            await self.endpoint.close()
+            self.endpoint = None
+
+    async def rooms(self, case: Case, bootstrap: str) -> dict[str, Any]:
+        if self.role == "prefill":
+            return await self._prefill_rooms(case)
+        return await self._decode_rooms(case, bootstrap)
+
+    async def _prefill_rooms(self, case: Case) -> dict[str, Any]:
+        s = self.shape
+        n_tokens = case.tokens(s)
+        total = case.rooms + 2
+        live: set[Any] = set()
+        changed = asyncio.Event()
+        paths: set[str] = set()
+        descriptors: list[int] = []
+
+        def finished(handle: Any, task: Any) -> None:
+            live.discard(task)
+            changed.set()
+            if handle.stats.paths:
+                paths.update(handle.stats.paths)
+            descriptors.append(handle.stats.descriptors)
+
+        for i in range(total):
+            while len(live) >= 2 * case.in_flight:
+                changed.clear()
+                await changed.wait()
+            handle = self.endpoint.open_room(_room_id(case, i))
+            handle.send(room_pages(case, s, i)[0], n_tokens, last=True)
+            task = asyncio.ensure_future(handle.wait())
+            task.add_done_callback(lambda t, h=handle: finished(h, t))
+            live.add(task)
+        while live:
+            changed.clear()
+            await changed.wait()
+        return {"paths": sorted(paths), "descriptors": descriptors[2:]}
+
+    async def _decode_rooms(self, case: Case, bootstrap: str) -> dict[str, Any]:
+        s = self.shape
+        n_tokens = case.tokens(s)
+        total = case.rooms + 2
+        schedule = [room_pages(case, s, i) for i in range(total)]
+
+        async def one(i: int) -> float:
+            t0 = time.monotonic()
+            handle = self.endpoint.open_room(_room_id(case, i), bootstrap, pages=schedule[i][1], num_tokens=n_tokens)
+            await handle.wait()
+            return time.monotonic() - t0
+
+        first = await one(0)
+        warm = await one(1)
+        latencies: list[float] = []
+        sem = asyncio.Semaphore(case.in_flight)
+
+        async def windowed(i: int) -> None:
+            try:
+                latencies.append(await one(i))
+            finally:
+                sem.release()
+
+        start = time.monotonic()
+        tasks = []
+        for i in range(2, total):
+            await sem.acquire()
+            tasks.append(asyncio.ensure_future(windowed(i)))
+        await asyncio.gather(*tasks)
+        end = time.monotonic()
+        if case.tamper and self.rank == 0:
+            self.big.view(self.torch.uint8)[0, schedule[-1][1][0]].view(-1)[0] ^= 1
+        return {"first": first, "warm": warm, "start": start, "end": end, "latencies": latencies,
+                "bad": self._check(schedule)}
+
+    def _check(self, schedule: list[tuple[list[int], list[int]]]) -> int:
+        """Mismatching bytes over every room's destination pages (after the timed phase)."""
+        torch = self.torch
+        words = self.big.view(torch.int16)
+        regions = words.shape[0]
+        bad = torch.zeros((), dtype=torch.int64, device=self.device)
+        for src, dst in schedule:
+            src_terms = page_terms(torch, torch.tensor(src, device=self.device))[None, :, None, None, None]
+            dst_index = torch.tensor(dst, device=self.device)
+            step = max(1, (32 << 20) // words[0, 0].numel() // len(dst))
+            for first in range(0, regions, step):
+                got = words[first:first + step].index_select(1, dst_index)
+                got.sub_(self.terms[first:first + step][:, None])
+                bad += (got != src_terms).sum()
+        return int(bad.item()) * 2
+
+    # --- raw reference ------------------------------------------------------------------------
+    def raw_open(self, nbytes: int) -> tuple[bytes, int, int]:
+        from kvproto.transport import MemKind, MemoryRegion, load_transport
+
+        torch = self.torch
+        self.raw_buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self.raw_agent = load_transport(self.transport, f"raw-{self.role}-{self.rank}-{random.getrandbits(32)}")
+        kind = MemKind.VRAM if self.device.type == "cuda" else MemKind.DRAM
+        dev = self.device.index or 0 if self.device.type == "cuda" else 0
+        self.raw_kind, self.raw_dev = kind, dev
+        self.raw_agent.register([MemoryRegion(self.raw_buf.data_ptr(), nbytes, dev, kind)])
+        return self.raw_agent.metadata(), self.raw_buf.data_ptr(), dev
+
+    def raw_serve(self, tags: int, timeout: float = 120.0) -> int:
+        got, deadline = 0, time.monotonic() + timeout
+        while got < tags and time.monotonic() < deadline:
+            got += len(self.raw_agent.drain_notifications())
+        return got
+
+    def raw_write(self, meta: bytes, remote: int, remote_dev: int, size: int, concurrent: int, rounds: int,
+                  pieces: int = 1) -> float:
+        """Seconds per round of ``concurrent`` WRITEs of ``size`` bytes, each as ``pieces`` descriptors."""
+        import numpy as np
+
+        from kvproto.transport import XferState
+
+        agent = self.raw_agent
+        peer = agent.add_peer(meta)
+        local = self.raw_buf.data_ptr()
+        piece = size // pieces
+        times = []
+        for r in range(rounds + 1):
+            t0 = time.monotonic()
+            xfers = []
+            for k in range(concurrent):
+                offs = np.arange(pieces, dtype=np.int64) * piece + k * size
+                lrows = np.stack([local + offs, np.full(pieces, piece), np.full(pieces, self.raw_dev)], 1)
+                rrows = np.stack([remote + offs, np.full(pieces, piece), np.full(pieces, remote_dev)], 1)
+                xfers.append(agent.post_descs(peer, lrows, self.raw_kind, rrows, self.raw_kind, b"raw-%d-%d" % (r, k)))
+            while xfers:
+                for x in list(xfers):
+                    state = agent.poll(x)
+                    if state is XferState.ERROR:
+                        raise RuntimeError("a raw write failed")
+                    if state is XferState.DONE:
+                        agent.release(x)
+                        xfers.remove(x)
+                agent.drain_notifications()
+            if r:
+                times.append(time.monotonic() - t0)
+        agent.remove_peer(peer)
+        return statistics.median(times)
+
+    def raw_close(self) -> None:
+        self.raw_agent.close()
+        self.raw_buf = None
+
+    def copy_bandwidth(self, nbytes: int) -> float:
+        """Bytes per second of one device copy of ``nbytes`` (counted once)."""
+        torch = self.torch
+        a = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        b = torch.empty_like(a)
+        times = []
+        for i in range(6):
+            t0 = time.perf_counter()
+            b.copy_(a)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            if i:
+                times.append(time.perf_counter() - t0)
+        return nbytes / statistics.median(times)
+
+
+def _room_id(case: Case, i: int) -> int:
+    """Room ``i`` of ``case``: the same number in every process (a fresh id range per case)."""
+    return (case.seed + 1) * 1_000_000 + i
+
+
+def _rank_main(role: str, rank: int, tp: int, shape: Shape, device: str, transport: str, conn: Any) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(torch.device(device))
+    me = _Rank(role, rank, tp, shape, device, transport)
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            cmd, *args = await loop.run_in_executor(None, conn.recv)
+            try:
+                if cmd == "exit":
+                    await me.stop()
+                    conn.send(("ok", None))
+                    return
+                result = getattr(me, cmd)(*args)
+                if asyncio.iscoroutine(result):
+                    result = await result
+                conn.send(("ok", result))
+            except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the run
+                import traceback
+
+                conn.send(("error", f"{role} {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+    asyncio.run(serve())
+
+
+# --- the parent ------------------------------------------------------------------------------------
+
+
+class _Group:
+    """The rank processes of one (prefill TP, decode TP)."""
+
+    def __init__(self, prefill_tp: int, decode_tp: int, shape: Shape, devices: tuple[str, str], transport: str):
+        ctx = mp.get_context("spawn")
+        self.ranks: list[tuple[str, int, Any, Any]] = []
+        for role, tp, device in (("prefill", prefill_tp, devices[0]), ("decode", decode_tp, devices[1])):
+            for rank in range(tp):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_rank_main, args=(role, rank, tp, shape, device, transport, child),
+                                   daemon=True, name=f"{role}-{rank}")
+                proc.start()
+                self.ranks.append((role, rank, parent, proc))
+
+    def by_role(self, role: str) -> list[Any]:
+        return [conn for r, _rank, conn, _p in self.ranks if r == role]
+
+    @staticmethod
+    def call(conn: Any, *cmd: Any, timeout: float = 600.0) -> Any:
+        conn.send(cmd)
+        return _Group.result(conn, timeout)
+
+    @staticmethod
+    def result(conn: Any, timeout: float = 600.0) -> Any:
+        if not conn.poll(timeout):
+            raise TimeoutError(f"a rank did not answer within {timeout}s")
+        status, value = conn.recv()
+        if status != "ok":
+            raise RuntimeError(value)
+        return value
+
+    def close(self) -> None:
+        for _role, _rank, conn, proc in self.ranks:
+            try:
+                self.call(conn, "exit", timeout=30)
+            except Exception:  # noqa: BLE001 - the process is terminated below either way
+                pass
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+
+
+def run_case(group: _Group, case: Case, shape: Shape, raw_gbps: float) -> Row:
+    prefills, decodes = group.by_role("prefill"), group.by_role("decode")
+    address = group.call(prefills[0], "start", case, None)
+    for conn in prefills[1:]:
+        group.call(conn, "start", case, address)
+    for conn in decodes:
+        group.call(conn, "start", case, None)
+    for conn in prefills + decodes:
+        conn.send(("rooms", case, address))
+    p_results = [group.result(conn) for conn in prefills]
+    d_results = [group.result(conn) for conn in decodes]
+    for conn in prefills + decodes:
+        group.call(conn, "stop")
+    span = max(r["end"] for r in d_results) - min(r["start"] for r in d_results)
+    moved = case.tokens(shape) * shape.token_bytes * case.rooms
+    gbps = moved / span / 1e9
+    latencies = sorted(x for r in d_results for x in r["latencies"])
+    first = max(r["first"] for r in d_results)
+    warm = max(r["warm"] for r in d_results)
+    descriptors = [sum(ds) for ds in zip(*(r["descriptors"] for r in p_results))]
+    return Row(
+        tp=f"{case.prefill_tp}->{case.decode_tp}", size_mib=case.tokens(shape) * shape.token_bytes / MIB,
+        pages=case.pages, path=case.path, in_flight=case.in_flight, rooms=case.rooms, gbps=gbps,
+        raw_gbps=raw_gbps, ratio=gbps / raw_gbps if raw_gbps else 0.0,
+        descriptors_per_room=statistics.mean(descriptors) if descriptors else 0.0,
+        first_room_ms=first * 1e3, warm_room_ms=warm * 1e3, first_minus_warm_ms=(first - warm) * 1e3,
+        room_p50_ms=latencies[len(latencies) // 2] * 1e3 if latencies else 0.0,
+        room_p99_ms=latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1e3 if latencies else 0.0,
+        bad_bytes=sum(r["bad"] for r in d_results), paths=sorted({p for r in p_results for p in r["paths"]}))
+
+
+def raw_reference(group: _Group, size: int, in_flight: int, rounds: int) -> float:
+    """GB/s of ``in_flight`` concurrent one-descriptor WRITEs of ``size`` bytes, prefill 0 -> decode 0."""
+    prefill, decode = group.by_role("prefill")[0], group.by_role("decode")[0]
+    group.call(prefill, "raw_open", size * in_flight)
+    meta, address, dev = group.call(decode, "raw_open", size * in_flight)
+    decode.send(("raw_serve", in_flight * (rounds + 1)))
+    seconds = group.call(prefill, "raw_write", meta, address, dev, size, in_flight, rounds)
+    group.result(decode)
+    for conn in (prefill, decode):
+        group.call(conn, "raw_close")
+    return size * in_flight / seconds / 1e9
+
+
+def descriptor_cost(group: _Group, size: int, pieces: int) -> float:
+    """Seconds per descriptor: one write of ``size`` as ``pieces`` descriptors against one."""
+    prefill, decode = group.by_role("prefill")[0], group.by_role("decode")[0]
+    group.call(prefill, "raw_open", size)
+    meta, address, dev = group.call(decode, "raw_open", size)
+    decode.send(("raw_serve", 2 * 4))
+    one = group.call(prefill, "raw_write", meta, address, dev, size, 1, 3, 1)
+    many = group.call(prefill, "raw_write", meta, address, dev, size, 1, 3, pieces)
+    group.result(decode)
+    for conn in (prefill, decode):
+        group.call(conn, "raw_close")
+    return max(0.0, (many - one) / pieces)
+
+
+HEADER = (f"{'tp':>5} {'MiB':>7} {'pages':>10} {'path':>7} {'took':>14} {'in fl':>5} {'GB/s':>7} {'raw':>7} "
+          f"{'ratio':>6} {'desc/room':>9} {'first ms':>9} {'warm ms':>8} {'p50 ms':>7} {'p99 ms':>7} {'bytes':>6}")
+
+
+def _print(row: Row) -> None:
+    took = "+".join(p.replace("staged-", "s-") for p in row.paths) or "-"
+    print(f"{row.tp:>5} {row.size_mib:>7.1f} {row.pages:>10} {row.path:>7} {took:>14} {row.in_flight:>5} "
+          f"{row.gbps:>7.1f} {row.raw_gbps:>7.1f} {row.ratio:>6.2f} {row.descriptors_per_room:>9.0f} "
+          f"{row.first_room_ms:>9.1f} {row.warm_room_ms:>8.2f} {row.room_p50_ms:>7.2f} {row.room_p99_ms:>7.2f} "
+          f"{'OK' if row.bad_bytes == 0 else row.bad_bytes:>6}", flush=True)
+
+
+def default_in_flight(size: int) -> int:
+    return 32 if size <= 16 * MIB else (16 if size <= 256 * MIB else 4)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    ap = argparse.ArgumentParser(prog="kvproto bench transfer", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes-mib", type=float, nargs="+", default=[8, 128, 1024])
+    ap.add_argument("--pages", nargs="+", default=["contiguous", "random"], choices=["contiguous", "random"])
+    ap.add_argument("--tp", nargs="+", default=["1:1", "1:2", "2:1"], help="prefill TP:decode TP pairs")
+    ap.add_argument("--paths", nargs="+", default=["auto", "direct", "staged"],
+                    choices=["auto", "direct", "staged", "sliced"])
+    ap.add_argument("--in-flight", type=int, default=0, help="rooms in flight (0: 32 / 16 / 4 by size)")
+    ap.add_argument("--rooms", type=int, default=0, help="rooms per case (0: 3 x in flight, at least 8)")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--device", default="auto", help="auto (two GPUs, one GPU, else CPU memory) or cpu")
+    ap.add_argument("--transport", default="nixl")
+    ap.add_argument("--raw-rounds", type=int, default=5)
+    ap.add_argument("--staging-mib", type=int, default=0, help="staging buffer per rank (0: the default)")
+    ap.add_argument("--tamper", action="store_true", help=argparse.SUPPRESS)  # tests: the byte check must fail
+    ap.add_argument("--json", help="write every figure to this file")
+    args = ap.parse_args(argv)
+    shape = Shape(args.layers, args.heads, args.head_dim, args.block)
+    gpus = torch.cuda.device_count() if args.device == "auto" else 0
+    devices = ("cuda:0", "cuda:1") if gpus >= 2 else (("cuda:0", "cuda:0") if gpus == 1 else ("cpu", "cpu"))
+    where = {2: "prefill ranks on cuda:0, decode ranks on cuda:1", 1: "every rank on cuda:0"}.get(
+        min(gpus, 2), "every rank in host memory")
+    name = torch.cuda.get_device_name(0) if gpus else "CPU"
+    print(f"kvproto bench transfer: {name} x {max(gpus, 1) if gpus else 0}; {where}; transport {args.transport}; "
+          f"{shape.layers} layers x {shape.heads} KV heads x {shape.head_dim} bf16, {shape.block}-token pages, "
+          f"NHD; raw = concurrent one-descriptor WRITEs of the same bytes, same processes, same run; "
+          f"bytes = every room checked", flush=True)
+    rows: list[Row] = []
+    constants: dict[str, float] = {}
+    failed = False
+    for pair in args.tp:
+        p_tp, d_tp = (int(x) for x in pair.split(":"))
+        group = _Group(p_tp, d_tp, shape, devices, args.transport)
+        try:
+            if not constants:
+                probe = min(int(s * MIB) for s in args.sizes_mib)
+                page = shape.block * shape.heads * shape.head_dim * 2
+                pieces = max(1, probe // page)
+                constants["per_descriptor_s"] = descriptor_cost(group, pieces * page, pieces)
+                constants["copy_bytes_per_s"] = group.call(group.by_role("prefill")[0], "copy_bandwidth",
+                                                           max(probe, 64 * MIB))
+                print(f"measured: per-descriptor cost {constants['per_descriptor_s'] * 1e6:.2f} us "
+                      f"({pieces} descriptors of {page // 1024} KiB), device copy "
+                      f"{constants['copy_bytes_per_s'] / 1e9:.0f} GB/s", flush=True)
+                print(HEADER, flush=True)
+            raws: dict[tuple[int, int], float] = {}
+            for size_mib in args.sizes_mib:
+                size = int(size_mib * MIB)
+                in_flight = args.in_flight or default_in_flight(size)
+                rooms = args.rooms or max(8, 3 * in_flight)
+                budget = (48 << 30) if devices[1] != "cpu" else (1 << 30)  # destination pages per decode rank
+                rooms = max(2, min(rooms, budget // max(1, size // d_tp) - 2))
+                key = (size, in_flight)
+                for pages in args.pages:
+                    for path in args.paths:
+                        if path == "direct" and p_tp != d_tp:
+                            continue  # pages differ between the sides: no direct path
+                        case = Case(p_tp, d_tp, size, pages, path, in_flight, rooms, seed=len(rows) + 1,
+                                    staging_mib=args.staging_mib, tamper=args.tamper)
+                        if key not in raws:
+                            tokens_bytes = case.tokens(shape) * shape.token_bytes
+                            raws[key] = raw_reference(group, tokens_bytes, in_flight, args.raw_rounds)
+                        row = run_case(group, case, shape, raws[key])
+                        rows.append(row)
+                        _print(row)
+                        failed |= row.bad_bytes != 0
+        except (RuntimeError, TimeoutError) as exc:
+            print(f"bench transfer failed: {exc}", file=sys.stderr, flush=True)
+            failed = True
+        finally:
+            group.close()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bench": "transfer", "device": name, "placement": where, "constants": constants,
+                       "rows": [asdict(r) for r in rows]}, f, indent=1)
+    return 1 if failed else 0
