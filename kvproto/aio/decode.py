@@ -453,7 +453,7 @@ class DecodeEndpoint(EndpointBase):
         assert self._staging is not None
 
         def scatter(stream: Any) -> None:
-            pages = self._tables.get(output.room_id, output.dst_pages)
+            pages = self._tables.get(output.room_id, output.dst_pages, keep=output.room_id in self.core.rooms)
             scatter_piece(self.kv, self._regions, self._staging, output.offset, piece,  # type: ignore[arg-type]
                           pages=pages, start=output.start_token, end=output.end_token,
                           head_offset=head_offset, stream=stream)

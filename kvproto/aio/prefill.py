@@ -515,7 +515,7 @@ class PrefillEndpoint(EndpointBase):
             trace.mark("gather", out.room_id, out.seq)
 
             def gather(stream: Any) -> None:
-                pages = self._tables.get(out.room_id, out.src_pages)
+                pages = self._tables.get(out.room_id, out.src_pages, keep=out.room_id in self.core.rooms)
                 gather_piece(self.kv, self._regions, self._staging, offset, piece, pages=pages,  # type: ignore[arg-type]
                              start=out.start_token, end=out.end_token, head_offset=head_offset, stream=stream)
 

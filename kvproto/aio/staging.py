@@ -150,15 +150,17 @@ class PageTables:
         self.cuda = bool(kv.tensors) and kv.tensors[0].device.type == "cuda"
         self._tables: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}
 
-    def get(self, room_id: int, pages: Sequence[int]) -> torch.Tensor:
-        """The table of ``pages`` (a room's pages from token 0); call inside the copy's stream."""
+    def get(self, room_id: int, pages: Sequence[int], *, keep: bool = True) -> torch.Tensor:
+        """The table of ``pages`` (a room's pages from token 0); call inside the copy's stream.
+        ``keep=False`` (the room has ended: a piece queued before its end) keeps nothing."""
         known = self._tables.get(room_id)
         if known is not None and known[0] == tuple(pages):
             return known[1]
         table = _pages(pages, self.kv)
         if self.cuda:
             table = table.to(self.kv.tensors[0].device, non_blocking=True)
-        self._tables[room_id] = (tuple(pages), table)
+        if keep:
+            self._tables[room_id] = (tuple(pages), table)
         return table
 
     def forget(self, room_id: int) -> None:
