@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -334,7 +335,10 @@ class EndpointBase:
         while True:
             active = False
             try:
+                began = time.perf_counter() if trace.ENABLED else 0.0
                 active = self._progress_once()
+                if trace.ENABLED and time.perf_counter() - began > 1e-4:
+                    trace.mark("slow_pass_us", int((time.perf_counter() - began) * 1e6), len(getattr(self, "_pending", ())))
             except Exception:
                 self.errors += 1
                 log.exception("%s: unexpected error in progress", self.ROLE)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from kvproto import kernels
+from kvproto.aio import trace
 from kvproto.aio.memory import KVCache
 from kvproto.core.staging import StagingRing
 from kvproto.transport.base import MemKind, MemoryRegion
@@ -81,10 +82,24 @@ class Copies:
         assert self.stream is not None
         self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
         with torch.cuda.stream(self.stream):
+            began = None
+            if trace.ENABLED:
+                began = torch.cuda.Event(enable_timing=True)
+                began.record(self.stream)
             copy(self.stream)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(enable_timing=began is not None)
             event.record(self.stream)
+        if began is not None:
+            then = self._timed(began, event, then)
         self._pending.append((event, then))
+
+    @staticmethod
+    def _timed(began: Any, ended: Any, then: Callable[[], None]) -> Callable[[], None]:
+        def timed() -> None:
+            trace.mark("copy_gpu_us", int(began.elapsed_time(ended) * 1000), 0)
+            then()
+
+        return timed
 
     def poll(self) -> int:
         """Run the continuations of finished copies, in order; returns how many ran."""
