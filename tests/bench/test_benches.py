@@ -1,0 +1,63 @@
+"""The benchmarks run end to end at tiny sizes on CPU memory: every figure the notes quote is a
+named field of their JSON output, and the byte check of ``bench transfer`` can fail."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.nixl, pytest.mark.slow]
+
+TINY = ["--device", "cpu", "--layers", "2", "--heads", "4", "--head-dim", "16", "--sizes-mib", "0.125",
+        "--rooms", "3", "--in-flight", "2", "--raw-rounds", "2"]
+
+
+def test_bench_transfer_tiny_on_cpu_checks_every_room(tmp_path: Path) -> None:
+    """Same-TP and mixed-TP cases on every requested path move every byte, and each row carries
+    the figures of the issue: GB/s, raw GB/s, ratio, descriptors, first and warm room, path."""
+    from kvproto.bench import transfer
+
+    out = tmp_path / "transfer.json"
+    code = transfer.main([*TINY, "--tp", "1:1", "2:1", "--paths", "auto", "direct", "staged", "--pages",
+                          "contiguous", "random", "--json", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert {(r["tp"], r["path"]) for r in rows} == {("1->1", "auto"), ("1->1", "direct"), ("1->1", "staged"),
+                                                   ("2->1", "auto"), ("2->1", "staged")}
+    assert len(rows) == 10 and all(r["bad_bytes"] == 0 for r in rows)
+    for r in rows:
+        assert r["gbps"] > 0 and r["raw_gbps"] > 0 and r["ratio"] > 0 and r["first_room_ms"] > 0
+        assert r["paths"], r
+    assert {p for r in rows if r["path"] == "staged" for p in r["paths"]} == {"staged-cpu"}
+    assert {p for r in rows if r["path"] == "direct" for p in r["paths"]} == {"direct"}
+    assert report["constants"]["per_descriptor_s"] >= 0 and report["constants"]["copy_bytes_per_s"] > 0
+
+
+def test_bench_transfer_byte_check_catches_a_flipped_byte(tmp_path: Path) -> None:
+    """One byte flipped in a decode page before the check makes the run fail and count it."""
+    from kvproto.bench import transfer
+
+    out = tmp_path / "transfer.json"
+    code = transfer.main([*TINY, "--tp", "1:1", "--paths", "auto", "--pages", "random", "--tamper",
+                          "--json", str(out)])
+    assert code == 1
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["bad_bytes"] > 0
+
+
+def test_bench_rooms_tiny_reports_rates_latency_and_loop_lag(tmp_path: Path) -> None:
+    """1-page rooms on loopback (one process) and NIXL (peer in another process): rooms/s,
+    latency p50/p99 and the ticker's lag are reported for each window."""
+    from kvproto.bench import rooms
+
+    out = tmp_path / "rooms.json"
+    assert rooms.main(["--rooms", "40", "--windows", "1", "8", "--blocks", "64", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert {(r["transport"], r["window"]) for r in results} == {("loopback", 1), ("loopback", 8), ("nixl", 1),
+                                                               ("nixl", 8)}
+    for r in results:
+        assert r["rooms"] == 40 and r["rooms_per_s"] > 0 and 0 < r["latency_p50_ms"] <= r["latency_p99_ms"]
+        assert r["lag_max_ms"] >= r["lag_p99_ms"] >= r["lag_p50_ms"] >= 0
