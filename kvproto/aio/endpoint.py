@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -164,6 +165,8 @@ class EndpointBase:
         self._started = False
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: int | None = None
+        """The event loop's thread: the only one allowed to call in."""
         self.core: Any = None
         self.errors = 0
         """Unexpected exceptions absorbed by the guards (each logged)."""
@@ -183,6 +186,7 @@ class EndpointBase:
         if self._started:
             return
         self._loop = asyncio.get_running_loop()
+        self._thread = threading.get_ident()
         self.transport = load_transport(self.config.transport, self.agent_name, **self.config.transport_options)
         self._registration = self.transport.register(self.kv.memory_regions())
         self._ctx = zmq.asyncio.Context()
@@ -218,10 +222,19 @@ class EndpointBase:
         return self._closed
 
     def _check_open(self) -> None:
+        self._check_thread()
         if self._closed:
             raise EndpointClosed()
         if not self._started:
             raise LocalProtocolError("endpoint not started: use 'async with' or await start()")
+
+    def _check_thread(self) -> None:
+        """Every call comes from the event loop's thread (the cores, sockets and transport have
+        one owner); a synchronous scheduler's thread uses ``kvproto.sync`` instead."""
+        if self._thread is not None and threading.get_ident() != self._thread:
+            raise LocalProtocolError(
+                f"{type(self).__name__} called from a thread other than its event loop's: from a "
+                f"synchronous scheduler use kvproto.sync (SyncPrefill / SyncDecode), which posts calls to the loop")
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro, name=f"kvproto-{self.ROLE}-{name}")
@@ -277,6 +290,7 @@ class EndpointBase:
         return state
 
     def _abort(self, room_id: int) -> None:
+        self._check_thread()
         if self._closed:
             return
         self.core.abort(room_id, self._now())
@@ -347,7 +361,12 @@ class EndpointBase:
                 delay = 0.0
                 await asyncio.sleep(0)
                 continue
-            idle = self.config.transfer_poll_s if self._transferring() else self.config.idle_poll_s
+            if self._transferring():
+                idle = self.config.transfer_poll_s
+            elif self.core.rooms:
+                idle = self.config.idle_poll_s
+            else:  # no room at all: wake for deadlines, heartbeats and control messages only
+                idle = min(self.config.heartbeat_interval / 4, 0.05)
             delay = min(idle, max(50e-6, delay * 2))
             wait = delay
             deadline = self.core.next_deadline()
