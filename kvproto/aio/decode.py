@@ -156,6 +156,7 @@ class DecodeEndpoint(EndpointBase):
         self.core.open_room(room_id, bootstrap, now, destination=destination)
         handle = ReceiverRoomHandle(self, room_id, self._loop, now)  # type: ignore[arg-type]
         self._handles[room_id] = handle
+        self.metrics.room_opened(now)
         self._flush()
         self._kick()
         return handle
@@ -458,8 +459,11 @@ class DecodeEndpoint(EndpointBase):
                           pages=pages, start=output.start_token, end=output.end_token,
                           head_offset=head_offset, stream=stream)
 
+        launched = self._now()
+
         def scattered() -> None:
             trace.mark("scattered", output.room_id, output.seq)
+            self._staging_time(output.room_id, launched)
             self.core.scatter_done(output.room_id, link_id, output.seq, self._now())
 
         trace.mark("tagged", output.room_id, output.seq)

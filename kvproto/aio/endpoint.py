@@ -38,6 +38,7 @@ from kvproto.aio.channel import Channel
 from kvproto.aio.memory import KVCache
 from kvproto.aio.room import _Handle
 from kvproto.core import PathCost, RoomEnded, RoomState, Send, Timeouts
+from kvproto.metrics import EndpointMetrics, room_phases
 from kvproto.transport import Transport, load_transport
 from kvproto.wire import ErrorCode, LocalProtocolError, Message, encode
 
@@ -170,6 +171,8 @@ class EndpointBase:
         self.core: Any = None
         self.errors = 0
         """Unexpected exceptions absorbed by the guards (each logged)."""
+        self.metrics = EndpointMetrics(role=self.ROLE)
+        """Rooms, bytes, phase times (``kvproto.metrics``)."""
         self._last_tick: float | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -190,6 +193,7 @@ class EndpointBase:
         self.transport = load_transport(self.config.transport, self.agent_name, **self.config.transport_options)
         self._registration = self.transport.register(self.kv.memory_regions())
         self._ctx = zmq.asyncio.Context()
+        self.metrics.core = self.core
         await self._start_io()
         self._spawn(self._progress_loop(), "progress")
         self._started = True
@@ -278,10 +282,18 @@ class EndpointBase:
 
     def _room_ended(self, out: RoomEnded) -> None:
         handle = self._handles.pop(out.room_id, None)
+        now = self._now()
+        phases = room_phases(out.timeline)
         if handle is not None:
-            handle._finish(out.state, out.code, out.reason, self._now())
+            handle._finish(out.state, out.code, out.reason, now, phases, out.nbytes)
+            self.metrics.room_ended(now, out.state, out.code, out.timeline, out.nbytes, handle.stats.staging_s)
         if out.state is RoomState.FAILED:
             log.info("%s room %d failed: %s %s", self.ROLE, out.room_id, out.code, out.reason)
+
+    def _staging_time(self, room_id: int, launched: float) -> None:
+        handle = self._handles.get(room_id)
+        if handle is not None:
+            handle.stats.staging_s += self._now() - launched
 
     def _room_state(self, room_id: int) -> RoomState:
         state = self.core.room_state(room_id)

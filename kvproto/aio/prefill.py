@@ -160,6 +160,7 @@ class PrefillEndpoint(EndpointBase):
         self.core.open_room(room_id, now)  # refuses (a live id...) before it changes anything
         handle = SenderRoomHandle(self, room_id, self._loop, now)  # type: ignore[arg-type]
         self._handles[room_id] = handle  # before the flush: the room may already have ended
+        self.metrics.room_opened(now)
         self._flush()
         return handle
 
@@ -519,7 +520,13 @@ class PrefillEndpoint(EndpointBase):
                 gather_piece(self.kv, self._regions, self._staging, offset, piece, pages=pages,  # type: ignore[arg-type]
                              start=out.start_token, end=out.end_token, head_offset=head_offset, stream=stream)
 
-            self._copies.run(gather, lambda: self._write_piece(out, offset, key, nbytes))
+            launched = self._now()
+
+            def gathered() -> None:
+                self._staging_time(out.room_id, launched)
+                self._write_piece(out, offset, key, nbytes)
+
+            self._copies.run(gather, gathered)
 
         self._stager.acquire(nbytes, start)
 

@@ -41,6 +41,10 @@ class RoomStats:
     paths: set[str] = field(default_factory=set)
     started: float = 0.0
     ended: float | None = None
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds in bootstrap, waiting (for the application's input) and transfer."""
+    staging_s: float = 0.0
+    """Seconds of staging copies (gathers on prefill, scatters on decode), launch to completion."""
 
     @property
     def elapsed(self) -> float | None:
@@ -56,9 +60,13 @@ class _Handle:
         self.reason = ""
         self.stats = RoomStats(started=started)
 
-    def _finish(self, state: RoomState, code: ErrorCode | int | None, reason: str, now: float) -> None:
-        self._final, self.code, self.reason = state, code, reason
+    def _finish(self, state: RoomState, code: ErrorCode | int | None, reason: str, now: float,
+                phases: dict[str, float] | None = None, nbytes: int = 0) -> None:
+        self.code, self.reason = code, reason
         self.stats.ended = now
+        self.stats.phases = phases or {}
+        self.stats.nbytes = self.stats.nbytes or nbytes
+        self._final = state  # last: a reader in another thread that sees it sees the code too
         if not self._future.done():
             if state is RoomState.SUCCESS:
                 self._future.set_result(None)

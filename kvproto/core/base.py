@@ -67,6 +67,8 @@ class RoomBase:
     created: float = 0.0
     ended: float | None = None
     notes: dict[str, Any] = field(default_factory=dict)
+    entered: dict[RoomState, float] = field(default_factory=dict)
+    """When the room entered each state it went through (BOOTSTRAPPING: when it opened)."""
 
 
 class CoreBase:
@@ -157,6 +159,7 @@ class CoreBase:
         if entered:
             self.live_states[room.state] -= 1
             self.live_states[nxt] += 1
+            room.entered[nxt] = now
         room.state = nxt
         if nxt.terminal:
             self._end(room, now)
@@ -185,9 +188,11 @@ class CoreBase:
     def _add_room(self, room: Any) -> None:
         self.rooms[room.room_id] = room
         self.live_states[room.state] += 1
+        room.entered[room.state] = room.created
 
     def _end(self, room: Any, now: float) -> None:
         room.ended = now
+        nbytes = self._moved(room)
         self.live_states[room.state] -= 1  # the terminal state just entered: live rooms only
         self.rooms.pop(room.room_id, None)
         self.timers.cancel(room.room_id)
@@ -200,7 +205,8 @@ class CoreBase:
             self.stats.rooms_succeeded += 1
         else:
             self.stats.rooms_failed += 1
-        self._outputs.append(RoomEnded(room_id=room.room_id, state=room.state, code=room.code, reason=room.reason))
+        self._outputs.append(RoomEnded(room_id=room.room_id, state=room.state, code=room.code, reason=room.reason,
+                                       timeline=tuple(room.entered.items()), nbytes=nbytes))
 
     def _abort_message(self, room_id: int, generation: int, code: ErrorCode | int | None, reason: str) -> Abort:
         return Abort(room_id=room_id, generation=generation, code=int(code or ErrorCode.INTERNAL_ERROR), reason=reason[:1000])
@@ -235,6 +241,10 @@ class CoreBase:
 
     def _timeout_code(self, room: Any) -> ErrorCode:
         return _TIMEOUT_CODE[room.state]
+
+    def _moved(self, room: Any) -> int:
+        """KV bytes the room moved (read before ``_forget``)."""
+        return 0
 
     def _forget(self, room: Any) -> None:
         """Drop every trace of an ended room from the subclass's maps."""

@@ -7,7 +7,7 @@ never block and never fail the core: a ``Send`` to a vanished peer is dropped by
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvproto.core.state import RoomState
 from kvproto.wire import ErrorCode, Message
@@ -115,6 +115,11 @@ class RoomEnded:
     state: RoomState
     code: ErrorCode | int | None = None
     reason: str = ""
+    timeline: tuple[tuple[RoomState, float], ...] = field(default=(), compare=False)
+    """(state, time) of every state the room entered, in order; the last is its end."""
+    nbytes: int = field(default=0, compare=False)
+    """KV bytes the room moved, as this side counted them (writes DONE on prefill, TRANSFER_DONE
+    reports on decode)."""
 
 
 Output = Send | PostWrite | PostAux | PostStaged | Scatter | DropLink | RoomEnded

@@ -538,6 +538,9 @@ class ReceiverCore(CoreBase):
     def _tombstone(self, room: ReceiverRoom) -> Tombstone:
         return Tombstone(room.state, room.code, frozenset({room.generation}))
 
+    def _moved(self, room: ReceiverRoom) -> int:
+        return sum(p.nbytes for p in room.writers.values())
+
     def _forget(self, room: ReceiverRoom) -> None:
         self._finishing.discard(room.room_id)
         if self.ring is not None:

@@ -713,6 +713,9 @@ class SenderCore(CoreBase):
         return Tombstone(room.state, room.code, frozenset(p.request.generation for p in room.peers.values()),
                          room.instance, frozenset(room.peers))
 
+    def _moved(self, room: SenderRoom) -> int:
+        return sum(p.nbytes for p in room.peers.values())
+
     def _forget(self, room: SenderRoom) -> None:
         room.peers.clear()
         room.src_pages = []

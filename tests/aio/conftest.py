@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 import pytest
@@ -14,6 +15,13 @@ from kvproto.aio import DecodeEndpoint, EndpointConfig, KVCache, PrefillEndpoint
 from kvproto.core import Timeouts
 from kvproto.geometry import Layout
 from kvproto.transport import available_transports
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """Every endpoint test runs on asyncio's own event loop and on uvloop (what vLLM and SGLang use)."""
+    import uvloop
+
+    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
 
 TRANSPORTS = [pytest.param(t, marks=pytest.mark.nixl) if t == "nixl" else t for t in available_transports()]
 

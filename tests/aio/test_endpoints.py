@@ -62,8 +62,12 @@ async def test_endpoint_chunked_prefill_moves_each_chunk(pair: Pair) -> None:
     room = pair.prefill.open_room(5)
     room.send(src[:2], 8, last=False)
     room.send(src[2:4], 16, last=False)
+    for _ in range(500):  # the link comes up (bootstrap), then both chunks move
+        if room.stats.writes == 2 and not pair.prefill._pending:
+            break
+        await asyncio.sleep(0.01)
     await asyncio.sleep(0.05)
-    assert decode_room.poll() is RoomState.TRANSFERRING
+    assert room.stats.writes == 2 and decode_room.poll() is RoomState.TRANSFERRING  # not done before the last chunk
     room.send(src[4:], 19, last=True)
     await asyncio.wait_for(decode_room.wait(), 10)
     await asyncio.wait_for(room.wait(), 10)
@@ -222,3 +226,31 @@ async def test_endpoint_auto_path_prices_each_room(transport, fragmented) -> Non
         for layer in range(2):
             for s, t in zip(src_pages, dst_pages):
                 assert dst.planes[plane][layer][t].equal(src.planes[plane][layer][s])
+
+
+async def test_endpoint_metrics_count_rooms_phases_bytes_and_export_prometheus(pair: Pair) -> None:
+    """After one room succeeds and one is aborted: ended rooms by state and code, bytes, phase
+    times and busy seconds are in the snapshot and in the Prometheus exposition of both sides."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvproto.metrics import PrometheusCollector
+
+    d = pair.decode.open_room(31, pair.prefill.bootstrap_address, pages=[1, 2], num_tokens=8)
+    p = pair.prefill.open_room(31)
+    p.send([3, 4], 8)
+    await asyncio.wait_for(asyncio.gather(d.wait(), p.wait()), 10)
+    aborted = pair.prefill.open_room(32)
+    aborted.abort()
+    loop = asyncio.get_running_loop()
+    snap = pair.prefill.metrics.snapshot(loop.time())
+    assert snap["rooms_ended"] == {"SUCCESS": 1, "FAILED/ABORTED": 1}
+    assert snap["bytes"] == p.stats.nbytes > 0 and snap["busy_seconds"] > 0
+    assert snap["phase_seconds"]["transfer"]["count"] == 1 and snap["phase_seconds"]["bootstrap"]["count"] == 2
+    dsnap = pair.decode.metrics.snapshot(loop.time())
+    assert dsnap["rooms_ended"] == {"SUCCESS": 1} and dsnap["bytes"] == snap["bytes"]
+    assert {"bootstrap", "transfer"} <= set(d.stats.phases) and all(v >= 0 for v in d.stats.phases.values())
+    registry = CollectorRegistry()
+    registry.register(PrometheusCollector([pair.prefill, pair.decode]))
+    text = generate_latest(registry).decode()
+    assert 'kvproto_rooms_ended_total{agent="' in text and 'code="ABORTED"' in text
+    assert "kvproto_room_phase_seconds_count" in text and "kvproto_rooms_live" in text
