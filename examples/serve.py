@@ -1,0 +1,542 @@
+"""A disaggregated serving set on kvproto: prefill servers, decode servers and a router.
+
+    python -m examples.serve                 # 1 prefill (TP 1) + 1 decode (TP 1) + router on :8000
+    python -m examples.serve --prefill-tp 2 --decode-tp 2 --port 8000
+    curl -N localhost:8000/generate -d '{"prompt": "Hello, world", "max_tokens": 16}'
+    curl localhost:8000/metrics
+
+Theory of operation
+-------------------
+Every TP rank of every instance is a process. The ranks of one instance run the model in lockstep
+(``examples.model``: each rank computes its KV-head groups, torch.distributed over gloo gathers
+the groups' outputs); rank 0 of each instance also serves HTTP for the router.
+
+* **Prefill (await style)**: an asyncio loop per rank with a ``PrefillEndpoint``. Rank 0 takes a
+  request, hands it to the other ranks (broadcast), and every rank computes the prompt chunk by
+  chunk, giving each chunk's pages to kvproto as soon as it is written (``room.send``), the first
+  sampled token in the aux slot of the last; a coroutine per request awaits ``room.wait()`` and
+  frees the pages.
+* **Decode (step style)**: a synchronous scheduler loop per rank, driving kvproto through
+  ``kvproto.sync.SyncDecode`` as SGLang's and vLLM's schedulers drive theirs. Each step rank 0
+  decides (new requests, aborts) and tells the others; every rank opens receivers, polls its
+  rooms, agrees with the others on which are done (all-reduce), reads the first token from the
+  aux slot, and runs one greedy decode step per generating request. A request whose room fails
+  gets an error and its pages back. Rank 0's HTTP server runs on the facade's event loop and
+  streams tokens as the scheduler produces them.
+* **Router**: takes ``POST /generate``, picks a prefill and a decode instance (round robin),
+  gives them a fresh room id, and streams the decode's tokens back as JSON lines; if either side
+  fails, the client gets an error line and the other side is told to abort.
+
+Every server serves ``GET /metrics`` (kvproto's metrics and its own, Prometheus text) and
+``GET /status`` (free pages, live requests); logs carry the room id.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import logging
+import multiprocessing as mp
+import os
+import queue
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+log = logging.getLogger("examples.serve")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    prefill_instances: int = 1
+    decode_instances: int = 1
+    prefill_block: int = 16
+    decode_block: int = 16
+    prefill_layout: str = "NHD"
+    decode_layout: str = "NHD"
+    chunk: int = 64
+    """Prefill chunk size in tokens (a multiple of both block sizes)."""
+    blocks: int = 512
+    transport: str = "nixl"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    heartbeat_timeout: float = 2.0
+    room_timeout: float = 30.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def endpoint_config(cfg: ServeConfig, instance: str) -> Any:
+    from kvproto.aio import EndpointConfig
+    from kvproto.core import Timeouts
+
+    t = cfg.room_timeout
+    return EndpointConfig(transport=cfg.transport, model_id="examples.model", instance=instance,
+                          heartbeat_interval=0.2, heartbeat_timeout=cfg.heartbeat_timeout, staging_bytes=16 << 20,
+                          timeouts=Timeouts(bootstrap=t, waiting=t, transfer=t, parked=t))
+
+
+def metrics_text(endpoints: list[Any], extra: Any = None) -> bytes:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvproto.metrics import PrometheusCollector
+
+    registry = CollectorRegistry()
+    registry.register(PrometheusCollector(endpoints))
+    if extra is not None:
+        registry.register(extra)
+    return generate_latest(registry)
+
+
+class _Lockstep:
+    """Rank 0 tells the other ranks of its instance what to do; all agree on room outcomes."""
+
+    def __init__(self, tp: int, rank: int, port: int) -> None:
+        self.tp, self.rank = tp, rank
+        if tp > 1:
+            import torch.distributed as dist
+
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=tp, rank=rank)
+
+    def broadcast(self, obj: Any) -> Any:
+        if self.tp == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def agree(self, done: list[int], failed: list[int]) -> tuple[list[bool], list[bool]]:
+        """Per room: done on every rank; failed on any rank."""
+        if self.tp == 1 or not done:
+            return [bool(d) for d in done], [bool(f) for f in failed]
+        import torch
+        import torch.distributed as dist
+
+        counts = torch.tensor([done, failed], dtype=torch.int64)
+        dist.all_reduce(counts)
+        return [int(c) == self.tp for c in counts[0]], [int(c) > 0 for c in counts[1]]
+
+
+# --- prefill: await style ------------------------------------------------------------------------
+
+
+async def _prefill_rank(cfg: ServeConfig, index: int, rank: int, dist_port: int, conn: Any) -> None:
+    import torch
+
+    from examples.http import serve
+    from examples.model import Model, PagedCache, Ranks, Shard
+    from kvproto.aio import PrefillEndpoint
+
+    shard = Shard(cfg.prefill_tp, rank)
+    lockstep = _Lockstep(cfg.prefill_tp, rank, dist_port)
+    model = Model(Ranks(shard))
+    cache = PagedCache(shard, blocks=cfg.blocks, block=cfg.prefill_block, layout=cfg.prefill_layout)
+    aux = torch.zeros((64, 8), dtype=torch.uint8)
+    slots = list(range(64))
+    loop = asyncio.get_running_loop()
+    config, kv = endpoint_config(cfg, f"prefill-{index}"), cache.kv_cache(aux)
+    if rank == 0:  # rank 0 serves the bootstrap; the other ranks announce themselves to it
+        endpoint = PrefillEndpoint(kv, config=config)
+        await endpoint.start()
+        lockstep.broadcast(endpoint.bootstrap_address)
+    else:
+        address = await loop.run_in_executor(None, lockstep.broadcast, None)
+        endpoint = PrefillEndpoint(kv, bootstrap=address, config=config)
+        await endpoint.start()
+    async with endpoint:
+        jobs: asyncio.Queue[tuple[dict[str, Any], asyncio.Future[Any]]] = asyncio.Queue()
+        server = None
+        if rank == 0:
+            async def handle(req: Any) -> None:
+                if req.path == "/metrics":
+                    return await req.reply(200, metrics_text([endpoint]), "text/plain; version=0.0.4")
+                if req.path == "/status":
+                    return await req.reply(200, {"free_pages": len(cache.free), "total_pages": cfg.blocks})
+                done: asyncio.Future[Any] = loop.create_future()
+                await jobs.put((req.json(), done))
+                await req.reply(200, await done)
+
+            http_port = free_port()
+            server = await serve("127.0.0.1", http_port, handle)
+            conn.send(("ready", endpoint.bootstrap_address, http_port, os.getpid()))
+        else:
+            conn.send(("ready", "", 0, os.getpid()))
+
+        async def finish(room: Any, pages: list[int], slot: int, done: asyncio.Future[Any] | None) -> None:
+            try:
+                await room.wait()
+                result: dict[str, Any] = {"ok": True}
+            except Exception as exc:  # noqa: BLE001 - reported to the router
+                result = {"error": str(exc)}
+                log.warning("prefill room %d: %s", room.room_id, exc)
+            cache.give(pages)
+            slots.append(slot)
+            if done is not None and not done.done():
+                done.set_result(result)
+
+        async def run(job: dict[str, Any], done: asyncio.Future[Any] | None) -> None:
+            prompt, room_id = job["prompt"], job["room"]
+            pages = cache.take(cache.pages_for(len(prompt)))
+            slot = slots.pop()
+            room = endpoint.open_room(room_id)
+            given = 0
+            for begin in range(0, len(prompt), cfg.chunk):
+                end = min(len(prompt), begin + cfg.chunk)
+                logits = model.forward(prompt[begin:end], begin, cache, pages)
+                last = end == len(prompt)
+                if last:
+                    aux[slot].zero_()
+                    aux[slot][0] = int(logits.argmax())
+                upto = cache.pages_for(end) if last else end // cfg.prefill_block
+                room.send(pages[given:upto], end, last=last, aux_slot=slot if last else None)
+                given = upto
+                await asyncio.sleep(0)  # let kvproto move this chunk while the next computes
+            asyncio.ensure_future(finish(room, pages, slot, done))
+
+        while True:
+            if rank == 0:
+                job, done = await jobs.get()
+                lockstep.broadcast(job)
+            else:
+                job, done = await loop.run_in_executor(None, lockstep.broadcast, None), None
+            try:
+                await run(job, done)
+            except Exception as exc:  # noqa: BLE001 - one bad request must not stop the server
+                log.exception("prefill room %s failed", job.get("room"))
+                if done is not None and not done.done():
+                    done.set_result({"error": f"{type(exc).__name__}: {exc}"})
+        if server is not None:  # pragma: no cover - the loop above runs until the process ends
+            server.close()
+
+
+def prefill_rank_main(cfg: ServeConfig, index: int, rank: int, dist_port: int, conn: Any) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING)
+    asyncio.run(_prefill_rank(cfg, index, rank, dist_port, conn))
+
+
+# --- decode: step style -----------------------------------------------------------------------------
+
+
+@dataclass
+class _Request:
+    room: int
+    prompt: list[int]
+    bootstrap: str
+    max_tokens: int
+    prefix: int = 0
+    pages: list[int] = field(default_factory=list)
+    slot: int = 0
+    receiver: Any = None
+    tokens: list[int] = field(default_factory=list)
+    out: Any = None
+    """Rank 0: the asyncio queue the HTTP handler streams from."""
+
+
+def decode_rank_main(cfg: ServeConfig, index: int, rank: int, dist_port: int, conn: Any) -> None:
+    import torch
+
+    from examples.http import serve
+    from examples.model import Model, PagedCache, Ranks, Shard
+    from kvproto.core import RoomState
+    from kvproto.sync import EngineLoop, SyncDecode
+
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING)
+    shard = Shard(cfg.decode_tp, rank)
+    lockstep = _Lockstep(cfg.decode_tp, rank, dist_port)
+    model = Model(Ranks(shard))
+    cache = PagedCache(shard, blocks=cfg.blocks, block=cfg.decode_block, layout=cfg.decode_layout)
+    aux = torch.zeros((64, 8), dtype=torch.uint8)
+    slots = list(range(64))
+    engine = EngineLoop()
+    decode = SyncDecode(cache.kv_cache(aux), config=endpoint_config(cfg, f"decode-{index}"), loop=engine)
+    inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    streams: dict[int, asyncio.Queue[Any]] = {}
+
+    if rank == 0:
+        async def handle(req: Any) -> None:
+            if req.path == "/metrics":
+                return await req.reply(200, metrics_text([decode._endpoint]), "text/plain; version=0.0.4")
+            if req.path == "/status":
+                return await req.reply(200, {"free_pages": len(cache.free), "total_pages": cfg.blocks,
+                                             "live": len(streams)})
+            body = req.json()
+            if req.path == "/abort":
+                inbox.put(("abort", body["room"]))
+                return await req.reply(200, {"ok": True})
+            out: asyncio.Queue[Any] = asyncio.Queue()
+            streams[body["room"]] = out
+            inbox.put(("new", body))
+            while True:
+                line = await out.get()
+                await req.stream(line)
+                if "done" in line or "error" in line:
+                    break
+            streams.pop(body["room"], None)
+            await req.end_stream()
+
+        http_port = free_port()
+        engine.run(serve("127.0.0.1", http_port, handle))
+        conn.send(("ready", "", http_port, os.getpid()))
+    else:
+        conn.send(("ready", "", 0, os.getpid()))
+
+    def emit(request: _Request, line: dict[str, Any]) -> None:
+        if rank == 0 and request.out is not None:
+            engine.loop.call_soon_threadsafe(request.out.put_nowait, line)
+
+    def release(request: _Request) -> None:
+        cache.give(request.pages)
+        slots.append(request.slot)
+
+    active: list[_Request] = []
+    while True:
+        decision: dict[str, Any] = {"new": [], "abort": []}
+        if rank == 0:
+            while True:
+                try:
+                    kind, body = inbox.get_nowait()
+                except queue.Empty:
+                    break
+                decision["new" if kind == "new" else "abort"].append(body)
+        decision = lockstep.broadcast(decision)
+        for body in decision["new"]:
+            r = _Request(body["room"], body["prompt"], body["bootstrap"], body["max_tokens"], body.get("prefix", 0))
+            r.out = streams.get(r.room) if rank == 0 else None
+            r.pages = cache.take(cache.pages_for(len(r.prompt) + r.max_tokens))
+            r.slot = slots.pop()
+            if r.prefix:  # a prefix-cache hit: this instance computes (holds) the prefix itself
+                model.prefill(r.prompt[:r.prefix], cache, r.pages, chunk=cfg.chunk)
+            r.receiver = decode.receiver(r.room, r.bootstrap, pages=r.pages[:cache.pages_for(len(r.prompt))],
+                                         num_tokens=len(r.prompt), prefix_tokens=r.prefix, aux_slot=r.slot)
+            active.append(r)
+        for room_id in decision["abort"]:
+            for r in active:
+                if r.room == room_id and not r.tokens:
+                    r.receiver.abort()
+        waiting = [r for r in active if not r.tokens]
+        states = [r.receiver.poll() for r in waiting]
+        done, failed = lockstep.agree([int(s is RoomState.SUCCESS) for s in states],
+                                      [int(s is RoomState.FAILED) for s in states])
+        for r, ok, bad in zip(waiting, done, failed):
+            if bad:
+                code = getattr(r.receiver.code, "name", r.receiver.code)
+                log.warning("decode room %d failed: %s", r.room, code)
+                emit(r, {"error": f"KV transfer failed: {code}", "room": r.room})
+                release(r)
+                active.remove(r)
+            elif ok:
+                r.tokens.append(int(aux[r.slot][0]))
+                emit(r, {"token": r.tokens[-1], "room": r.room})
+        for r in [r for r in active if r.tokens]:
+            if len(r.tokens) < r.max_tokens:
+                logits = model.forward([r.tokens[-1]], len(r.prompt) + len(r.tokens) - 1, cache, r.pages)
+                r.tokens.append(int(logits.argmax()))
+                emit(r, {"token": r.tokens[-1], "room": r.room})
+            if len(r.tokens) >= r.max_tokens:
+                emit(r, {"done": True, "room": r.room, "tokens": r.tokens})
+                release(r)
+                active.remove(r)
+        if not active:
+            time.sleep(0.002)
+
+
+# --- router -------------------------------------------------------------------------------------------
+
+
+class Router:
+    def __init__(self, prefills: list[tuple[str, int]], decodes: list[int]) -> None:
+        from prometheus_client import CollectorRegistry, Counter
+
+        self.prefills, self.decodes = prefills, decodes
+        self._next = itertools.count()
+        self._room = itertools.count(int(time.time() * 1000) % (1 << 40) * 1000 + 1)
+        self.registry = CollectorRegistry()
+        self.requests = Counter("router_requests", "Requests taken", registry=self.registry)
+        self.errors = Counter("router_errors", "Requests answered with an error", registry=self.registry)
+
+    async def handle(self, req: Any) -> None:
+        from prometheus_client import generate_latest
+
+        from examples.http import call
+        from examples.model import decode_text, encode
+
+        if req.path == "/metrics":
+            parts = [generate_latest(self.registry)]
+            for port in [p for _, p in self.prefills] + self.decodes:
+                status, text = await call("127.0.0.1", port, "GET", "/metrics")
+                parts.append(text.encode() if status == 200 else b"")
+            return await req.reply(200, b"".join(parts), "text/plain; version=0.0.4")
+        if req.path != "/generate":
+            return await req.reply(404, {"error": f"no route {req.path}"})
+        body = req.json()
+        self.requests.inc()
+        turn = next(self._next)
+        bootstrap, prefill_port = self.prefills[turn % len(self.prefills)]
+        decode_port = self.decodes[turn % len(self.decodes)]
+        room = next(self._room)
+        prompt = body["prompt"] if isinstance(body["prompt"], list) else encode(body["prompt"])
+        job = {"room": room, "prompt": prompt, "bootstrap": bootstrap, "max_tokens": int(body.get("max_tokens", 16)),
+               "prefix": int(body.get("prefix", 0))}
+        failure = await self.relay(req, room, job, prefill_port, decode_port, decode_text)
+        if failure:
+            self.errors.inc()
+            log.warning("room %d: %s", room, failure)
+
+    async def relay(self, req: Any, room: int, job: dict[str, Any], prefill_port: int, decode_port: int,
+                    decode_text: Any) -> str | None:
+        from examples.http import call, lines
+
+        async def prefill() -> str | None:
+            try:
+                status, answer = await call("127.0.0.1", prefill_port, "POST", "/prefill", job)
+            except OSError as exc:
+                return f"prefill unreachable: {exc}"
+            return None if status == 200 and answer.get("ok") else f"prefill failed: {answer}"
+
+        prefill_task = asyncio.ensure_future(prefill())
+
+        async def abort_decode_if_prefill_fails() -> None:
+            if await prefill_task:  # the KV will never come: the decode frees the room's pages now
+                await call("127.0.0.1", decode_port, "POST", "/abort", {"room": room})
+
+        watcher = asyncio.ensure_future(abort_decode_if_prefill_fails())
+        failure = None
+        tokens: list[int] = []
+        try:
+            async for line in lines("127.0.0.1", decode_port, "POST", "/generate", job):
+                if "token" in line:
+                    tokens.append(line["token"])
+                    await req.stream({"token": line["token"], "text": decode_text([line["token"]])})
+                if "error" in line:
+                    failure = line["error"]
+                if "done" in line or "error" in line:
+                    break
+        except OSError as exc:
+            failure = f"decode unreachable: {exc}"
+        prefill_failure = await prefill_task
+        await watcher
+        failure = prefill_failure or failure
+        if failure:
+            await req.stream({"error": failure, "room": room})
+        else:
+            await req.stream({"done": True, "room": room, "tokens": tokens, "text": decode_text(tokens)})
+        await req.end_stream()
+        return failure
+
+
+# --- launcher ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Running:
+    """The processes of a serving set, and where to reach them."""
+
+    cfg: ServeConfig
+    prefill_procs: list[list[Any]]
+    decode_procs: list[list[Any]]
+    prefills: list[tuple[str, int]]
+    decodes: list[int]
+
+    def stop(self) -> None:
+        for proc in [p for group in self.prefill_procs + self.decode_procs for p in group]:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in [p for group in self.prefill_procs + self.decode_procs for p in group]:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+
+
+def _ready(conn: Any, proc: Any, timeout: float = 120.0) -> tuple[str, int]:
+    if not conn.poll(timeout):
+        raise RuntimeError(f"{proc.name} did not start within {timeout}s (exit code {proc.exitcode})")
+    _, bootstrap, port, _pid = conn.recv()
+    return bootstrap, port
+
+
+def start(cfg: ServeConfig) -> Running:
+    """Start every prefill and decode rank process; return once all are ready."""
+    ctx = mp.get_context("spawn")
+    running = Running(cfg, [], [], [], [])
+    try:
+        for index in range(cfg.prefill_instances):
+            dist_port, procs = free_port(), []
+            for rank in range(cfg.prefill_tp):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=prefill_rank_main, args=(cfg, index, rank, dist_port, child),
+                                   daemon=True, name=f"prefill{index}-rank{rank}")
+                proc.start()
+                procs.append((proc, parent))
+            ready = [_ready(parent, proc) for proc, parent in procs]
+            running.prefill_procs.append([p for p, _ in procs])
+            running.prefills.append(ready[0])
+        for index in range(cfg.decode_instances):
+            dist_port, procs = free_port(), []
+            for rank in range(cfg.decode_tp):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=decode_rank_main, args=(cfg, index, rank, dist_port, child),
+                                   daemon=True, name=f"decode{index}-rank{rank}")
+                proc.start()
+                procs.append((proc, parent))
+            ports = [_ready(parent, proc)[1] for proc, parent in procs]
+            running.decode_procs.append([p for p, _ in procs])
+            running.decodes.append(ports[0])
+    except Exception:
+        running.stop()
+        raise
+    return running
+
+
+async def run_router(running: Running, host: str, port: int) -> asyncio.AbstractServer:
+    from examples.http import serve
+
+    router = Router(running.prefills, running.decodes)
+    return await serve(host, port, router.handle)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m examples.serve", description=__doc__.split("\n\n")[0])
+    defaults = ServeConfig()
+    for name, value in asdict(defaults).items():
+        ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+    args = ap.parse_args(argv)
+    cfg = ServeConfig(**vars(args))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    print(f"starting {cfg.prefill_instances} prefill (TP {cfg.prefill_tp}) and {cfg.decode_instances} decode "
+          f"(TP {cfg.decode_tp}) instances ...", flush=True)
+    running = start(cfg)
+
+    async def serve_forever() -> None:
+        server = await run_router(running, cfg.host, cfg.port)
+        print(f"router on http://{cfg.host}:{cfg.port}: curl -N {cfg.host}:{cfg.port}/generate "
+              f"-d '{json.dumps({'prompt': 'Hello, world', 'max_tokens': 16})}'", flush=True)
+        async with server:
+            await server.serve_forever()
+
+    try:
+        asyncio.run(serve_forever())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        running.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
