@@ -470,33 +470,32 @@ def _ready(conn: Any, proc: Any, timeout: float = 120.0) -> tuple[str, int]:
     return bootstrap, port
 
 
+def _instance(ctx: Any, target: Any, cfg: ServeConfig, role: str, index: int, tp: int) -> tuple[list[Any], tuple[str, int]]:
+    """Start the ``tp`` rank processes of one instance; (processes, rank 0's (bootstrap, HTTP port))."""
+    dist_port, procs = free_port(), []
+    for rank in range(tp):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=target, args=(cfg, index, rank, dist_port, child), daemon=True,
+                           name=f"{role}{index}-rank{rank}")
+        proc.start()
+        procs.append((proc, parent))
+    ready = [_ready(parent, proc) for proc, parent in procs]
+    return [proc for proc, _ in procs], ready[0]
+
+
 def start(cfg: ServeConfig) -> Running:
     """Start every prefill and decode rank process; return once all are ready."""
     ctx = mp.get_context("spawn")
     running = Running(cfg, [], [], [], [])
     try:
         for index in range(cfg.prefill_instances):
-            dist_port, procs = free_port(), []
-            for rank in range(cfg.prefill_tp):
-                parent, child = ctx.Pipe()
-                proc = ctx.Process(target=prefill_rank_main, args=(cfg, index, rank, dist_port, child),
-                                   daemon=True, name=f"prefill{index}-rank{rank}")
-                proc.start()
-                procs.append((proc, parent))
-            ready = [_ready(parent, proc) for proc, parent in procs]
-            running.prefill_procs.append([p for p, _ in procs])
-            running.prefills.append(ready[0])
+            procs, rank0 = _instance(ctx, prefill_rank_main, cfg, "prefill", index, cfg.prefill_tp)
+            running.prefill_procs.append(procs)
+            running.prefills.append(rank0)
         for index in range(cfg.decode_instances):
-            dist_port, procs = free_port(), []
-            for rank in range(cfg.decode_tp):
-                parent, child = ctx.Pipe()
-                proc = ctx.Process(target=decode_rank_main, args=(cfg, index, rank, dist_port, child),
-                                   daemon=True, name=f"decode{index}-rank{rank}")
-                proc.start()
-                procs.append((proc, parent))
-            ports = [_ready(parent, proc)[1] for proc, parent in procs]
-            running.decode_procs.append([p for p, _ in procs])
-            running.decodes.append(ports[0])
+            procs, rank0 = _instance(ctx, decode_rank_main, cfg, "decode", index, cfg.decode_tp)
+            running.decode_procs.append(procs)
+            running.decodes.append(rank0[1])
     except Exception:
         running.stop()
         raise
