@@ -42,7 +42,6 @@ import multiprocessing as mp
 import os
 import queue
 import socket
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
