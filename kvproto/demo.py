@@ -441,8 +441,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="tokens decode already holds (prefix-cache hit): only the rest moves")
     a("--chunk-tokens", type=int, default=d.chunk_tokens, help="chunked-prefill chunk size")
     a("--concurrency", type=int, default=d.concurrency, help="rooms in flight per rank")
-    a("--transport", choices=["nixl", "loopback"], default=d.transport,
-      help="loopback only works within one process; the demo uses separate processes, so use nixl")
+    a("--transport", default=d.transport,
+      help="data-plane adapter by name: nixl, or any adapter an installed package declares in the "
+           "kvproto.transports entry-point group (loopback cannot cross processes)")
     a("--path", choices=["auto", "sliced", "staged"], default=d.path,
       help="auto: direct where pages match byte for byte, else staged, else sliced")
     a("--staging-mb", type=int, default=d.staging_mb, help="staging buffer per rank, MiB")
@@ -453,7 +454,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     fields = {k: getattr(args, k) for k in DemoConfig.__dataclass_fields__ if hasattr(args, k)}
     cfg = DemoConfig(**fields)
-    if cfg.transport == "loopback":
+    from kvproto.transport import adapters
+
+    if cfg.transport not in adapters():
+        print(f"unknown transport {cfg.transport!r}; known: {', '.join(sorted(adapters()))}", file=sys.stderr)
+        return 2
+    if cfg.transport in ("loopback", "simulated"):
         print("the demo runs one process per rank: loopback cannot cross processes; use --transport nixl",
               file=sys.stderr)
         return 2
