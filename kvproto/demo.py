@@ -55,6 +55,10 @@ class DemoConfig:
     path: str = "auto"
     """auto (direct, else staged, else sliced), sliced, or staged."""
     staging_mb: int = 64
+    two_hosts: bool = False
+    """Prefill and decode in two network namespaces joined by a veth pair (root; Linux)."""
+    curve: bool = False
+    """Authenticate and encrypt the control plane with ZMQ CURVE (always on with two_hosts)."""
 
 
 def schedule(cfg: DemoConfig) -> list[tuple[int, int]]:
@@ -196,16 +200,25 @@ class _Cache:
 # --- rank processes ---------------------------------------------------------------------------------
 
 
-def _endpoint_config(cfg: DemoConfig, instance: str):
-    from kvproto.aio import EndpointConfig
+def _endpoint_config(cfg: DemoConfig, instance: str, place: dict):
+    from kvproto.aio import CurveAuth, EndpointConfig
     from kvproto.core import Timeouts
 
+    curve = None
+    if place.get("curve"):
+        keys = place["curve"]
+        if instance == "prefill":
+            curve = CurveAuth(public_key=keys["server"][0], secret_key=keys["server"][1],
+                              allowed=frozenset({keys["client"][0]}))
+        else:
+            curve = CurveAuth(public_key=keys["client"][0], secret_key=keys["client"][1], server_key=keys["server"][0])
     return EndpointConfig(transport=cfg.transport, instance=instance, model_id="kvproto-demo", path=cfg.path,
-                          staging_bytes=cfg.staging_mb << 20,
+                          staging_bytes=cfg.staging_mb << 20, host=place.get("host", "127.0.0.1"),
+                          advertise_host=place.get("advertise"), curve=curve,
                           timeouts=Timeouts(bootstrap=cfg.timeout, waiting=cfg.timeout, transfer=cfg.timeout))
 
 
-async def _prefill(cfg: DemoConfig, rank: int, bootstrap: str | None, report) -> None:
+async def _prefill(cfg: DemoConfig, rank: int, bootstrap: str | None, report, place: dict) -> None:
     import torch
 
     from kvproto.aio import PrefillEndpoint
@@ -213,7 +226,7 @@ async def _prefill(cfg: DemoConfig, rank: int, bootstrap: str | None, report) ->
     cache = _Cache(torch, cfg, tp=cfg.prefill_tp, rank=rank, block=cfg.prefill_block,
                    layout=cfg.prefill_layout, aux_slots=cfg.concurrency)
     slots = list(range(cfg.concurrency))
-    async with PrefillEndpoint(cache.kv, bootstrap=bootstrap, config=_endpoint_config(cfg, "prefill")) as ep:
+    async with PrefillEndpoint(cache.kv, bootstrap=bootstrap, config=_endpoint_config(cfg, "prefill", place)) as ep:
         report.put(("address", rank, ep.address))
         sem = asyncio.Semaphore(cfg.concurrency)
         paths: set[str] = set()
@@ -251,7 +264,7 @@ async def _prefill(cfg: DemoConfig, rank: int, bootstrap: str | None, report) ->
                 return
 
 
-async def _decode(cfg: DemoConfig, rank: int, bootstrap: str, report, go) -> None:
+async def _decode(cfg: DemoConfig, rank: int, bootstrap: str, report, go, place: dict) -> None:
     import torch
 
     from kvproto.aio import DecodeEndpoint
@@ -259,7 +272,7 @@ async def _decode(cfg: DemoConfig, rank: int, bootstrap: str, report, go) -> Non
     cache = _Cache(torch, cfg, tp=cfg.decode_tp, rank=rank, block=cfg.decode_block,
                    layout=cfg.decode_layout, aux_slots=cfg.concurrency)
     slots = list(range(cfg.concurrency))
-    async with DecodeEndpoint(cache.kv, config=_endpoint_config(cfg, "decode")) as ep:
+    async with DecodeEndpoint(cache.kv, config=_endpoint_config(cfg, "decode", place)) as ep:
         sem = asyncio.Semaphore(cfg.concurrency)
         totals = {"bytes": 0, "bad": 0, "done": 0}
         go.wait()
@@ -292,16 +305,21 @@ async def _decode(cfg: DemoConfig, rank: int, bootstrap: str, report, go) -> Non
         report.put(("decode-done", rank, elapsed, totals["bytes"], totals["bad"], totals["done"]))
 
 
-def _rank_main(role: str, rank: int, cfg_dict: dict, bootstrap: str | None, report, go) -> None:
+def _rank_main(role: str, rank: int, cfg_dict: dict, bootstrap: str | None, report, go, place: dict) -> None:
     cfg = DemoConfig(**cfg_dict)
+    if place.get("netns"):  # before any socket or thread exists: everything after lives there
+        from kvproto.testing import netns
+
+        netns.enter(place["netns"])
+        os.environ.update(netns.HOST_ENV)
     import torch
 
     torch.set_num_threads(1)  # one process per rank already fills the cores
     try:
         if role == "prefill":
-            asyncio.run(_prefill(cfg, rank, bootstrap, report))
+            asyncio.run(_prefill(cfg, rank, bootstrap, report, place))
         else:
-            asyncio.run(_decode(cfg, rank, bootstrap, report, go))  # type: ignore[arg-type]
+            asyncio.run(_decode(cfg, rank, bootstrap, report, go, place))  # type: ignore[arg-type]
     except Exception as exc:  # surfaced to the parent, which fails the demo
         report.put(("error", f"{role} rank {rank}", f"{type(exc).__name__}: {exc}"))
         raise
@@ -332,6 +350,38 @@ class _Progress:
 
 
 def run(cfg: DemoConfig) -> int:
+    hosts = None
+    places: dict[str, dict] = {"prefill": {}, "decode": {}}
+    if cfg.two_hosts:
+        from kvproto.testing import netns
+
+        why = netns.unavailable()
+        if why:
+            print(f"--two-hosts: {why}", file=sys.stderr)
+            return 2
+        hosts = netns.TwoHosts.create()
+        places = {"prefill": {"netns": hosts.a, "host": "0.0.0.0", "advertise": hosts.a_addr},
+                  "decode": {"netns": hosts.b}}
+        print(f"two hosts: prefill ranks in network namespace {hosts.a} ({hosts.a_addr}, bound to 0.0.0.0), "
+              f"decode ranks in {hosts.b} ({hosts.b_addr}), joined by a veth pair; CURVE on; "
+              f"{' '.join(f'{k}={v}' for k, v in netns.HOST_ENV.items())}", flush=True)
+    if cfg.curve or cfg.two_hosts:
+        import zmq
+
+        keys = {"server": zmq.curve_keypair(), "client": zmq.curve_keypair()}
+        for place in places.values():
+            place["curve"] = keys
+    try:
+        rc = _run(cfg, places)
+        if hosts is not None:
+            print(f"the veth pair carried {hosts.tx_bytes() / 1e9:.3f} GB from the prefill host to the decode host")
+        return rc
+    finally:
+        if hosts is not None:
+            hosts.close()
+
+
+def _run(cfg: DemoConfig, places: dict[str, dict]) -> int:
     ctx = mp.get_context("spawn")
     report = ctx.Queue()
     go = ctx.Event()
@@ -339,7 +389,7 @@ def run(cfg: DemoConfig) -> int:
     cfg_dict = asdict(cfg)
 
     def start(role: str, rank: int, bootstrap: str | None) -> None:
-        p = ctx.Process(target=_rank_main, args=(role, rank, cfg_dict, bootstrap, report, go),
+        p = ctx.Process(target=_rank_main, args=(role, rank, cfg_dict, bootstrap, report, go, places[role]),
                         name=f"{role}-{rank}", daemon=True)
         p.start()
         procs.append(p)
@@ -447,6 +497,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--path", choices=["auto", "sliced", "staged"], default=d.path,
       help="auto: direct where pages match byte for byte, else staged, else sliced")
     a("--staging-mb", type=int, default=d.staging_mb, help="staging buffer per rank, MiB")
+    a("--two-hosts", action="store_true",
+      help="run prefill and decode in two network namespaces joined by a veth pair, nothing on 127.0.0.1 "
+           "between them, CURVE on (Linux, root)")
+    a("--curve", action="store_true", help="authenticate and encrypt the control plane with ZMQ CURVE")
     a("--seed", type=int, default=d.seed)
     a("--timeout", type=float, default=d.timeout, help="per-room deadline in seconds")
 

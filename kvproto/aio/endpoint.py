@@ -97,7 +97,12 @@ class CurveAuth:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EndpointConfig:
     host: str = "127.0.0.1"
-    """Interface the prefill endpoint binds (decode endpoints only connect)."""
+    """Interface the prefill endpoint binds (decode endpoints only connect); ``0.0.0.0`` binds all."""
+    advertise_host: str | None = None
+    """Host name or address peers use to reach this prefill rank: its bootstrap address and
+    rank announcements carry it. Default: ``host``, which must then not be a wildcard. Set it
+    when binding ``0.0.0.0`` or behind an address translation. (The data plane advertises its
+    own addresses in its metadata: for NIXL, UCX's interfaces, chosen with ``UCX_NET_DEVICES``.)"""
     port: int = 0
     """Port of the prefill endpoint; 0 picks a free one."""
     transport: str = "nixl"

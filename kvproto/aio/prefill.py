@@ -93,6 +93,14 @@ MAX_PAGES = 1 << 26
 MAX_AUX_SLOTS = 1 << 20
 
 
+_WILDCARDS = frozenset({"0.0.0.0", "*", "::", "[::]", ""})
+
+
+def _bracketed(host: str) -> str:
+    """``host`` as it goes into a ZMQ tcp:// address (IPv6 literals in brackets)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 @dataclass(slots=True)
 class _DecodeLink:
     ident: bytes
@@ -124,6 +132,9 @@ class PrefillEndpoint(EndpointBase):
         g = kv.geometry
         if g.tp_rank != 0 and bootstrap is None:
             raise ValueError("prefill ranks other than 0 need bootstrap=<address of rank 0>")
+        if (self.config.advertise_host or self.config.host) in _WILDCARDS:
+            raise ValueError(f"EndpointConfig.host={self.config.host!r} binds every interface: set "
+                             "EndpointConfig.advertise_host to the address decode ranks can reach")
         self._bootstrap_target = bootstrap
         aux = kv.aux
         self.core = SenderCore(
@@ -182,6 +193,7 @@ class PrefillEndpoint(EndpointBase):
             warming = warm_kernels(self.kv, self._regions, gather=True, host=self._staging.where == "host")
             if warming is not None and self.config.warm_up:
                 await asyncio.to_thread(warming.join)
+        advertised = self.config.advertise_host or self.config.host
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 500)
         curve = self.config.curve
@@ -196,7 +208,7 @@ class PrefillEndpoint(EndpointBase):
         else:
             port = router.bind_to_random_port(f"tcp://{self.config.host}")
         self._router = self._channel(router, "frame", self._on_message)
-        self.address = f"tcp://{self.config.host}:{port}"
+        self.address = f"tcp://{_bracketed(advertised)}:{port}"
         g = self.kv.geometry
         self._rank_table[g.tp_rank] = RankAddress(tp_rank=g.tp_rank, endpoint=self.address, boot_id=self.boot_id)
         if g.tp_rank != 0:
