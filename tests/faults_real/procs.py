@@ -48,6 +48,12 @@ class RankSpec:
     aux_slots: int = 32
     room_timeout: float = 60.0
     """Every room deadline (bootstrap, waiting, transfer, parked): far beyond any test's wait."""
+    netns: str | None = None
+    """Network namespace the child process runs in (``kvproto.testing.netns``)."""
+    host: str = "127.0.0.1"
+    advertise_host: str | None = None
+    curve: dict[str, tuple[bytes, bytes]] | None = None
+    """``{"server": (public, secret), "client": (public, secret)}``: CURVE on the control plane."""
 
 
 @dataclass
@@ -78,14 +84,22 @@ class Rank:
 
     # --- lifecycle ------------------------------------------------------------------------------
     async def start(self, port: int = 0) -> dict[str, Any]:
-        from kvproto.aio import DecodeEndpoint, EndpointConfig, PrefillEndpoint
+        from kvproto.aio import CurveAuth, DecodeEndpoint, EndpointConfig, PrefillEndpoint
         from kvproto.core import Timeouts
 
         t = self.spec.room_timeout
+        keys = self.spec.curve
+        curve = None
+        if keys and self.spec.role == "prefill":
+            curve = CurveAuth(public_key=keys["server"][0], secret_key=keys["server"][1],
+                              allowed=frozenset({keys["client"][0]}))
+        elif keys:
+            curve = CurveAuth(public_key=keys["client"][0], secret_key=keys["client"][1], server_key=keys["server"][0])
         config = EndpointConfig(
             transport=self.cfg.transport, port=port, instance=self.spec.instance, model_id="faults-real",
             heartbeat_interval=self.spec.heartbeat_interval, heartbeat_timeout=self.spec.heartbeat_timeout,
             staging_bytes=0, timeouts=Timeouts(bootstrap=t, waiting=t, transfer=t, parked=t),
+            host=self.spec.host, advertise_host=self.spec.advertise_host, curve=curve,
         )
         cls = PrefillEndpoint if self.spec.role == "prefill" else DecodeEndpoint
         self.ep = cls(self.cache.kv, config=config)
@@ -198,6 +212,11 @@ class Rank:
 
 
 def child_main(spec: RankSpec, conn: Any) -> None:
+    if spec.netns:  # before any socket or thread: everything the rank starts lives there
+        from kvproto.testing import netns
+
+        netns.enter(spec.netns)
+        os.environ.update(netns.HOST_ENV)
     import torch
 
     torch.set_num_threads(1)
