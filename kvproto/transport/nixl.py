@@ -21,11 +21,18 @@ NIXL invalidates the lists prepared for a peer when the peer is removed or its m
 loaded again; the adapter tracks lists by peer and releases them at that moment. Every NIXL
 exception is re-raised as ``TransportError`` naming the operation; indices, pairing and peers
 are checked here first so that the common mistakes get precise messages.
+
+On a machine with no InfiniBand device the adapter keeps UCX from loading its ``ib`` module
+(``UCX_MODULES=^ib``, unless ``UCX_MODULES`` is set): that module only pulls in the system's
+libibverbs and with it a second copy of libnl-route beside the one NIXL's wheel bundles, and
+the two crash the process at exit (SIGSEGV in ``rtnl_tc_unregister`` from the bundled copy's
+destructor; seen with NIXL 1.5.1 once Debian's libibverbs1 is installed).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -46,6 +53,17 @@ from kvproto.transport.base import (
     check_pairs,
     take_rows,
 )
+
+
+def _has_infiniband() -> bool:
+    try:
+        return bool(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return False
+
+
+if not _has_infiniband():
+    os.environ.setdefault("UCX_MODULES", "^ib")
 
 
 def _import_api() -> ModuleType:
