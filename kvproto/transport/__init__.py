@@ -60,6 +60,7 @@ ENTRY_POINT_GROUP = "kvproto.transports"
 
 _BUILTIN: dict[str, str] = {
     "loopback": "kvproto.transport.loopback:LoopbackTransport",
+    "mooncake": "kvproto.transport.mooncake:MooncakeTransport",
     "nixl": "kvproto.transport.nixl:NixlTransport",
     "simulated": "kvproto.testing.simulated:SimulatedTransport",
 }

@@ -37,6 +37,11 @@ DRAM = MemKind.DRAM
 _NO_NIXL = pytest.mark.skipif("nixl" not in available_transports(), reason="NIXL is not importable")
 
 
+@pytest.mark.skipif("mooncake" not in available_transports(), reason="Mooncake's Transfer Engine is not importable")
+class TestMooncake(TransportConformance):
+    transport = "mooncake"
+
+
 class _Merging:
     """Loopback and NIXL merge every maximal run of contiguous rows into one descriptor, and
     rows of different registrations never (the direct path's descriptor counts rely on it)."""

@@ -1,0 +1,403 @@
+"""The Mooncake adapter: Mooncake's Transfer Engine moves the bytes, a ZMQ socket the tags.
+
+Theory of operation
+-------------------
+Each agent owns one ``mooncake.engine.TransferEngine`` started with the P2P handshake (no
+metadata server) over ``protocol`` (``tcp`` by default: it runs on any host; ``rdma`` where
+Mooncake finds RDMA devices). Its session id, ``host:rpc_port``, is what a peer writes to, so
+``host`` must be an address the peer can reach (the engine listens on every interface).
+Mooncake has no bare notification from Python (only blocking transfers that carry one), so
+every agent also binds a ZMQ PULL socket on ``host`` and connects a PUSH socket to each peer;
+tags go there as ``[agent name, tag]``. ``metadata()`` is a JSON document: agent name, session
+id, tag address and a snapshot of the registered regions.
+
+A write is its rows merged into runs (consecutive rows of equal length, contiguous on both
+sides and inside one registered region on each side), each run submitted at once with
+``transfer_submit_write``; ``poll`` checks every run that is still in flight with the
+non-blocking ``transfer_check_status``, and once all have completed queues the write's tag,
+so a tag never overtakes its bytes. Mooncake frees a run's batch id when it reports it
+completed or failed, and checking a freed id crashes the process, so a run is never checked
+again after that; runs of a released write or a closed agent are not checked at all (their ids
+stay allocated, bounded by the writes abandoned to a dead peer). Tags to one peer leave in the
+order they were queued; a full queue leaves a write PENDING until a later call. Every row is
+checked here against this agent's registrations and the peer's snapshot before anything is
+submitted: Mooncake's TCP transport would read unregistered local memory without complaint.
+
+``close`` destroys the engine, which takes Mooncake about a second (holding the GIL: a thread
+would not hide it); an engine with runs still in flight is kept until the process exits instead.
+
+Two Mooncake behaviours shape the use: the first write to a peer opens its segment with a
+handshake inside ``transfer_submit_write`` (one round trip, blocking the caller; up to
+Mooncake's 60 s against a peer that accepts and never answers); and a peer's TCP lane queues at
+most ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` runs, which this module raises to 65,536 unless set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+
+from kvproto.transport.base import (
+    MemKind,
+    MemoryRegion,
+    Notification,
+    TransportClosed,
+    TransportError,
+    TransportStats,
+    XferState,
+    as_descs,
+    check_pairs,
+    take_rows,
+)
+
+os.environ.setdefault("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "65536")
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+from mooncake.engine import TransferEngine  # noqa: E402  (reads the settings above)
+
+_FORMAT = "kvproto-mooncake/1"
+_LINGERING: list[Any] = []
+"""Engines closed with runs in flight: kept alive until the process exits."""
+
+
+@dataclass(eq=False)
+class _Peer:
+    name: str
+    session: str
+    tags: str
+    regions: np.ndarray
+    """(N, 2) int64 rows of (address, length), sorted by address."""
+    push: zmq.Socket
+    gone: str = ""
+    """Why lists prepared for this snapshot no longer work ("" while it is current)."""
+
+
+@dataclass(eq=False)
+class MooncakeList:
+    rows: np.ndarray
+    peer: _Peer | None
+    released: bool = False
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+@dataclass(eq=False)
+class MooncakeXfer:
+    peer: _Peer
+    runs: list[int]
+    """Batch ids still in flight."""
+    tag: bytes
+    state: XferState = XferState.PENDING
+    error: str | None = None
+    queued: bool = False
+    """Every run completed and the tag waits in the outbox."""
+    released: bool = False
+
+
+@dataclass(eq=False)
+class MooncakeRegistration:
+    regions: list[tuple[int, int]] = field(default_factory=list)
+
+
+def _sorted_regions(regions: Sequence[tuple[int, int]]) -> np.ndarray:
+    arr = np.array(sorted(regions), dtype=np.int64).reshape(-1, 2)
+    return arr
+
+
+def _region_of(rows: np.ndarray, regions: np.ndarray) -> np.ndarray:
+    """Index of the region holding each row (device 0), or -1."""
+    if len(regions) == 0:
+        return np.full(len(rows), -1)
+    i = np.searchsorted(regions[:, 0], rows[:, 0], side="right") - 1
+    ok = (i >= 0) & (rows[:, 2] == 0)
+    j = np.where(ok, i, 0)
+    ok &= rows[:, 0] + rows[:, 1] <= regions[j, 0] + regions[j, 1]
+    return np.where(ok, i, -1)
+
+
+class MooncakeTransport:
+    """A ``Transport`` over Mooncake's Transfer Engine (P2P handshake), tags over ZMQ."""
+
+    def __init__(self, name: str, *, host: str = "127.0.0.1", protocol: str = "tcp") -> None:
+        self.name = name
+        self.stats = TransportStats()
+        self._engine = TransferEngine()
+        if self._engine.initialize(host, "P2PHANDSHAKE", protocol, "") != 0:
+            raise TransportError(f"create agent: Mooncake could not start a {protocol} engine on {host!r}")
+        self._session = f"{host}:{self._engine.get_rpc_port()}"
+        self._ctx = zmq.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        port = self._pull.bind_to_random_port(f"tcp://{host}")
+        self._tags = f"tcp://{host}:{port}"
+        self._registrations: list[MooncakeRegistration] = []
+        self._peers: dict[str, _Peer] = {}
+        self._outbox: deque[tuple[_Peer, bytes, MooncakeXfer | None]] = deque()
+        self._inflight: set[MooncakeXfer] = set()
+        self._closed = False
+
+    # --- memory ----------------------------------------------------------------------------
+    def memory_kinds(self) -> frozenset[MemKind]:
+        self._check_open()
+        return frozenset({MemKind.DRAM})
+
+    def register(self, regions: Sequence[MemoryRegion]) -> MooncakeRegistration:
+        self._check_open()
+        if not regions:
+            raise TransportError("register: no regions given")
+        if any(r.kind is not MemKind.DRAM or r.device_id != 0 or r.length <= 0 for r in regions):
+            raise TransportError("register: the Mooncake adapter registers DRAM of device 0 only")
+        reg = MooncakeRegistration()
+        for r in regions:
+            if self._engine.register_memory(r.address, r.length, "*") != 0:
+                self._unregister(reg)
+                raise TransportError(f"register: Mooncake refused {r.length} bytes at {r.address:#x}")
+            reg.regions.append((r.address, r.length))
+        self._registrations.append(reg)
+        return reg
+
+    def deregister(self, registration: MooncakeRegistration) -> None:
+        self._check_open()
+        if registration not in self._registrations:
+            raise TransportError("deregister: registration is not registered with this agent")
+        self._registrations.remove(registration)
+        self._unregister(registration)
+
+    def _unregister(self, reg: MooncakeRegistration) -> None:
+        for address, _ in reg.regions:
+            self._engine.unregister_memory(address)
+
+    def _local_regions(self) -> np.ndarray:
+        return _sorted_regions([r for reg in self._registrations for r in reg.regions])
+
+    # --- peers ----------------------------------------------------------------------------
+    def metadata(self) -> bytes:
+        self._check_open()
+        doc = {"format": _FORMAT, "agent": self.name, "session": self._session, "tags": self._tags,
+               "regions": self._local_regions().tolist()}
+        return json.dumps(doc).encode()
+
+    def add_peer(self, metadata: bytes) -> str:
+        self._check_open()
+        try:
+            doc = json.loads(metadata)
+            if doc["format"] != _FORMAT:
+                raise ValueError(f"format {doc['format']!r}")
+            name, session, tags = str(doc["agent"]), str(doc["session"]), str(doc["tags"])
+            regions = _sorted_regions([(int(a), int(n)) for a, n in doc["regions"]])
+        except (ValueError, KeyError, TypeError) as e:
+            raise TransportError(f"add_peer: not Mooncake adapter metadata ({e})") from e
+        if name == self.name:
+            raise TransportError(f"add_peer: {name!r} is this agent itself")
+        push = self._ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.setsockopt(zmq.SNDHWM, 1 << 17)
+        try:
+            push.connect(tags)
+        except zmq.ZMQError as e:
+            push.close()
+            raise TransportError(f"add_peer: bad tag address {tags!r} ({e})") from e
+        if name in self._peers:
+            self._drop(name, f"peer {name!r} was reloaded by add_peer")
+        self._peers[name] = _Peer(name, session, tags, regions, push)
+        return name
+
+    def remove_peer(self, peer: str) -> None:
+        self._peer(peer)
+        self._drop(peer, f"peer {peer!r} was removed")
+
+    def _drop(self, name: str, why: str) -> None:
+        peer = self._peers.pop(name)
+        peer.gone = why
+        peer.push.close()
+        kept: deque[tuple[_Peer, bytes, MooncakeXfer | None]] = deque()
+        for entry in self._outbox:
+            if entry[0] is peer:
+                if entry[2] is not None:
+                    entry[2].error = why
+                    self._end(entry[2], XferState.ERROR)
+            else:
+                kept.append(entry)
+        self._outbox = kept
+
+    def _peer(self, name: str) -> _Peer:
+        self._check_open()
+        try:
+            return self._peers[name]
+        except KeyError:
+            raise TransportError(f"unknown peer {name!r}") from None
+
+    # --- descriptor lists -----------------------------------------------------------------
+    def prepare(self, peer: str | None, rows: np.ndarray, kind: MemKind) -> MooncakeList:
+        self._check_open()
+        target = None if peer is None else self._peer(peer)
+        arr = self._checked(rows, kind, target)
+        if len(arr) == 0:
+            raise TransportError("prepare: a descriptor list needs at least one row")
+        return MooncakeList(arr, target)
+
+    def release_prepared(self, dlist: MooncakeList) -> None:
+        self._check_open()
+        dlist.released = True
+
+    def _checked(self, rows: np.ndarray, kind: MemKind, peer: _Peer | None) -> np.ndarray:
+        arr = as_descs(rows)
+        if kind is not MemKind.DRAM:
+            raise TransportError(f"the Mooncake adapter moves DRAM only, not {kind.name}")
+        regions = self._local_regions() if peer is None else peer.regions
+        bad = np.flatnonzero(_region_of(arr, regions) < 0)
+        if bad.size:
+            i = int(bad[0])
+            whose = "this agent's" if peer is None else f"peer {peer.name!r}'s"
+            raise TransportError(f"row {i} {arr[i].tolist()} is not inside {whose} registered DRAM")
+        return arr
+
+    def _usable(self, dlist: MooncakeList, peer: _Peer | None) -> np.ndarray:
+        if dlist.released:
+            raise TransportError("descriptor list was released")
+        if dlist.peer is not None and (dlist.peer.gone or dlist.peer is not peer):
+            raise TransportError(dlist.peer.gone or "descriptor list belongs to another peer")
+        return dlist.rows
+
+    # --- writes ---------------------------------------------------------------------------
+    def post_prepared(self, peer: str, local: MooncakeList, local_idx: np.ndarray, remote: MooncakeList,
+                      remote_idx: np.ndarray, tag: bytes) -> MooncakeXfer:
+        target = self._peer(peer)
+        lrows = take_rows(self._usable(local, None), local_idx, "local")
+        rrows = take_rows(self._usable(remote, target), remote_idx, "remote")
+        return self._post(target, lrows, rrows, tag)
+
+    def post_descs(self, peer: str, local_rows: np.ndarray, local_kind: MemKind, remote_rows: np.ndarray,
+                   remote_kind: MemKind, tag: bytes) -> MooncakeXfer:
+        target = self._peer(peer)
+        return self._post(target, self._checked(local_rows, local_kind, None),
+                          self._checked(remote_rows, remote_kind, target), tag)
+
+    def _post(self, peer: _Peer, local: np.ndarray, remote: np.ndarray, tag: bytes) -> MooncakeXfer:
+        nbytes = check_pairs(local, remote)
+        runs = self._runs(local, remote, peer)
+        xfer = MooncakeXfer(peer, [], bytes(tag))
+        for s, e in runs:
+            length = int(local[s:e, 1].sum())
+            batch = self._engine.transfer_submit_write(peer.session, int(local[s, 0]), int(remote[s, 0]), length)
+            if batch == 0:  # the runs already submitted finish first; then the write polls ERROR
+                xfer.error = f"Mooncake refused a write of {length} bytes to {peer.name!r} ({peer.session})"
+                break
+            xfer.runs.append(batch)
+        self.stats.writes += 1
+        self.stats.bytes += nbytes
+        self.stats.descriptors += len(xfer.runs)
+        self._inflight.add(xfer)
+        return xfer
+
+    def _runs(self, local: np.ndarray, remote: np.ndarray, peer: _Peer) -> list[tuple[int, int]]:
+        """[start, end) row ranges that go as one submission each."""
+        n = len(local)
+        if n == 1:
+            return [(0, 1)]
+        lreg = _region_of(local, self._local_regions())
+        rreg = _region_of(remote, peer.regions)
+        joins = ((local[1:, 0] == local[:-1, 0] + local[:-1, 1]) & (remote[1:, 0] == remote[:-1, 0] + remote[:-1, 1])
+                 & (local[1:, 1] == local[:-1, 1]) & (lreg[1:] == lreg[:-1]) & (rreg[1:] == rreg[:-1]))
+        starts = [0, *(np.flatnonzero(~joins) + 1).tolist()]
+        return list(zip(starts, [*starts[1:], n], strict=True))
+
+    def poll(self, xfer: MooncakeXfer) -> XferState:
+        self._check_open()
+        if xfer.released:
+            raise TransportError("write handle was released")
+        if xfer.state is XferState.PENDING:
+            self._advance(xfer)
+        self._flush()
+        return xfer.state
+
+    def _advance(self, xfer: MooncakeXfer) -> None:
+        still = []
+        for batch in xfer.runs:
+            status = self._engine.transfer_check_status(batch)
+            if status == 0:
+                still.append(batch)
+            elif status < 0 and xfer.error is None:  # -1: failed (id freed); -2: timed out (abandoned)
+                what = "timed out" if status == -2 else "failed"
+                xfer.error = f"a Mooncake write to {xfer.peer.name!r} ({xfer.peer.session}) {what}"
+        xfer.runs = still
+        if still or xfer.queued:
+            return
+        if xfer.error is not None:
+            self._end(xfer, XferState.ERROR)
+        elif xfer.tag:
+            xfer.queued = True
+            self._outbox.append((xfer.peer, xfer.tag, xfer))
+        else:
+            self._end(xfer, XferState.DONE)
+
+    def _end(self, xfer: MooncakeXfer, state: XferState) -> None:
+        xfer.state = state
+        self._inflight.discard(xfer)
+
+    def release(self, xfer: MooncakeXfer) -> None:
+        self._check_open()
+        if xfer.state is XferState.PENDING and not xfer.peer.gone and not xfer.released:
+            raise TransportError("release: the write is pending and its peer is still present")
+        xfer.released = True
+        self._inflight.discard(xfer)
+
+    # --- tags -----------------------------------------------------------------------------
+    def notify(self, peer: str, tag: bytes) -> None:
+        target = self._peer(peer)
+        if not tag:
+            raise TransportError("notify: empty tag")
+        self._outbox.append((target, bytes(tag), None))
+        self._flush()
+
+    def _flush(self) -> None:
+        while self._outbox:
+            peer, tag, xfer = self._outbox[0]
+            try:
+                peer.push.send_multipart([self.name.encode(), tag], zmq.NOBLOCK)
+            except zmq.Again:
+                return  # the peer's queue is full: try again in a later call
+            self._outbox.popleft()
+            if xfer is not None and xfer.state is XferState.PENDING:
+                self._end(xfer, XferState.DONE)
+
+    def drain_notifications(self) -> list[Notification]:
+        self._check_open()
+        self._flush()
+        got = []
+        while True:
+            try:
+                frames = self._pull.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return got
+            if len(frames) == 2:
+                got.append(Notification(frames[0].decode(errors="replace"), frames[1]))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for reg in self._registrations:
+            self._unregister(reg)
+        self._registrations.clear()
+        for peer in list(self._peers):
+            self._drop(peer, "the agent was closed")
+        self._outbox.clear()
+        self._pull.close()
+        self._ctx.term()
+        engine, self._engine = self._engine, None
+        if any(x.runs for x in self._inflight):
+            _LINGERING.append(engine)  # never destroy an engine under its own transfers
+        self._inflight.clear()
+        del engine  # Mooncake's destructor runs here: about a second, holding the GIL
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportClosed(f"Mooncake agent {self.name!r} is closed")
