@@ -212,8 +212,11 @@ def _endpoint_config(cfg: DemoConfig, instance: str, place: dict):
                               allowed=frozenset({keys["client"][0]}))
         else:
             curve = CurveAuth(public_key=keys["client"][0], secret_key=keys["client"][1], server_key=keys["server"][0])
+    from kvproto.transport import host_options
+
+    options = host_options(cfg.transport, place["address"]) if place.get("address") else {}
     return EndpointConfig(transport=cfg.transport, instance=instance, model_id="kvproto-demo", path=cfg.path,
-                          staging_bytes=cfg.staging_mb << 20, host=place.get("host", "127.0.0.1"),
+                          transport_options=options, staging_bytes=cfg.staging_mb << 20, host=place.get("host", "127.0.0.1"),
                           advertise_host=place.get("advertise"), curve=curve,
                           timeouts=Timeouts(bootstrap=cfg.timeout, waiting=cfg.timeout, transfer=cfg.timeout))
 
@@ -360,8 +363,8 @@ def run(cfg: DemoConfig) -> int:
             print(f"--two-hosts: {why}", file=sys.stderr)
             return 2
         hosts = netns.TwoHosts.create()
-        places = {"prefill": {"netns": hosts.a, "host": "0.0.0.0", "advertise": hosts.a_addr},
-                  "decode": {"netns": hosts.b}}
+        places = {"prefill": {"netns": hosts.a, "host": "0.0.0.0", "advertise": hosts.a_addr, "address": hosts.a_addr},
+                  "decode": {"netns": hosts.b, "address": hosts.b_addr}}
         print(f"two hosts: prefill ranks in network namespace {hosts.a} ({hosts.a_addr}, bound to 0.0.0.0), "
               f"decode ranks in {hosts.b} ({hosts.b_addr}), joined by a veth pair; CURVE on; "
               f"{' '.join(f'{k}={v}' for k, v in netns.HOST_ENV.items())}", flush=True)

@@ -597,8 +597,8 @@ class PrefillEndpoint(EndpointBase):
             self.core.write_done(pending.room_id, pending.link, pending.seq, pending.posted.nbytes, now,
                                  tag=pending.tag)
         else:
-            self.core.write_failed(pending.room_id, pending.link, pending.seq, "transport reported ERR", now,
-                                   tag=pending.tag)
+            why = getattr(xfer, "error", None) or "transport reported ERR"
+            self.core.write_failed(pending.room_id, pending.link, pending.seq, why, now, tag=pending.tag)
 
     async def _settle(self, grace: float) -> None:
         """At close: let posted writes finish (their rooms' ABORTs go out as they do), then give up."""

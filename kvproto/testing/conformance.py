@@ -36,7 +36,7 @@ What an adapter must guarantee, and what it need not (each point is a test below
   its peer is gone; after ``close`` every call raises ``TransportClosed``;
 - deregistration: deregistered memory cannot be prepared; memory deregistered under a
   pending write ends that write (DONE or ERROR, never PENDING for ever), and the adapter
-  keeps working.
+  keeps working; so does a peer removed under a pending write (its tag goes nowhere).
 """
 
 from __future__ import annotations
@@ -620,3 +620,25 @@ class TransportConformance:
             assert c.add_peer(meta) == "b"
         finally:
             c.close()
+
+    def test_remove_peer_under_pending_write_ends_the_write(self, pair: Pair) -> None:
+        """A write whose peer is removed while it may be in flight still polls to an end (DONE
+        or ERROR) without raising, can then be released, and the agent keeps working."""
+        size = 16 << 20
+        src = pair.buffer(pair.a, size, pattern(size, seed=23))
+        dst = pair.buffer(pair.b, size)
+        pair.a.add_peer(pair.b.metadata())
+        xfer = pair.write_whole(src, dst, b"orphan")
+        pair.a.remove_peer("b")
+        deadline = time.monotonic() + DEADLINE_S
+        while pair.a.poll(xfer) is XferState.PENDING:
+            pair.b.drain_notifications()
+            assert time.monotonic() < deadline, "the write stayed PENDING after its peer was removed"
+        pair.a.release(xfer)
+        pair.a.drain_notifications()
+        assert pair.a.add_peer(pair.b.metadata()) == "b"
+        xfer2 = pair.a.post_prepared(
+            "b", pair.local_list(), np.array([3]), pair.remote_list(), np.array([4]), b"again"
+        )
+        complete(pair, [xfer2], [b"again"])
+        assert np.array_equal(pair.dst[4 * BLOCK : 5 * BLOCK], pair.src[3 * BLOCK : 4 * BLOCK])

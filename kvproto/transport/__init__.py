@@ -53,6 +53,8 @@ __all__ = [
     "adapters",
     "as_descs",
     "available_transports",
+    "host_options",
+    "transport_class",
     "load_transport",
 ]
 
@@ -107,11 +109,28 @@ def available_transports() -> list[str]:
     return names
 
 
-def load_transport(name: str, agent_name: str, **options: Any) -> Transport:
-    """Create the adapter called ``name`` for the agent ``agent_name``."""
+def transport_class(name: str) -> Callable[..., Transport]:
+    """The class (factory) registered under ``name``."""
     known = adapters()
     try:
         target = known[name]
     except KeyError:
         raise TransportError(f"unknown transport {name!r}; known: {', '.join(sorted(known))}") from None
-    return _resolve(name, target)(agent_name, **options)
+    return _resolve(name, target)
+
+
+def host_options(name: str, host: str) -> dict[str, Any]:
+    """``{"host": host}`` for an adapter that takes the address to advertise as its ``host``
+    option (such as ``mooncake``), else ``{}`` (NIXL's UCX finds its interfaces itself)."""
+    import inspect
+
+    try:
+        params = inspect.signature(transport_class(name)).parameters
+    except (TransportError, TypeError, ValueError):
+        return {}
+    return {"host": host} if "host" in params else {}
+
+
+def load_transport(name: str, agent_name: str, **options: Any) -> Transport:
+    """Create the adapter called ``name`` for the agent ``agent_name``."""
+    return transport_class(name)(agent_name, **options)

@@ -12,10 +12,12 @@ tags go there as ``[agent name, tag]``. ``metadata()`` is a JSON document: agent
 id, tag address and a snapshot of the registered regions.
 
 A write is its rows merged into runs (consecutive rows of equal length, contiguous on both
-sides and inside one registered region on each side), each run submitted at once with
-``transfer_submit_write``; ``poll`` checks every run that is still in flight with the
-non-blocking ``transfer_check_status``, and once all have completed queues the write's tag,
-so a tag never overtakes its bytes. Mooncake frees a run's batch id when it reports it
+sides and inside one registered region on each side), each submitted with
+``transfer_submit_write``. At most ``WINDOW`` runs per peer are in flight (Mooncake's TCP lane
+refuses more than 1,024 queued transfers per peer by default): the rest wait in this adapter
+and go, in posting order, as earlier runs complete. ``poll`` checks every run of the write
+still in flight with the non-blocking ``transfer_check_status``, and once all have completed
+queues the write's tag, so a tag never overtakes its bytes. Mooncake frees a run's batch id when it reports it
 completed or failed, and checking a freed id crashes the process, so a run is never checked
 again after that; runs of a released write or a closed agent are not checked at all (their ids
 stay allocated, bounded by the writes abandoned to a dead peer). Tags to one peer leave in the
@@ -26,10 +28,9 @@ submitted: Mooncake's TCP transport would read unregistered local memory without
 ``close`` destroys the engine, which takes Mooncake about a second (holding the GIL: a thread
 would not hide it); an engine with runs still in flight is kept until the process exits instead.
 
-Two Mooncake behaviours shape the use: the first write to a peer opens its segment with a
+One Mooncake behaviour shapes the use: the first write to a peer opens its segment with a
 handshake inside ``transfer_submit_write`` (one round trip, blocking the caller; up to
-Mooncake's 60 s against a peer that accepts and never answers); and a peer's TCP lane queues at
-most ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` runs, which this module raises to 65,536 unless set.
+Mooncake's 60 s against a peer that accepts and never answers).
 """
 
 from __future__ import annotations
@@ -57,11 +58,12 @@ from kvproto.transport.base import (
     take_rows,
 )
 
-os.environ.setdefault("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "65536")
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 from mooncake.engine import TransferEngine  # noqa: E402  (reads the settings above)
 
 _FORMAT = "kvproto-mooncake/1"
+WINDOW = 512
+"""Most runs in flight to one peer."""
 _LINGERING: list[Any] = []
 """Engines closed with runs in flight: kept alive until the process exits."""
 
@@ -74,6 +76,8 @@ class _Peer:
     regions: np.ndarray
     """(N, 2) int64 rows of (address, length), sorted by address."""
     push: zmq.Socket
+    inflight: int = 0
+    """Runs submitted to this peer and not yet seen to end."""
     gone: str = ""
     """Why lists prepared for this snapshot no longer work ("" while it is current)."""
 
@@ -91,9 +95,11 @@ class MooncakeList:
 @dataclass(eq=False)
 class MooncakeXfer:
     peer: _Peer
-    runs: list[int]
-    """Batch ids still in flight."""
+    todo: deque[tuple[int, int, int]]
+    """Runs not yet submitted: (local address, remote address, length)."""
     tag: bytes
+    runs: list[int] = field(default_factory=list)
+    """Batch ids in flight."""
     state: XferState = XferState.PENDING
     error: str | None = None
     queued: bool = False
@@ -140,7 +146,10 @@ class MooncakeTransport:
         self._registrations: list[MooncakeRegistration] = []
         self._peers: dict[str, _Peer] = {}
         self._outbox: deque[tuple[_Peer, bytes, MooncakeXfer | None]] = deque()
-        self._inflight: set[MooncakeXfer] = set()
+        self._inflight: dict[MooncakeXfer, None] = {}
+        """Writes not yet ended (an ordered set)."""
+        self._waiting: deque[MooncakeXfer] = deque()
+        """Writes with runs not yet submitted, in posting order."""
         self._closed = False
 
     # --- memory ----------------------------------------------------------------------------
@@ -217,6 +226,10 @@ class MooncakeTransport:
         peer = self._peers.pop(name)
         peer.gone = why
         peer.push.close()
+        for xfer in [x for x in self._waiting if x.peer is peer]:
+            xfer.error = why  # its unsubmitted runs never go; it polls ERROR once the others end
+            xfer.todo.clear()
+            self._waiting.remove(xfer)
         kept: deque[tuple[_Peer, bytes, MooncakeXfer | None]] = deque()
         for entry in self._outbox:
             if entry[0] is peer:
@@ -282,20 +295,34 @@ class MooncakeTransport:
 
     def _post(self, peer: _Peer, local: np.ndarray, remote: np.ndarray, tag: bytes) -> MooncakeXfer:
         nbytes = check_pairs(local, remote)
-        runs = self._runs(local, remote, peer)
-        xfer = MooncakeXfer(peer, [], bytes(tag))
-        for s, e in runs:
-            length = int(local[s:e, 1].sum())
-            batch = self._engine.transfer_submit_write(peer.session, int(local[s, 0]), int(remote[s, 0]), length)
-            if batch == 0:  # the runs already submitted finish first; then the write polls ERROR
-                xfer.error = f"Mooncake refused a write of {length} bytes to {peer.name!r} ({peer.session})"
-                break
-            xfer.runs.append(batch)
+        todo = deque((int(local[s, 0]), int(remote[s, 0]), int(local[s:e, 1].sum()))
+                     for s, e in self._runs(local, remote, peer))
+        xfer = MooncakeXfer(peer, todo, bytes(tag))
         self.stats.writes += 1
         self.stats.bytes += nbytes
-        self.stats.descriptors += len(xfer.runs)
-        self._inflight.add(xfer)
+        self.stats.descriptors += len(todo)
+        self._inflight[xfer] = None
+        self._waiting.append(xfer)
+        self._submit()
         return xfer
+
+    def _submit(self) -> None:
+        """Submit waiting runs, oldest write first, while their peer's window has room."""
+        for xfer in list(self._waiting):
+            peer = xfer.peer
+            if peer.inflight >= WINDOW:
+                continue
+            while xfer.todo and peer.inflight < WINDOW and xfer.error is None:
+                local, remote, length = xfer.todo.popleft()
+                batch = self._engine.transfer_submit_write(peer.session, local, remote, length)
+                if batch == 0:  # runs already in flight finish first; then the write polls ERROR
+                    xfer.error = f"Mooncake refused a write of {length} bytes to {peer.name!r} ({peer.session})"
+                    xfer.todo.clear()
+                    break
+                xfer.runs.append(batch)
+                peer.inflight += 1
+            if not xfer.todo:
+                self._waiting.remove(xfer)
 
     def _runs(self, local: np.ndarray, remote: np.ndarray, peer: _Peer) -> list[tuple[int, int]]:
         """[start, end) row ranges that go as one submission each."""
@@ -324,12 +351,20 @@ class MooncakeTransport:
             status = self._engine.transfer_check_status(batch)
             if status == 0:
                 still.append(batch)
-            elif status < 0 and xfer.error is None:  # -1: failed (id freed); -2: timed out (abandoned)
+                continue
+            xfer.peer.inflight -= 1
+            if status < 0 and xfer.error is None:  # -1: failed (id freed); -2: timed out (abandoned)
                 what = "timed out" if status == -2 else "failed"
                 xfer.error = f"a Mooncake write to {xfer.peer.name!r} ({xfer.peer.session}) {what}"
+                if xfer.todo:
+                    xfer.todo.clear()
+                    self._waiting.remove(xfer)
         xfer.runs = still
-        if still or xfer.queued:
+        self._submit()
+        if xfer.runs or xfer.todo or xfer.queued:
             return
+        if xfer.error is None and xfer.peer.gone:
+            xfer.error = xfer.peer.gone  # its bytes landed, but the tag has nobody to go to
         if xfer.error is not None:
             self._end(xfer, XferState.ERROR)
         elif xfer.tag:
@@ -340,14 +375,20 @@ class MooncakeTransport:
 
     def _end(self, xfer: MooncakeXfer, state: XferState) -> None:
         xfer.state = state
-        self._inflight.discard(xfer)
+        self._forget(xfer)
+
+    def _forget(self, xfer: MooncakeXfer) -> None:
+        self._inflight.pop(xfer, None)
+        if xfer.todo:
+            xfer.todo.clear()
+            self._waiting.remove(xfer)
 
     def release(self, xfer: MooncakeXfer) -> None:
         self._check_open()
         if xfer.state is XferState.PENDING and not xfer.peer.gone and not xfer.released:
             raise TransportError("release: the write is pending and its peer is still present")
         xfer.released = True
-        self._inflight.discard(xfer)
+        self._forget(xfer)
 
     # --- tags -----------------------------------------------------------------------------
     def notify(self, peer: str, tag: bytes) -> None:
@@ -396,6 +437,7 @@ class MooncakeTransport:
         if any(x.runs for x in self._inflight):
             _LINGERING.append(engine)  # never destroy an engine under its own transfers
         self._inflight.clear()
+        self._waiting.clear()
         del engine  # Mooncake's destructor runs here: about a second, holding the GIL
 
     def _check_open(self) -> None:

@@ -52,6 +52,8 @@ class RankSpec:
     """Network namespace the child process runs in (``kvproto.testing.netns``)."""
     host: str = "127.0.0.1"
     advertise_host: str | None = None
+    address: str | None = None
+    """This host's address, for adapters that advertise one (``host_options``)."""
     curve: dict[str, tuple[bytes, bytes]] | None = None
     """``{"server": (public, secret), "client": (public, secret)}``: CURVE on the control plane."""
 
@@ -86,6 +88,7 @@ class Rank:
     async def start(self, port: int = 0) -> dict[str, Any]:
         from kvproto.aio import CurveAuth, DecodeEndpoint, EndpointConfig, PrefillEndpoint
         from kvproto.core import Timeouts
+        from kvproto.transport import host_options
 
         t = self.spec.room_timeout
         keys = self.spec.curve
@@ -100,6 +103,7 @@ class Rank:
             heartbeat_interval=self.spec.heartbeat_interval, heartbeat_timeout=self.spec.heartbeat_timeout,
             staging_bytes=0, timeouts=Timeouts(bootstrap=t, waiting=t, transfer=t, parked=t),
             host=self.spec.host, advertise_host=self.spec.advertise_host, curve=curve,
+            transport_options=host_options(self.cfg.transport, self.spec.address) if self.spec.address else {},
         )
         cls = PrefillEndpoint if self.spec.role == "prefill" else DecodeEndpoint
         self.ep = cls(self.cache.kv, config=config)

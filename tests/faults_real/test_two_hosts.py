@@ -53,8 +53,9 @@ async def test_two_hosts_link_cut_fails_rooms_by_deadline_then_new_rooms_succeed
     with netns.TwoHosts.create() as hosts:
         demo = dict(SMALL, transport=transport)
         common = dict(demo=demo, curve=keys, room_timeout=ROOM_S, heartbeat_interval=0.2, heartbeat_timeout=1.0)
-        prefill = Child(RankSpec("prefill", netns=hosts.a, host="0.0.0.0", advertise_host=hosts.a_addr, **common))
-        decode = Child(RankSpec("decode", netns=hosts.b, **common))
+        prefill = Child(RankSpec("prefill", netns=hosts.a, host="0.0.0.0", advertise_host=hosts.a_addr,
+                                 address=hosts.a_addr, **common))
+        decode = Child(RankSpec("decode", netns=hosts.b, address=hosts.b_addr, **common))
         try:
             info = await prefill.call("start")
             await decode.call("start")
