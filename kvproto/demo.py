@@ -352,7 +352,9 @@ class _Progress:
             print(line, file=sys.stderr, flush=True)
 
 
-def run(cfg: DemoConfig) -> int:
+def run(cfg: DemoConfig, summary: dict | None = None) -> int:
+    """Run the demo; ``summary`` (if given) receives rooms, seconds, bytes and bad bytes."""
+    summary = {} if summary is None else summary
     hosts = None
     places: dict[str, dict] = {"prefill": {}, "decode": {}}
     if cfg.two_hosts:
@@ -375,16 +377,17 @@ def run(cfg: DemoConfig) -> int:
         for place in places.values():
             place["curve"] = keys
     try:
-        rc = _run(cfg, places)
+        rc = _run(cfg, places, summary)
         if hosts is not None:
-            print(f"the veth pair carried {hosts.tx_bytes() / 1e9:.3f} GB from the prefill host to the decode host")
+            summary["wire_bytes"] = hosts.tx_bytes()
+            print(f"the veth pair carried {summary['wire_bytes'] / 1e9:.3f} GB from the prefill host to the decode host")
         return rc
     finally:
         if hosts is not None:
             hosts.close()
 
 
-def _run(cfg: DemoConfig, places: dict[str, dict]) -> int:
+def _run(cfg: DemoConfig, places: dict[str, dict], summary: dict) -> int:
     ctx = mp.get_context("spawn")
     report = ctx.Queue()
     go = ctx.Event()
@@ -459,6 +462,7 @@ def _run(cfg: DemoConfig, places: dict[str, dict]) -> int:
         print(f"paths: {', '.join(paths) or 'none'}; {descs / max(1, cfg.rooms):.0f} descriptors per room "
               f"(all prefill ranks, after merging)")
         print(f"verified every byte: {'OK, 0 mismatching bytes' if bad == 0 else f'FAILED, {bad} mismatching bytes'}")
+        summary.update(rooms=rooms_ok, seconds=elapsed, bytes=total_bytes, bad=bad)
         return 0 if bad == 0 and rooms_ok == cfg.rooms else 1
     except (RuntimeError, TimeoutError) as exc:
         print(f"demo failed: {exc}", file=sys.stderr)
@@ -495,8 +499,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--chunk-tokens", type=int, default=d.chunk_tokens, help="chunked-prefill chunk size")
     a("--concurrency", type=int, default=d.concurrency, help="rooms in flight per rank")
     a("--transport", default=d.transport,
-      help="data-plane adapter by name: nixl, or any adapter an installed package declares in the "
-           "kvproto.transports entry-point group (loopback cannot cross processes)")
+      help="data-plane adapter by name: nixl, mooncake, or any adapter an installed package declares in the "
+           "kvproto.transports entry-point group (loopback cannot cross processes); a comma-separated list "
+           "runs the same rooms over each and prints them side by side")
     a("--path", choices=["auto", "sliced", "staged"], default=d.path,
       help="auto: direct where pages match byte for byte, else staged, else sliced")
     a("--staging-mb", type=int, default=d.staging_mb, help="staging buffer per rank, MiB")
@@ -510,17 +515,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     fields = {k: getattr(args, k) for k in DemoConfig.__dataclass_fields__ if hasattr(args, k)}
-    cfg = DemoConfig(**fields)
+    names = [t.strip() for t in fields.pop("transport", DemoConfig.transport).split(",") if t.strip()]
+    configs = [DemoConfig(**fields, transport=name) for name in names]
     from kvproto.transport import adapters
 
-    if cfg.transport not in adapters():
-        print(f"unknown transport {cfg.transport!r}; known: {', '.join(sorted(adapters()))}", file=sys.stderr)
+    for cfg in configs:
+        if cfg.transport not in adapters():
+            print(f"unknown transport {cfg.transport!r}; known: {', '.join(sorted(adapters()))}", file=sys.stderr)
+            return 2
+        if cfg.transport in ("loopback", "simulated"):
+            print("the demo runs one process per rank: loopback cannot cross processes; use --transport nixl",
+                  file=sys.stderr)
+            return 2
+    if not configs:
+        print("--transport names no adapter", file=sys.stderr)
         return 2
-    if cfg.transport in ("loopback", "simulated"):
-        print("the demo runs one process per rank: loopback cannot cross processes; use --transport nixl",
-              file=sys.stderr)
-        return 2
-    if cfg.chunk_tokens % cfg.prefill_block:
+    if configs[0].chunk_tokens % configs[0].prefill_block:
         print("--chunk-tokens must be a multiple of --prefill-block", file=sys.stderr)
         return 2
-    return run(cfg)
+    if len(configs) == 1:
+        return run(configs[0])
+    rows = []
+    for cfg in configs:  # the same rooms, one adapter after the other, then side by side
+        summary: dict = {}
+        rc = run(cfg, summary)
+        rows.append((cfg.transport, rc, summary))
+        print()
+    wire = any("wire_bytes" in m for _, _, m in rows)
+    print("| transport | rooms | GB moved | seconds | GB/s | rooms/s | bytes checked |" + (" GB on the veth |" if wire else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|" if wire else ""))
+    for name, rc, m in rows:
+        if "seconds" not in m:
+            print(f"| {name} | failed | | | | | |" + (" |" if wire else ""))
+            continue
+        print(f"| {name} | {m['rooms']} | {m['bytes'] / 1e9:.3f} | {m['seconds']:.2f} | "
+              f"{m['bytes'] / m['seconds'] / 1e9:.3f} | {m['rooms'] / m['seconds']:.1f} | "
+              f"{'OK' if m['bad'] == 0 and rc == 0 else 'FAILED'} |"
+              + (f" {m.get('wire_bytes', 0) / 1e9:.3f} |" if wire else ""))
+    return max(rc for _, rc, _ in rows)

@@ -13,6 +13,7 @@ import dataclasses
 import pytest
 
 from kvproto.demo import DemoConfig, run
+from kvproto.transport import available_transports
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
@@ -58,3 +59,15 @@ def test_matrix_geometry_moves_every_byte(case: str, path: str, capsys: pytest.C
         assert paths == "sliced"
     else:
         assert paths in ("direct", "staged-cpu"), paths
+
+
+@pytest.mark.skipif("mooncake" not in available_transports(), reason="Mooncake's Transfer Engine is not importable")
+@pytest.mark.parametrize("case", list(CASES))
+def test_matrix_geometry_over_mooncake(case: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The same matrix over the second real adapter (Mooncake's Transfer Engine over TCP), on the
+    default path: the protocol above the adapter is the same code."""
+    cfg = dataclasses.replace(SMALL, transport="mooncake", staging_mb=1, **CASES[case])
+    code = run(cfg)
+    captured = capsys.readouterr()
+    assert code == 0, captured.out + captured.err
+    assert f"in {cfg.rooms} rooms" in captured.out and "OK, 0 mismatching bytes" in captured.out

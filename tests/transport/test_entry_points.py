@@ -99,3 +99,15 @@ def test_entry_points_builtins_are_declared_in_pyproject() -> None:
         if target.startswith("kvproto."):
             assert f'{name} = "{target}"' in text
 
+
+
+def test_entry_points_required_transports_load() -> None:
+    """Where ``KVPROTO_REQUIRE_TRANSPORTS`` names adapters (CI names both real ones), each loads:
+    a missing engine fails the run instead of skipping its tests."""
+    required = [n for n in os.environ.get("KVPROTO_REQUIRE_TRANSPORTS", "").split(",") if n]
+    if not required:
+        pytest.skip("KVPROTO_REQUIRE_TRANSPORTS is not set")
+    from kvproto.transport import transport_class
+
+    for name in required:
+        transport_class(name)  # raises TransportError naming the import failure
