@@ -41,7 +41,7 @@ from kvproto.transport import (
     TransportStats,
     XferState,
 )
-from kvproto.transport.base import as_descs, check_pairs, take_rows
+from kvproto.transport.base import PreparedRows, check_pairs, check_rows, region_index, sorted_regions, take_rows
 
 _FORMAT = "kvproto-vmwrite/1"
 _IOV_MAX = 1024
@@ -51,35 +51,15 @@ _libc.process_vm_writev.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulon
                                     ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
 
 
-def _outside(rows: np.ndarray, regions: list[tuple[int, int]]) -> int | None:
-    """Index of the first row not inside one region, or None."""
-    if not regions:
-        return 0 if len(rows) else None
-    reg = np.array(regions, dtype=np.int64)
-    start, end = rows[:, :1], rows[:, :1] + rows[:, 1:2]
-    ok = ((start >= reg[:, 0]) & (end <= reg[:, 0] + reg[:, 1])).any(axis=1) & (rows[:, 2] == 0)
-    bad = np.flatnonzero(~ok)
-    return int(bad[0]) if bad.size else None
-
-
 @dataclass(eq=False)
 class _Peer:
     name: str
     pid: int
     sock: bytes
-    regions: list[tuple[int, int]]
+    regions: np.ndarray
+    """(N, 2) rows of (address, length), sorted."""
     gone: str = ""
     """Why lists prepared for this snapshot no longer work ("" while it is current)."""
-
-
-@dataclass(eq=False)
-class VmList:
-    rows: np.ndarray
-    peer: _Peer | None
-    released: bool = False
-
-    def __len__(self) -> int:
-        return len(self.rows)
 
 
 @dataclass(eq=False)
@@ -133,14 +113,14 @@ class VmWriteTransport:
             raise TransportError("deregister: registration is not registered with this agent")
         self._registrations.remove(registration)
 
-    def _regions(self) -> list[tuple[int, int]]:
-        return [r for reg in self._registrations for r in reg.regions]
+    def _regions(self) -> np.ndarray:
+        return sorted_regions([r for reg in self._registrations for r in reg.regions])
 
     # --- peers ----------------------------------------------------------------------------
     def metadata(self) -> bytes:
         self._check_open()
         doc = {"format": _FORMAT, "agent": self.name, "pid": os.getpid(),
-               "sock": self._sock_name.hex(), "regions": self._regions()}
+               "sock": self._sock_name.hex(), "regions": self._regions().tolist()}
         return json.dumps(doc).encode()
 
     def add_peer(self, metadata: bytes) -> str:
@@ -150,7 +130,7 @@ class VmWriteTransport:
             if doc["format"] != _FORMAT:
                 raise ValueError(f"format {doc['format']!r}")
             peer = _Peer(str(doc["agent"]), int(doc["pid"]), bytes.fromhex(doc["sock"]),
-                         [(int(a), int(n)) for a, n in doc["regions"]])
+                         sorted_regions([(int(a), int(n)) for a, n in doc["regions"]]))
         except (ValueError, KeyError, TypeError) as e:
             raise TransportError(f"add_peer: not vmwrite metadata ({e})") from e
         if peer.name == self.name:
@@ -172,41 +152,29 @@ class VmWriteTransport:
             raise TransportError(f"unknown peer {name!r}") from None
 
     # --- descriptor lists -----------------------------------------------------------------
-    def prepare(self, peer: str | None, rows: np.ndarray, kind: MemKind) -> VmList:
+    def prepare(self, peer: str | None, rows: np.ndarray, kind: MemKind) -> PreparedRows:
         self._check_open()
         target = None if peer is None else self._peer(peer)
         arr = self._checked(rows, kind, target)
         if len(arr) == 0:
             raise TransportError("prepare: a descriptor list needs at least one row")
-        return VmList(arr, target)
+        return PreparedRows(arr, target)
 
-    def release_prepared(self, dlist: VmList) -> None:
+    def release_prepared(self, dlist: PreparedRows) -> None:
         self._check_open()
         dlist.released = True
 
     def _checked(self, rows: np.ndarray, kind: MemKind, peer: _Peer | None) -> np.ndarray:
-        arr = as_descs(rows)
-        if kind is not MemKind.DRAM:
-            raise TransportError(f"vmwrite moves DRAM only, not {kind.name}")
-        regions = self._regions() if peer is None else peer.regions
-        if (i := _outside(arr, regions)) is not None:
-            whose = "this agent's" if peer is None else f"peer {peer.name!r}'s"
-            raise TransportError(f"row {i} {arr[i].tolist()} is not inside {whose} registered DRAM")
-        return arr
-
-    def _usable(self, dlist: VmList, peer: _Peer | None) -> np.ndarray:
-        if dlist.released:
-            raise TransportError("descriptor list was released")
-        if dlist.peer is not None and (dlist.peer.gone or dlist.peer is not peer):
-            raise TransportError(dlist.peer.gone or "descriptor list belongs to another peer")
-        return dlist.rows
+        if peer is None:
+            return check_rows(rows, kind, self._regions(), "this agent's")
+        return check_rows(rows, kind, peer.regions, f"peer {peer.name!r}'s")
 
     # --- writes ---------------------------------------------------------------------------
-    def post_prepared(self, peer: str, local: VmList, local_idx: np.ndarray, remote: VmList,
+    def post_prepared(self, peer: str, local: PreparedRows, local_idx: np.ndarray, remote: PreparedRows,
                       remote_idx: np.ndarray, tag: bytes) -> VmXfer:
         target = self._peer(peer)
-        lrows = take_rows(self._usable(local, None), local_idx, "local")
-        rrows = take_rows(self._usable(remote, target), remote_idx, "remote")
+        lrows = take_rows(local.usable(None), local_idx, "local")
+        rrows = take_rows(remote.usable(target), remote_idx, "remote")
         return self._post(target, lrows, rrows, tag)
 
     def post_descs(self, peer: str, local_rows: np.ndarray, local_kind: MemKind,
@@ -233,8 +201,8 @@ class VmWriteTransport:
         return xfer.state
 
     def _copy(self, xfer: VmXfer) -> None:
-        if (i := _outside(xfer.local, self._regions())) is not None:
-            return self._fail(xfer, f"local row {i} is no longer registered")
+        if (region_index(xfer.local, self._regions()) < 0).any():
+            return self._fail(xfer, "its local memory is no longer registered")
         if xfer.peer.gone:
             return self._fail(xfer, xfer.peer.gone)
         for s in range(0, len(xfer.local), _IOV_MAX):

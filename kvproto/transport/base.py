@@ -152,6 +152,61 @@ def check_pairs(local: np.ndarray, remote: np.ndarray) -> int:
     return int(local[:, 1].sum())
 
 
+def region_index(rows: np.ndarray, regions: np.ndarray) -> np.ndarray:
+    """For each row, the index of the region (an ``(N, 2)`` array of (address, length) sorted
+    by address) that holds all of it on device 0, or -1."""
+    if len(regions) == 0:
+        return np.full(len(rows), -1)
+    i = np.searchsorted(regions[:, 0], rows[:, 0], side="right") - 1
+    ok = (i >= 0) & (rows[:, 2] == 0)
+    j = np.where(ok, i, 0)
+    ok &= rows[:, 0] + rows[:, 1] <= regions[j, 0] + regions[j, 1]
+    return np.where(ok, i, -1)
+
+
+def sorted_regions(regions: Sequence[tuple[int, int]]) -> np.ndarray:
+    """(address, length) pairs as the sorted ``(N, 2)`` array ``region_index`` takes."""
+    return np.array(sorted(regions), dtype=np.int64).reshape(-1, 2)
+
+
+def check_rows(rows: np.ndarray | Sequence[tuple[int, int, int]], kind: MemKind, regions: np.ndarray,
+               whose: str, kinds: frozenset[MemKind] = frozenset({MemKind.DRAM})) -> np.ndarray:
+    """``as_descs(rows)``, each row checked to lie inside one of ``regions`` (``whose`` names
+    the owner in the error: "this agent's", "peer 'b''s")."""
+    arr = as_descs(rows)
+    if kind not in kinds:
+        raise TransportError(f"this adapter moves {'/'.join(k.name for k in sorted(kinds))} only, not {kind.name}")
+    bad = np.flatnonzero(region_index(arr, regions) < 0)
+    if bad.size:
+        i = int(bad[0])
+        raise TransportError(f"row {i} {arr[i].tolist()} is not inside {whose} registered {kind.name}")
+    return arr
+
+
+@dataclass(eq=False)
+class PreparedRows:
+    """A prepared list for adapters that keep the rows themselves: ``peer`` is the peer snapshot
+    it was prepared against (None: local memory), any object whose ``gone`` attribute says why
+    it no longer works ("" while it is current)."""
+
+    rows: np.ndarray
+    peer: object | None
+    released: bool = False
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def usable(self, peer: object | None) -> np.ndarray:
+        """The rows, for a write to ``peer`` (None: as the local side)."""
+        if self.released:
+            raise TransportError("descriptor list was released")
+        if self.peer is not None:
+            gone = getattr(self.peer, "gone", "")
+            if gone or self.peer is not peer:
+                raise TransportError(gone or "descriptor list belongs to another peer")
+        return self.rows
+
+
 @runtime_checkable
 class Transport(Protocol):
     """A data-plane adapter. See the module docstring for the contract."""

@@ -49,12 +49,15 @@ from kvproto.transport.base import (
     MemKind,
     MemoryRegion,
     Notification,
+    PreparedRows,
     TransportClosed,
     TransportError,
     TransportStats,
     XferState,
-    as_descs,
     check_pairs,
+    check_rows,
+    region_index,
+    sorted_regions,
     take_rows,
 )
 
@@ -83,16 +86,6 @@ class _Peer:
 
 
 @dataclass(eq=False)
-class MooncakeList:
-    rows: np.ndarray
-    peer: _Peer | None
-    released: bool = False
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-
-@dataclass(eq=False)
 class MooncakeXfer:
     peer: _Peer
     todo: deque[tuple[int, int, int]]
@@ -110,22 +103,6 @@ class MooncakeXfer:
 @dataclass(eq=False)
 class MooncakeRegistration:
     regions: list[tuple[int, int]] = field(default_factory=list)
-
-
-def _sorted_regions(regions: Sequence[tuple[int, int]]) -> np.ndarray:
-    arr = np.array(sorted(regions), dtype=np.int64).reshape(-1, 2)
-    return arr
-
-
-def _region_of(rows: np.ndarray, regions: np.ndarray) -> np.ndarray:
-    """Index of the region holding each row (device 0), or -1."""
-    if len(regions) == 0:
-        return np.full(len(rows), -1)
-    i = np.searchsorted(regions[:, 0], rows[:, 0], side="right") - 1
-    ok = (i >= 0) & (rows[:, 2] == 0)
-    j = np.where(ok, i, 0)
-    ok &= rows[:, 0] + rows[:, 1] <= regions[j, 0] + regions[j, 1]
-    return np.where(ok, i, -1)
 
 
 class MooncakeTransport:
@@ -184,7 +161,7 @@ class MooncakeTransport:
             self._engine.unregister_memory(address)
 
     def _local_regions(self) -> np.ndarray:
-        return _sorted_regions([r for reg in self._registrations for r in reg.regions])
+        return sorted_regions([r for reg in self._registrations for r in reg.regions])
 
     # --- peers ----------------------------------------------------------------------------
     def metadata(self) -> bytes:
@@ -200,7 +177,7 @@ class MooncakeTransport:
             if doc["format"] != _FORMAT:
                 raise ValueError(f"format {doc['format']!r}")
             name, session, tags = str(doc["agent"]), str(doc["session"]), str(doc["tags"])
-            regions = _sorted_regions([(int(a), int(n)) for a, n in doc["regions"]])
+            regions = sorted_regions([(int(a), int(n)) for a, n in doc["regions"]])
         except (ValueError, KeyError, TypeError) as e:
             raise TransportError(f"add_peer: not Mooncake adapter metadata ({e})") from e
         if name == self.name:
@@ -248,43 +225,29 @@ class MooncakeTransport:
             raise TransportError(f"unknown peer {name!r}") from None
 
     # --- descriptor lists -----------------------------------------------------------------
-    def prepare(self, peer: str | None, rows: np.ndarray, kind: MemKind) -> MooncakeList:
+    def prepare(self, peer: str | None, rows: np.ndarray, kind: MemKind) -> PreparedRows:
         self._check_open()
         target = None if peer is None else self._peer(peer)
         arr = self._checked(rows, kind, target)
         if len(arr) == 0:
             raise TransportError("prepare: a descriptor list needs at least one row")
-        return MooncakeList(arr, target)
+        return PreparedRows(arr, target)
 
-    def release_prepared(self, dlist: MooncakeList) -> None:
+    def release_prepared(self, dlist: PreparedRows) -> None:
         self._check_open()
         dlist.released = True
 
     def _checked(self, rows: np.ndarray, kind: MemKind, peer: _Peer | None) -> np.ndarray:
-        arr = as_descs(rows)
-        if kind is not MemKind.DRAM:
-            raise TransportError(f"the Mooncake adapter moves DRAM only, not {kind.name}")
-        regions = self._local_regions() if peer is None else peer.regions
-        bad = np.flatnonzero(_region_of(arr, regions) < 0)
-        if bad.size:
-            i = int(bad[0])
-            whose = "this agent's" if peer is None else f"peer {peer.name!r}'s"
-            raise TransportError(f"row {i} {arr[i].tolist()} is not inside {whose} registered DRAM")
-        return arr
-
-    def _usable(self, dlist: MooncakeList, peer: _Peer | None) -> np.ndarray:
-        if dlist.released:
-            raise TransportError("descriptor list was released")
-        if dlist.peer is not None and (dlist.peer.gone or dlist.peer is not peer):
-            raise TransportError(dlist.peer.gone or "descriptor list belongs to another peer")
-        return dlist.rows
+        if peer is None:
+            return check_rows(rows, kind, self._local_regions(), "this agent's")
+        return check_rows(rows, kind, peer.regions, f"peer {peer.name!r}'s")
 
     # --- writes ---------------------------------------------------------------------------
-    def post_prepared(self, peer: str, local: MooncakeList, local_idx: np.ndarray, remote: MooncakeList,
+    def post_prepared(self, peer: str, local: PreparedRows, local_idx: np.ndarray, remote: PreparedRows,
                       remote_idx: np.ndarray, tag: bytes) -> MooncakeXfer:
         target = self._peer(peer)
-        lrows = take_rows(self._usable(local, None), local_idx, "local")
-        rrows = take_rows(self._usable(remote, target), remote_idx, "remote")
+        lrows = take_rows(local.usable(None), local_idx, "local")
+        rrows = take_rows(remote.usable(target), remote_idx, "remote")
         return self._post(target, lrows, rrows, tag)
 
     def post_descs(self, peer: str, local_rows: np.ndarray, local_kind: MemKind, remote_rows: np.ndarray,
@@ -329,8 +292,8 @@ class MooncakeTransport:
         n = len(local)
         if n == 1:
             return [(0, 1)]
-        lreg = _region_of(local, self._local_regions())
-        rreg = _region_of(remote, peer.regions)
+        lreg = region_index(local, self._local_regions())
+        rreg = region_index(remote, peer.regions)
         joins = ((local[1:, 0] == local[:-1, 0] + local[:-1, 1]) & (remote[1:, 0] == remote[:-1, 0] + remote[:-1, 1])
                  & (local[1:, 1] == local[:-1, 1]) & (lreg[1:] == lreg[:-1]) & (rreg[1:] == rreg[:-1]))
         starts = [0, *(np.flatnonzero(~joins) + 1).tolist()]
