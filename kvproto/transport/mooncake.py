@@ -17,9 +17,9 @@ sides and inside one registered region on each side), each submitted with
 refuses more than 1,024 queued transfers per peer by default): the rest wait in this adapter
 and go, in posting order, as earlier runs complete. ``poll`` checks every run of the write
 still in flight with the non-blocking ``transfer_check_status``, and once all have completed
-queues the write's tag, so a tag never overtakes its bytes. Mooncake frees a run's batch id when it reports it
-completed or failed, and checking a freed id crashes the process, so a run is never checked
-again after that; runs of a released write or a closed agent are not checked at all (their ids
+queues the write's tag, so a tag never overtakes its bytes. Mooncake frees a run's batch id
+when it reports it completed or failed, and checking a freed id crashes the process, so a run
+is never checked again after that; runs of a released write or a closed agent are not checked at all (their ids
 stay allocated, bounded by the writes abandoned to a dead peer). Tags to one peer leave in the
 order they were queued; a full queue leaves a write PENDING until a later call. Every row is
 checked here against this agent's registrations and the peer's snapshot before anything is
