@@ -200,7 +200,8 @@ async def test_lifecycle_decode_close_with_unreachable_prefill_returns_quickly(t
     d = decode.open_room(1, "tcp://127.0.0.1:9", pages=[1], num_tokens=BLOCK)
     start = time.monotonic()
     await decode.close()
-    assert time.monotonic() - start < 3.0
+    # the 2 s grace, plus the adapter's own close (Mooncake's engine destructor takes ~1 s)
+    assert time.monotonic() - start < 3.0 + (1.5 if transport == "mooncake" else 0.0)
     assert await outcome(d) is ErrorCode.ENDPOINT_CLOSED
     assert decode.errors == 0
 
