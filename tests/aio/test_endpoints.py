@@ -254,3 +254,30 @@ async def test_endpoint_metrics_count_rooms_phases_bytes_and_export_prometheus(p
     text = generate_latest(registry).decode()
     assert 'kvproto_rooms_ended_total{agent="' in text and 'code="ABORTED"' in text
     assert "kvproto_room_phase_seconds_count" in text and "kvproto_rooms_live" in text
+
+
+async def test_prefill_wildcard_bind_needs_an_advertised_host() -> None:
+    """Binding every interface without saying which address peers reach is refused at once."""
+    src = make_cache(seed=1)
+    with pytest.raises(ValueError, match="advertise_host"):
+        PrefillEndpoint(src.kv, config=config("loopback", host="0.0.0.0"))
+
+
+async def test_prefill_binds_host_and_advertises_advertise_host() -> None:
+    """The bootstrap address carries ``advertise_host`` while the socket is bound to ``host``; a
+    decode that knows only the advertised address moves a room."""
+    src, dst = make_cache(seed=1), make_cache(seed=2)
+    prefill = PrefillEndpoint(src.kv, config=config("loopback", host="0.0.0.0", advertise_host="localhost"))
+    decode = DecodeEndpoint(dst.kv, config=config("loopback"))
+    await prefill.start()
+    await decode.start()
+    try:
+        assert prefill.address.startswith("tcp://localhost:")
+        d = decode.open_room(7, prefill.address, pages=[3], num_tokens=4)
+        p = prefill.open_room(7)
+        p.send([5], 4, last=True)
+        await asyncio.wait_for(asyncio.gather(d.wait(), p.wait()), 10)
+        assert d.poll() is RoomState.SUCCESS and p.poll() is RoomState.SUCCESS
+    finally:
+        await decode.close()
+        await prefill.close()
