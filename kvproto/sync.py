@@ -101,10 +101,12 @@ class _Room:
         self._error: BaseException | None = None
 
     def poll(self) -> RoomState:
-        """The room's state, without waiting (SGLang's ``KVPoll`` values)."""
-        if self._error is not None:
-            return RoomState.FAILED
+        """The room's state, without waiting (SGLang's ``KVPoll`` values). A room whose call was
+        refused reports FAILED once the room has ended: it may drain first, like any failure, so
+        that FAILED still means no write can land in its pages."""
         handle = self._handle
+        if self._error is not None and (handle is None or handle._final is not None):
+            return RoomState.FAILED  # refused at open (it never existed), or refused and ended
         if handle is None:
             return RoomState.BOOTSTRAPPING  # the loop has not opened the room yet
         final = handle._final
@@ -118,10 +120,10 @@ class _Room:
 
     def failure_exception(self) -> None:
         """Raise why the room failed (``TransferFailed`` with its code, or the
-        ``LocalProtocolError`` that refused a call); return if it has not failed."""
-        if self._error is not None:
-            raise self._error
+        ``LocalProtocolError`` that refused a call); return if it has not failed (yet: see ``poll``)."""
         handle = self._handle
+        if self._error is not None and (handle is None or handle._final is not None):
+            raise self._error
         if handle is not None and handle._final is RoomState.FAILED:
             raise TransferFailed(self.room_id, handle.code, handle.reason)
 

@@ -41,6 +41,7 @@ from kvproto import kernels
 from kvproto.aio.staging import Copies, PageTables, PieceShape, StagingBuffer, scatter_piece, warm_kernels
 from kvproto.core import DropLink, ReceiverCore, ReceiverLink, Scatter
 from kvproto.core.staging import StagingRing
+from kvproto.transport import TransportError
 from kvproto.geometry import (
     IncompatibleGeometry,
     KVGeometry,
@@ -91,6 +92,8 @@ class _Link:
     beats: int = 0
     watcher: asyncio.Task[None] | None = None
     monitor: zmq.asyncio.Socket | None = None
+    retired: bool = False
+    """Its cluster failed, but a draining room still waits for this writer's answer."""
 
 
 class _BootstrapFailed(Exception):
@@ -172,12 +175,29 @@ class DecodeEndpoint(EndpointBase):
             self._kick()
 
     async def _settle(self, grace: float) -> None:
-        """Let bootstraps that hold ended rooms' ABORTs finish (up to ``grace``), so that the
-        prefill ranks hear ENDPOINT_CLOSED at once instead of waiting for their deadline; where
-        the handshake cannot finish in time, they fail those rooms at their own deadline."""
+        """Wait for the rooms that close() left draining: each ends once its writers have
+        answered the ABORT (or their links are gone) and its scatters are over, or at its drain
+        deadline (``Timeouts.drain``), so this wait is bounded by that deadline. Meanwhile, let
+        bootstraps that hold ended rooms' ABORTs finish (up to ``grace``), so that the prefill
+        ranks hear ENDPOINT_CLOSED at once instead of waiting for their deadline; where the
+        handshake cannot finish in time, they fail those rooms at their own deadline."""
         holding = [task for cluster, task in self._bootstraps.items() if self.core.held_ends(cluster)]
         if holding:
             await asyncio.wait(holding, timeout=grace)
+        assert self._loop is not None
+        deadline = self._loop.time() + self.config.timeouts.drain + grace
+        while self.core.draining() and self._loop.time() < deadline:
+            self._kick()
+            await asyncio.sleep(0.001)
+
+    def _fenced(self) -> None:
+        """The transport is closed: nothing from a peer can land any more. Scatters in flight on
+        this rank's own stream are waited for (they write the pages); then the rooms still
+        draining end FAILED."""
+        if self._staging is not None:
+            self._copies.finish()
+        self.core.fenced(self._now())
+        self._flush()
 
     # --- sockets ------------------------------------------------------------------------------------
     async def _start_io(self) -> None:
@@ -295,12 +315,26 @@ class DecodeEndpoint(EndpointBase):
             log.warning("unexpected %s from prefill rank %d", type(msg).__name__, link.prefill_rank)
 
     def _drop_link(self, link: _Link, code: ErrorCode | int, reason: str) -> None:
+        """The prefill rank behind ``link`` is gone: its rooms fail and, unless the link was
+        already retired, its cluster bootstraps again. The cluster's other links close too, except
+        those that draining rooms still hold: they stay open (retired) until those rooms have heard
+        their writers' ABORT answers (``ReceiverCore``, "Losing one prefill rank")."""
         if link.link_id not in self._links:
             return
         log.info("dropped prefill link %s rank %d: %s", link.cluster, link.prefill_rank, reason)
         self.core.remove_link(link.link_id, self._now(), code=code, reason=reason)  # type: ignore[arg-type]
-        for other in [lk for lk in self._links.values() if lk.cluster == link.cluster]:
-            self._discard_link(other)
+        self._discard_link(link)
+        if not link.retired:
+            for other in [lk for lk in self._links.values() if lk.cluster == link.cluster and not lk.retired]:
+                if self.core.link_in_use(other.link_id):
+                    other.retired = True
+                else:
+                    self._discard_link(other)
+
+    def _close_retired(self) -> None:
+        """Close the retired links that no live room holds any more."""
+        for link in [lk for lk in self._links.values() if lk.retired and not self.core.link_in_use(lk.link_id)]:
+            self._discard_link(link)
 
     # --- bootstrap -------------------------------------------------------------------------------------
     def _start_bootstrap(self, cluster: str) -> None:
@@ -479,6 +513,7 @@ class DecodeEndpoint(EndpointBase):
         super()._room_ended(out)
         if self._staging is not None:
             self._tables.forget(out.room_id)
+        self._close_retired()
 
     def _transferring(self) -> bool:
         return self.core.transferring > 0
@@ -486,7 +521,12 @@ class DecodeEndpoint(EndpointBase):
     def _progress_once(self) -> bool:
         assert self.transport is not None
         now = self._now()
-        notes = self.transport.drain_notifications()
+        try:
+            notes = self.transport.drain_notifications()
+        except TransportError as exc:  # deadlines and liveness go on: rooms fail by them, not hang
+            self.errors += 1
+            log.error("draining notifications failed: %s", exc)
+            notes = []
         for note in notes:
             self.core.on_notification(note.peer, note.tag, now)
         scattered = self._copies.poll() if self._staging is not None else 0

@@ -13,6 +13,17 @@ deadlines, and runs liveness; it spins with ``sleep(0)`` while transfers are in 
 backs off to ``idle_poll_s`` when there are none. After every core call the endpoint
 performs the core's outputs in order (``_flush``).
 
+Closing keeps the promise that a decode room reports FAILED only once nothing can land in its
+pages, because the cache outlives the endpoint (the application reuses those pages). In order:
+the core fails every live room with ENDPOINT_CLOSED, by the same rules as any failure (a decode
+room with writes that may still land drains: ABORT, then it waits for its writers' answers and
+its scatters); ``_settle`` waits for that (decode: until the drains end, at most their drain
+deadline; prefill: for its writes in flight, up to ``CLOSE_GRACE_S``, each room's held ABORT
+going out as they end); the tasks stop; ``_close_io`` says the last words (a prefill rank with
+writes still in flight first removes the peer from the transport, which ends them, and only then
+tells the decode rank); the transport closes (memory deregistered, peers removed: the data
+plane is fenced); only then does ``_fenced`` end what still waited for it.
+
 Nothing a peer sends can end a task: every frame is handled inside a guard that turns an
 unexpected exception into a logged, counted event (and a failed room when the frame named
 one), and the tasks keep serving the other rooms.
@@ -43,6 +54,10 @@ from kvproto.transport import Transport, load_transport
 from kvproto.wire import ErrorCode, LocalProtocolError, Message, encode
 
 log = logging.getLogger("kvproto")
+
+CLOSE_GRACE_S = 2.0
+"""How long ``close()`` lets a prefill rank's writes in flight finish (and a decode rank's
+bootstraps that carry held ABORTs) before it fences them."""
 
 
 class ControlFaults(Protocol):
@@ -204,14 +219,17 @@ class EndpointBase:
         self._started = True
 
     async def close(self) -> None:
-        """Fail live rooms (telling peers), drain writes, release everything. Idempotent."""
+        """Fail live rooms (telling peers), let writes in flight end, fence the data plane, release
+        everything. Idempotent. The order is the promise (see "Closing" above): a decode room
+        reports FAILED only once nothing can land in its pages any more, and close() returns
+        once every room has ended (within ``Timeouts.drain`` even if a peer never answers)."""
         if self._closed or not self._started:
             self._closed = True
             return
         self._closed = True
         self.core.close(self._now())
         self._flush()
-        await self._settle(grace=2.0)
+        await self._settle(grace=CLOSE_GRACE_S)
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
@@ -220,11 +238,14 @@ class EndpointBase:
             for task in stuck:  # a task that ignores its cancel must not hold close() forever
                 log.error("%s task %s did not stop at close", self.ROLE, task.get_name())
         self._close_io()
-        trace.dump(self.ROLE)
-        assert self._ctx is not None
-        self._ctx.destroy(linger=0)  # sockets closed above keep their own linger; nothing else may block
         assert self.transport is not None
-        self.transport.close()
+        try:
+            self.transport.close()  # deregisters the memory, removes the peers: the data plane is fenced
+        finally:
+            self._fenced()
+            trace.dump(self.ROLE)
+            assert self._ctx is not None
+            self._ctx.destroy(linger=0)  # sockets closed above keep their own linger; nothing else may block
 
     @property
     def closed(self) -> bool:
@@ -436,6 +457,10 @@ class EndpointBase:
         return False
 
     async def _settle(self, grace: float) -> None:
-        """At close, before the tasks stop: wait up to ``grace`` seconds for what peers must still
-        hear to go out (prefill: writes in flight and the ABORTs held behind them; decode: the
-        ends of rooms whose prefill links are still bootstrapping)."""
+        """At close, before the tasks stop: wait for what peers must still hear to go out and
+        for writes in flight to end (prefill: up to ``grace`` for its writes and the ABORTs held
+        behind them; decode: up to the drain deadline for its draining rooms, up to ``grace`` for
+        the ends of rooms whose prefill links are still bootstrapping)."""
+
+    def _fenced(self) -> None:
+        """At close, once the transport is closed: end what waited for the data plane."""

@@ -222,8 +222,7 @@ class PrefillEndpoint(EndpointBase):
 
     def _close_io(self) -> None:
         for link in list(self._links.values()):
-            self._send(link.ident, Abort(code=ErrorCode.ENDPOINT_CLOSED, reason="prefill closed"))
-            self._drop_link(link, ErrorCode.ENDPOINT_CLOSED, "endpoint closed")
+            self._close_link(link)
         if self._router is not None:
             self._router.close(linger=500)
         if self._announcer is not None:
@@ -563,12 +562,7 @@ class PrefillEndpoint(EndpointBase):
         now = self._now()
         self.transport.drain_notifications()  # drives the data plane; prefill expects no tags
         finished = self._copies.poll() if self._staging is not None else 0
-        for xfer, pending in list(self._pending.items()):
-            state = self.transport.poll(xfer)
-            if state is XferState.PENDING:
-                continue
-            finished += 1
-            self._finish(xfer, pending, state is XferState.DONE, now)
+        finished += self._poll_writes(now)
         self.core.handle_timer(now)
         limit = self.config.heartbeat_timeout
         stalled = self._stall(now)
@@ -578,6 +572,24 @@ class PrefillEndpoint(EndpointBase):
             self._drop_link(link, ErrorCode.PEER_GONE, f"no heartbeat for {limit}s")
         return finished > 0
 
+    def _poll_writes(self, now: float) -> int:
+        """Poll every write in flight; finish those that ended. A poll the transport refuses
+        (``TransportError``) ends that write as failed: its room fails, the others go on."""
+        assert self.transport is not None
+        finished = 0
+        for xfer, pending in list(self._pending.items()):
+            why = None
+            try:
+                state = self.transport.poll(xfer)
+            except TransportError as exc:
+                log.warning("polling a write of room %d failed: %s", pending.room_id, exc)
+                state, why = XferState.ERROR, f"poll failed: {exc}"
+            if state is XferState.PENDING:
+                continue
+            finished += 1
+            self._finish(xfer, pending, state is XferState.DONE, now, why)
+        return finished
+
     def _busy(self) -> bool:
         return bool(self._pending) or (self._staging is not None and len(self._copies) > 0)
 
@@ -586,10 +598,13 @@ class PrefillEndpoint(EndpointBase):
         if self._staging is not None:
             self._tables.forget(out.room_id)
 
-    def _finish(self, xfer: Any, pending: _Pending, ok: bool, now: float) -> None:
+    def _finish(self, xfer: Any, pending: _Pending, ok: bool, now: float, why: str | None = None) -> None:
         assert self.transport is not None
         del self._pending[xfer]
-        self.transport.release(xfer)
+        try:
+            self.transport.release(xfer)
+        except TransportError as exc:
+            log.warning("releasing a finished write of room %d: %s", pending.room_id, exc)
         if pending.local_key is not None:
             trace.mark("written", pending.room_id, pending.seq)
             self._stager.release(pending.local_key)  # the staging region is free only now
@@ -597,29 +612,46 @@ class PrefillEndpoint(EndpointBase):
             self.core.write_done(pending.room_id, pending.link, pending.seq, pending.posted.nbytes, now,
                                  tag=pending.tag)
         else:
-            why = getattr(xfer, "error", None) or "transport reported ERR"
+            why = why or getattr(xfer, "error", None) or "transport reported ERR"
             self.core.write_failed(pending.room_id, pending.link, pending.seq, why, now, tag=pending.tag)
 
     async def _settle(self, grace: float) -> None:
-        """At close: let posted writes finish (their rooms' ABORTs go out as they do), then give up."""
+        """At close: let posted writes finish (their rooms' ABORTs go out as they do). A write
+        still in flight after ``grace`` must not land once its decode rank is told the room or
+        the link is over (it would free the pages): its link is closed *data plane first* — the
+        transport forgets the peer, which ends the writes to it — and only then told."""
         assert self.transport is not None
         deadline = self._now() + grace
         while self._pending and self._now() < deadline:
-            self.transport.drain_notifications()
-            for xfer, pending in list(self._pending.items()):
-                state = self.transport.poll(xfer)
-                if state is not XferState.PENDING:
-                    self._finish(xfer, pending, state is XferState.DONE, self._now())
+            with contextlib.suppress(TransportError):
+                self.transport.drain_notifications()
+            self._poll_writes(self._now())
             self._flush()
             await asyncio.sleep(0.001)
+        stuck = [link for link in self._links.values() if any(p.link == link.ident for p in self._pending.values())]
+        for link in stuck:
+            log.warning("closing with writes to decode rank %d still in flight after %.1fs: its link is "
+                        "closed before it is told", link.link.decode_rank, grace)
+            self._drop_link(link, ErrorCode.ENDPOINT_CLOSED, "endpoint closed")  # removes the peer
         for xfer in list(self._pending):
             try:
                 self.transport.release(xfer)
             except TransportError as exc:
                 log.warning("releasing an unfinished write at close: %s", exc)
         self._pending.clear()
-        self.core.abandon_drains()
+        for link in stuck:
+            self._tell_closed(link)
+        self.core.abandon_drains()  # ABORTs held behind writes that were never posted
         self._flush()
+
+    def _close_link(self, link: _DecodeLink) -> None:
+        """Close a link at close(): the data plane first (the peer is removed from the transport,
+        so none of its writes can land any more), then the link ABORT that tells the decode rank."""
+        self._drop_link(link, ErrorCode.ENDPOINT_CLOSED, "endpoint closed")
+        self._tell_closed(link)
+
+    def _tell_closed(self, link: _DecodeLink) -> None:
+        self._send(link.ident, Abort(code=ErrorCode.ENDPOINT_CLOSED, reason="prefill closed"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -113,6 +113,13 @@ class Copies:
             ran += 1
         return ran
 
+    def finish(self) -> int:
+        """Wait for every copy in flight (on this object's own stream), then run their
+        continuations (close: nothing may still write the pages once their rooms end)."""
+        if self.stream is not None and self._pending:
+            self.stream.synchronize()
+        return self.poll()
+
     def __len__(self) -> int:
         return len(self._pending)
 

@@ -33,6 +33,11 @@ room id opened again while its end is held supersedes it: the prefill side has o
 and the new incarnation will talk to it. Held ends are bounded per cluster (``MAX_HELD_ENDS``,
 oldest dropped first) and live no longer than the bootstrap, itself bounded by its deadline.
 
+Losing one prefill rank: its links fail the cluster (it must bootstrap again), and its rooms
+fail. A room that was TRANSFERRING drains (see below): it sends ABORT to its other writers, whose
+links stay *retired* — kept in ``links_by_id``, used by no new room — until the last room holding
+them ends, so that their answers settle it at once instead of at its drain deadline.
+
 Failure while writes may land (see ``state``): a TRANSFERRING room with unsettled writers or a
 scatter running is classified DRAIN instead of failing; it keeps its pages and staging
 regions until every writer settles (its TRANSFER_DONE arrived, it answered with ABORT, or its
@@ -186,9 +191,9 @@ class ReceiverCore(CoreBase):
 
     def cluster_failed(self, cluster: ClusterKey, code: ErrorCode | int, reason: str, now: float) -> None:
         state = self.clusters.setdefault(cluster, _Cluster())
-        for link in state.links:
-            self.links_by_id.pop(link.link_id, None)
-        state.ready, state.links, state.failure = False, (), (code, reason)
+        retired, state.links = state.links, ()
+        self._release_links(retired)
+        state.ready, state.failure = False, (code, reason)
         state.held_ends.clear()  # no prefill rank of the cluster ever registered this rank
         for room in [r for r in self.rooms.values() if r.cluster == cluster and not r.links]:  # still bootstrapping
             self.apply(room, Input.PEER_GONE, now, code=code, reason=reason)
@@ -202,7 +207,22 @@ class ReceiverCore(CoreBase):
         for room in [r for r in self.rooms.values() if gone in r.links]:
             room.settled.add(gone.link_id)
             self.apply(room, Input.PEER_GONE, now, code=code, reason=reason, origin=key)
-        self.cluster_failed(gone.cluster, code, reason, now)
+        current = self.clusters.get(gone.cluster)
+        if current is not None and gone in current.links:
+            self.cluster_failed(gone.cluster, code, reason, now)
+        self.links_by_id.pop(gone.link_id, None)
+
+    def _release_links(self, links: Sequence[ReceiverLink]) -> None:
+        """Forget the links of a failed cluster that no live room holds. A room that still drains
+        keeps the links of its other writers (*retired*: no new room uses them) until it ends, so
+        that their ABORT answers are heard: see "Losing one prefill rank" above."""
+        for link in links:
+            if link.link_id in self.links_by_id and not any(link in r.links for r in self.rooms.values()):
+                del self.links_by_id[link.link_id]
+
+    def link_in_use(self, link_id: int) -> bool:
+        """Whether the link is current or a live room still holds it (the I/O layer keeps its socket)."""
+        return link_id in self.links_by_id
 
     # --- application API ----------------------------------------------------------------------
     def open_room(self, room_id: int, cluster: ClusterKey, now: float, *,
@@ -456,24 +476,24 @@ class ReceiverCore(CoreBase):
         every input of a draining room as DRAIN_PROGRESS or DRAINED (see the module docstring)."""
         if room.failing:
             if inp is Input.TIMEOUT:
-                # Drain deadline: a writer that never answered can no longer be trusted.
+                # Drain deadline: a writer that never answered can no longer be trusted. A local
+                # scatter still running is waited for: it always finishes, and it writes the pages.
                 for link_id in self._unsettled(room):
                     link = self.links_by_id.get(link_id)
                     if link is not None:
                         self._outputs.append(DropLink(link=link.key, code=ErrorCode.PEER_GONE,
                                                       reason=f"prefill rank {link.prefill_rank} did not answer an "
                                                              f"ABORT within {self.timeouts.drain}s"))
-            if inp in (Input.TIMEOUT, Input.CLOSE):
-                room.settled.update(room.writers)  # drain deadline, or memory about to be deregistered
-                room.scattering.clear()
+                room.settled.update(room.writers)
             inp = Input.DRAINED if self._drained(room) else Input.DRAIN_PROGRESS
             kw = {}
         elif room.state is RoomState.TRANSFERRING and inp in _FAILURES:
             if inp is Input.TIMEOUT and (room.staged or any(p.asking is not None for p in room.writers.values())):
                 kw.setdefault("code", ErrorCode.STAGING_STALLED)
                 kw.setdefault("reason", f"room {room.room_id} timed out waiting on staged writes")
-            # Closing deregisters this rank's memory, so nothing can land after it: no drain.
-            if inp is not Input.CLOSE and not self._drained(room):
+            # Closing drains like any other failure: the cache outlives the endpoint, so a write
+            # that lands after close() would corrupt pages the application already reused.
+            if not self._drained(room):
                 if inp is Input.TIMEOUT:
                     kw.setdefault("code", ErrorCode.TRANSFER_TIMEOUT)
                     kw.setdefault("reason", f"room {room.room_id} timed out while TRANSFERRING")
@@ -481,6 +501,19 @@ class ReceiverCore(CoreBase):
                     self.stats.peer_violations += 1  # counted by the base only under its own name
                 inp = Input.DRAIN
         super().apply(room, inp, now, **kw)
+
+    def fenced(self, now: float) -> None:
+        """The endpoint is going away and has closed its transport (its memory deregistered, its
+        peers removed) after waiting for the drains: rooms still draining end FAILED now, with
+        their codes. Only ``close()`` calls this, and only once nothing can reach the memory."""
+        for room in [r for r in self.rooms.values() if r.failing]:
+            room.settled.update(room.writers)
+            room.scattering.clear()
+            self.apply(room, Input.CLOSE, now)
+
+    def draining(self) -> int:
+        """Rooms that failed and wait for their writers to settle (see the module docstring)."""
+        return sum(1 for room in self.rooms.values() if room.failing)
 
     @staticmethod
     def _unsettled(room: ReceiverRoom) -> list[int]:
@@ -549,4 +582,8 @@ class ReceiverCore(CoreBase):
                 self._grant()
         room.writers.clear()
         room.staged.clear()
-        room.links = ()
+        links, room.links = room.links, ()
+        cluster = self.clusters.get(room.cluster)
+        retired = [link for link in links if cluster is None or link not in cluster.links]
+        if retired:
+            self._release_links(retired)

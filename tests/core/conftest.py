@@ -23,7 +23,7 @@ into pending ``Event``s that nothing delivers until the test says so:
                    ``scatter_done``. Staged token ranges are recorded per (prefill, decode, room).
 * ``RoomEnded`` -> recorded per core in ``ended``. A decode room that ends while a write into it
                    is still in flight (its ``done`` pending) or a scatter of it still runs is
-                   recorded in ``unsafe_ends`` unless it ended by CLOSE or by its drain deadline
+                   recorded in ``unsafe_ends`` unless it ended by its drain deadline
                    (or, for writes of the dropped prefill rank only, by a ``DropLink``).
 * ``DropLink``  -> performed at once, as a dead peer would look (``drop_link``): the decode rank
                    removes the link (``remove_link``: the link's rooms fail PEER_GONE and its cluster
@@ -349,7 +349,7 @@ class Net:
                     self.unsafe_ends.append((d, out, busy))
             elif (d, out.room_id) in self._draining_now:
                 self.forced_ends.append((d, out))
-            elif out.code != ErrorCode.ENDPOINT_CLOSED:
+            else:
                 busy = self.in_flight(d, out.room_id)
                 if busy:
                     self.unsafe_ends.append((d, out, busy))
@@ -593,7 +593,7 @@ class Net:
         assert self.region_errors == []
 
     def assert_safe_ends(self) -> None:
-        """No decode room ended (other than by CLOSE or its drain deadline) while a write into it
+        """No decode room ended (other than by its drain deadline) while a write into it
         was in flight or a scatter of it ran."""
         assert self.unsafe_ends == [], f"decode rooms ended with writes in flight: {self.unsafe_ends}"
 

@@ -1016,21 +1016,22 @@ def test_pair_decode_abort_of_parked_request_keeps_the_link(net):
     net.assert_clean()
 
 
-def test_pair_close_does_not_drain(net):
-    """decode closes with prefill's write in flight: it fails ENDPOINT_CLOSED at once (its memory is
-    deregistered, nothing can land); prefill's ABORT follows its write and is late."""
+def test_pair_close_drains_until_the_write_in_flight_is_over(net):
+    """decode closes with prefill's write in flight: the room drains (the cache outlives the
+    endpoint), prefill's ABORT answer follows its write, and only then does decode report FAILED
+    ENDPOINT_CLOSED (regression: it used to report at once, and the write landed afterwards)."""
     start(net, 1, 40)
     net.chunk(1, 16)
     held = net.take(DONE)
     net.receivers[0].close(net.now)
     net.pump()
-    assert net.ending(D0, 1).code == ErrorCode.ENDPOINT_CLOSED
     net.run()
     assert net.ending(P0, 1).code == ErrorCode.ENDPOINT_CLOSED
+    assert net.state(D0, 1) is T and net.ended[D0] == []  # the answer waits behind the write
     net.pending.extend(held)
     net.run()
-    assert net.receivers[0].stats.late_messages == 2  # the tag and prefill's ABORT
-    assert net.unsafe_ends == []  # CLOSE is exempt by design
+    assert net.ending(D0, 1).code == ErrorCode.ENDPOINT_CLOSED
+    assert net.unsafe_ends == []
     net.assert_clean()
 
 
@@ -1154,9 +1155,10 @@ def test_pair_staged_and_direct_pairs_mix(make_net):
 
 
 def test_pair_staged_room_stalled_while_other_room_succeeds(make_net):
-    """Room 1's scatter hangs (its region is never released): room 2 still gets the rest of the
-    shared ring and succeeds; room 1 times out STAGING_STALLED and, its scatter still running and
-    prefill (SUCCESS) owing no answer, is reported at the drain deadline; the ring ends empty."""
+    """Room 1's scatter is slow (its region is not released): room 2 still gets the rest of the
+    shared ring and succeeds; room 1 times out STAGING_STALLED, prefill (SUCCESS) owes no answer,
+    and the room is reported only once its scatter, which writes its pages, is over — even past
+    the drain deadline (a local copy always ends); the ring ends empty."""
     net = make_net(staged=True, ring=8192, d_timeouts=Timeouts(transfer=300.0))  # 16 tokens of 512 B
     start(net, 1, 8)
     net.chunk(1, 8, last=True)
@@ -1169,9 +1171,10 @@ def test_pair_staged_room_stalled_while_other_room_succeeds(make_net):
     net.advance(300.0)
     assert net.state(D0, 1) is T  # STAGING_STALLED, but the scatter may still write its pages
     net.advance(10.0)
-    assert net.ending(D0, 1).code == ErrorCode.STAGING_STALLED
+    assert net.state(D0, 1) is T and net.ended[D0] == [net.ending(D0, 2)]
     net.pending.append(stuck)
-    net.run()  # the scatter finishes after the room ended: dropped
+    net.run()
+    assert net.ending(D0, 1).code == ErrorCode.STAGING_STALLED
     net.assert_ended_once()
     net.assert_clean()
 

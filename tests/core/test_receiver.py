@@ -652,21 +652,22 @@ def test_receiver_transfer_deadline_without_transfer_done_drains():
 
 
 def test_receiver_close_fails_every_live_room_once():
-    """close() fails every live room ENDPOINT_CLOSED once, tells prefill for sent requests, idempotent."""
+    """close() fails every live room ENDPOINT_CLOSED once (a TRANSFERRING one once its writer has
+    answered), tells prefill for sent requests, is idempotent, and refuses new rooms."""
     core, gen = transferring(1)
     core.open_room(2, C, T0)
     gen2 = core.rooms[2].generation
     pop(core)
     core.close(T0)
     o = pop(core)
-    # CLOSE never drains: the memory is deregistered, nothing can land after it
-    assert sorted((e.room_id, e.code) for e in o.ended) == [(1, ErrorCode.ENDPOINT_CLOSED),
-                                                           (2, ErrorCode.ENDPOINT_CLOSED)]
+    assert [(e.room_id, e.code) for e in o.ended] == [(2, ErrorCode.ENDPOINT_CLOSED)]  # 1 drains
     assert sorted((m.room_id, m.generation) for m in o.to("p0")) == [(1, gen), (2, gen2)]
     core.close(T0)
     assert pop(core).ended == []
     with pytest.raises(LocalProtocolError):
         core.open_room(3, C, T0)
+    answer(core, 1, gen, "p0", code=ErrorCode.ENDPOINT_CLOSED)
+    _failed(pop(core), ErrorCode.ENDPOINT_CLOSED)
     assert_clean(core)
 
 
@@ -910,7 +911,8 @@ def test_receiver_drain_deadline_drops_only_unsettled_writers():
 
 def test_receiver_drain_deadline_with_only_a_scatter_running_drops_no_link():
     """The writer settled (its ABORT came) but a scatter of the room still runs: the drain deadline
-    forces the report and drops no link (no peer failed to answer)."""
+    drops no link (no peer failed to answer) and the room reports once the scatter, which writes
+    its pages, is over (a local copy always ends)."""
     core = staging_core()
     core.open_room(1, C, T0)
     core.set_destination(1, [1], 16, T0)
@@ -922,8 +924,9 @@ def test_receiver_drain_deadline_with_only_a_scatter_running_drops_no_link():
     assert pop(core).ended == [] and core.room_state(1) is RoomState.TRANSFERRING
     core.handle_timer(T0 + 10)
     o = pop(core)
-    assert o.drops == []
-    _failed(o, ErrorCode.ABORTED)
+    assert o.drops == [] and o.ended == []
+    core.scatter_done(1, 10, 0, T0 + 11)
+    _failed(pop(core), ErrorCode.ABORTED)
     assert_clean(core)
 
 
@@ -959,28 +962,49 @@ def test_receiver_drop_link_performed_fails_the_links_other_rooms():
     assert_clean(core)
 
 
-def test_receiver_close_does_not_drain():
-    """close() fails a TRANSFERRING room with an unsettled writer at once (ENDPOINT_CLOSED): the
-    memory is deregistered, nothing can land; its staging regions are released."""
+def test_receiver_close_drains():
+    """close() with a writer unsettled drains like any failure (the cache outlives the endpoint, so
+    a late write would land in pages the application reused): ABORT, then FAILED ENDPOINT_CLOSED
+    only once the writer answered; its staging regions are released then."""
     core, gen = transferring(core=make_core(staging=StagingRing(4096)), links=[rlink(0, unit=256)])
     core.on_message("p0", StagingRequest(room_id=1, generation=gen, seq=0, start_token=0, end_token=16), T0)
     pop(core)
     core.close(T0)
-    o = pop(core)
-    _failed(o, ErrorCode.ENDPOINT_CLOSED)
-    assert [(m.generation, m.code) for m in o.to("p0")] == [(gen, ErrorCode.ENDPOINT_CLOSED)]
+    _drains_then_fails(core, 1, gen, ErrorCode.ENDPOINT_CLOSED)
     assert_clean(core)
 
 
-def test_receiver_close_while_draining_reports_original_code():
-    """close() during a drain ends it at once, reporting the failure's own code."""
+def test_receiver_close_drain_ends_at_its_deadline_or_when_fenced():
+    """A drain left by close() ends at its drain deadline (dropping the silent writer's link), or
+    earlier when the endpoint has fenced the data plane (``fenced``: transport closed)."""
+    core, gen = transferring()
+    pop(core)
+    core.close(T0)
+    pop(core)
+    core.handle_timer(T0 + core.timeouts.drain)
+    o = pop(core)
+    _failed(o, ErrorCode.ENDPOINT_CLOSED)
+    assert [d.link for d in o.drops] == ["p0"]
+    core, gen = transferring()
+    core.close(T0)
+    pop(core)
+    core.fenced(T0 + 1)
+    o = pop(core)
+    _failed(o, ErrorCode.ENDPOINT_CLOSED)
+    assert o.drops == [] and o.sends == []
+    assert_clean(core)
+
+
+def test_receiver_close_while_draining_keeps_draining_with_original_code():
+    """close() during a drain does not cut it short; the room reports the failure's own code."""
     core, gen = transferring()
     core.handle_timer(T0 + 300)
     pop(core)
     core.close(T0 + 301)
     o = pop(core)
-    _failed(o, ErrorCode.TRANSFER_TIMEOUT)
-    assert o.sends == []
+    assert o.ended == [] and o.sends == []
+    answer(core, 1, gen, "p0")
+    _failed(pop(core), ErrorCode.TRANSFER_TIMEOUT)
     assert_clean(core)
 
 

@@ -26,7 +26,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         tr.write_line(f"data-plane faults: {data}")
         tr.write_line(f"control-frame faults: {control}")
         other = ("aborts_D", "aborts_P", "aborts_before_open", "abort_in_bootstrap", "decode_closes",
-                 "decode_closes_bootstrapping", "lost_peers", "cut_links", "clock_jumps",
+                 "decode_closes_bootstrapping", "prefill_closes", "calls_after_close", "stalls", "lost_peers", "cut_links", "clock_jumps",
                  "exempt_forced", "exempt_dropped", "exempt_hazard", "late_landed_exempt")
         tr.write_line("events: " + ", ".join(f"{k} {s[k]}" for k in other))
     m = test_core_machine.STATS

@@ -10,7 +10,11 @@ data-plane (``FaultPlan`` of every prefill agent: failed writes, copy-then-fail,
 dropped / duplicated / reordered tags), control-plane (``SeededFaults`` on every endpoint: dropped
 / duplicated / delayed / reordered frames), a lost peer (the prefill agent loses the decode agent;
 with ``cut`` its control frames stop too: the link dies), and a 30 s jump of one endpoint's clock.
-``Script.generate(seed)`` draws one; its ``repr`` is a complete reproducer.
+``Script.generate(seed)`` draws one; its ``repr`` is a complete reproducer. With
+``perturb=True`` (the soak) the same script also gets perturbed scheduling (the event loop
+stalls for random moments at random times), slow writes, and decode or prefill closes at random
+moments of the rooms' lives, so that races between a close and the writes in flight are met
+within minutes.
 
 ``run_script`` plays it and an ``Observer`` instruments the endpoints (wrapping ``_room_ended``,
 ``_drop_link`` and the decode core's ``handle_timer`` on the instances) to check, as it happens:
@@ -24,7 +28,8 @@ with ``cut`` its control frames stop too: the link dies), and a 30 s jump of one
   when its drain deadline forced the report, or when the decode rank declared that write's
   initiator gone (heartbeat silence, a clock jump, a DropLink): those ends are counted as
   ``exempt_*`` (and ``exempt_hazard`` / ``late_landed_exempt`` when a write was in fact pending /
-  landed late), since the design trusts a dropped link;
+  landed late), since the design trusts a dropped link. A link that its prefill closed
+  (ENDPOINT_CLOSED) earns no exemption: the prefill tells only once its writes cannot land;
 * once every room ended, nothing remains: no rooms in the cores, no room deadlines (only parked
   requests and pre-aborts may wait for theirs), no held ABORTs (``_draining``), empty staging
   rings, empty ``_handles`` and ``_pending``;
@@ -53,11 +58,12 @@ from typing import Any
 import torch
 
 from kvproto.aio import DecodeEndpoint, EndpointConfig, KVCache, PrefillEndpoint
+from kvproto.aio.endpoint import CLOSE_GRACE_S
 from kvproto.aio.room import _Handle
 from kvproto.core import RoomEnded, RoomState, Timeouts
 from kvproto.geometry import Layout
 from kvproto.testing import FaultPlan, FrameFaults, JumpClock, SeededFaults, pending_writes
-from kvproto.wire import ErrorCode, MalformedTag, MsgType, decode_tag
+from kvproto.wire import Abort, ErrorCode, MalformedTag, MsgType, decode_tag
 
 BLOCK = 4
 BLOCKS = 64
@@ -129,8 +135,16 @@ class Script:
     delay_polls: tuple[int, int] = (1, 8)
     """``FaultPlan.delay_polls`` of every prefill agent."""
     close_decode: float | None = None
-    """Seconds after the script starts at which the decode endpoint closes (every decode room is
-    open by then, its link to the prefill instance typically still bootstrapping)."""
+    """Seconds after the script starts at which the decode endpoint closes (drawn by ``generate``
+    while its link to the prefill instance typically still bootstraps; perturbed scripts draw it
+    anywhere in the rooms' lives)."""
+    close_prefill: tuple[int, float] | None = None
+    """(prefill rank, at): that prefill endpoint closes (perturbed scripts and regressions)."""
+    perturb: tuple[float, float] | None = None
+    """Perturbed scheduling (the soak, ``Script.generate(seed, perturb=True)``): (mean seconds
+    between stalls, longest stall): a task blocks the event loop for a random time at random
+    moments, as a loaded machine does, so that callbacks, deadlines and polls interleave
+    differently from run to run."""
 
     @property
     def quiet(self) -> bool:
@@ -139,7 +153,29 @@ class Script:
             self.lose and self.lose[2])
 
     @classmethod
-    def generate(cls, seed: int) -> Script:
+    def generate(cls, seed: int, *, perturb: bool = False) -> Script:
+        """The script of ``seed``. ``perturb``: the same script, then perturbed scheduling, slow
+        writes and endpoint closes at random moments (drawn apart: a seed's rooms and faults stay
+        what they are without it)."""
+        script = cls._generate(seed)
+        if not perturb:
+            return script
+        rng = random.Random(seed * 104729 + 7)
+        close_decode, close_prefill = script.close_decode, None
+        first = min(r.decode_at for r in script.rooms)
+        if close_decode is None and rng.random() < 0.3:  # anywhere in the rooms' lives
+            close_decode = round(first + rng.uniform(0.0, 0.5), 4)
+        if rng.random() < 0.2:
+            close_prefill = (rng.randrange(script.prefill_tp), round(rng.uniform(0.0, 0.5), 4))
+        data = dict(script.data)
+        data.setdefault("delay_write", round(rng.uniform(0.2, 0.8), 3))
+        low = rng.choice([1, 10, 100])
+        return replace(script, close_decode=close_decode, close_prefill=close_prefill,
+                       data=tuple(sorted(data.items())), delay_polls=(low, low * rng.choice([2, 10, 50])),
+                       perturb=(round(rng.uniform(0.002, 0.02), 4), round(rng.uniform(0.0005, 0.004), 4)))
+
+    @classmethod
+    def _generate(cls, seed: int) -> Script:
         rng = random.Random(seed)
         tp = rng.choice([1, 1, 2])
         path = rng.choice(["auto", "auto", "sliced", "staged"])
@@ -283,7 +319,8 @@ class Observer:
             orig_end(out)
 
         def drop_link(link: Any, code: Any, reason: str) -> None:
-            self.dropped_links.add(link.link_id)
+            if code != ErrorCode.ENDPOINT_CLOSED:  # a prefill that closed its link said so only once fenced
+                self.dropped_links.add(link.link_id)
             orig_drop(link, code, reason)
 
         def handle_timer(now: float) -> None:
@@ -305,6 +342,25 @@ class Observer:
                 _orig(out)
 
             p._room_ended = p_room_ended  # type: ignore[method-assign]
+            orig_send = p._send
+
+            def p_send(link: Any, message: Any, _orig: Callable[..., None] = orig_send, _p: Any = p,
+                       _rank: int = rank) -> None:
+                if isinstance(message, Abort):
+                    self._check_abort(_rank, _p, message)
+                _orig(link, message)
+
+            p._send = p_send  # type: ignore[method-assign]
+
+    def _check_abort(self, rank: int, prefill: PrefillEndpoint, abort: Abort) -> None:
+        """A prefill rank sends a room ABORT (or a link ABORT) to the decode rank only once none of
+        its writes into it (for that room) can still land (spec/v1/messages.md, "Writes in flight")."""
+        pending = [w for w in pending_writes(self.decode.agent_name) if w.initiator == prefill.agent_name
+                   and (abort.room_id == 0 or _tag(w).room_id == abort.room_id)]
+        if pending:
+            what = f"room {abort.room_id}" if abort.room_id else "link"
+            self.out.violations.append(f"prefill rank {rank} sent a {what} ABORT ({abort.reason}) with its writes "
+                                       f"pending: {[_tag(w) for w in pending]}")
 
     def _record(self, side: str, out: RoomEnded) -> None:
         self.out.ends.append(End(side, out.room_id, out.state, out.code, out.reason, self.loop.time()))
@@ -421,6 +477,7 @@ async def run_script(script: Script, *, summarize: bool = True) -> Outcome:
     clocks = {n: JumpClock() for n in names}
     prefills: list[PrefillEndpoint] = []
     decode: DecodeEndpoint | None = None
+    stalls: asyncio.Task[None] | None = None
     started = time.monotonic()
     try:
         for r in range(tp):
@@ -448,12 +505,18 @@ async def run_script(script: Script, *, summarize: bool = True) -> Outcome:
             tasks.append(asyncio.create_task(_jump(out, script, clocks, t0)))
         if script.close_decode is not None:
             tasks.append(asyncio.create_task(_close_decode(out, script, decode, t0)))
+        if script.close_prefill is not None:
+            tasks.append(asyncio.create_task(_close_prefill(out, script, prefills, t0)))
+        if script.perturb is not None:
+            stalls = asyncio.create_task(_stall(out, script))
         await asyncio.gather(*tasks)
+        if stalls is not None:
+            stalls.cancel()
         expected = {(s, r.room_id) for r in script.rooms for s in ["D", *names[:-1]]}
         deadline = t0 + WALL_S
         while loop.time() < deadline and not all(h.done for h in handles.values()):
             await asyncio.sleep(0.02)
-        missing = sorted(expected - set(handles))
+        missing = sorted(expected - set(handles) - out.notes.get((0, "skipped"), set()))
         if missing:
             out.violations.append(f"rooms never opened: {missing}")
         hung = sorted(k for k, h in handles.items() if not h.done)
@@ -513,6 +576,8 @@ async def _at(t0: float, delay: float) -> None:
 async def _decode_side(out: Outcome, decode: DecodeEndpoint, bootstrap: str, r: RoomScript,
                        handles: dict[tuple[str, int], _Handle], t0: float) -> None:
     await _at(t0, r.decode_at)
+    if _after_close(out, decode, "D", r.room_id):
+        return
     try:
         if r.dest_at is None:
             handles[("D", r.room_id)] = decode.open_room(
@@ -521,20 +586,36 @@ async def _decode_side(out: Outcome, decode: DecodeEndpoint, bootstrap: str, r: 
             return
         room = handles[("D", r.room_id)] = decode.open_room(r.room_id, bootstrap)
         await asyncio.sleep(r.dest_at)
-        room.set_destination(list(r.dst_pages), r.tokens, prefix_tokens=r.prefix, aux_slot=r.aux[1] if r.aux else None)
+        if not _after_close(out, decode, "D", r.room_id):
+            room.set_destination(list(r.dst_pages), r.tokens, prefix_tokens=r.prefix,
+                                 aux_slot=r.aux[1] if r.aux else None)
     except Exception as exc:  # noqa: BLE001 - any exception from the API is a finding
         out.violations.append(f"decode room {r.room_id}: the application call raised {exc!r}")
+
+
+def _after_close(out: Outcome, ep: Any, side: str, room_id: int) -> bool:
+    """The script's next call for the room comes after ``ep`` closed: skip it (the API would
+    refuse it with EndpointClosed, as ``test_endpoint_close_releases_everything`` checks)."""
+    if not ep.closed:
+        return False
+    out.counts["calls_after_close"] += 1
+    out.notes.setdefault((0, "skipped"), set()).add((side, room_id))
+    return True
 
 
 async def _prefill_side(out: Outcome, ep: PrefillEndpoint, rank: int, r: RoomScript,
                         handles: dict[tuple[str, int], _Handle], t0: float) -> None:
     await _at(t0, r.prefill_at)
+    if _after_close(out, ep, f"P{rank}", r.room_id):
+        return
     try:
         room = handles[(f"P{rank}", r.room_id)] = ep.open_room(r.room_id)
         start = 0
         for end in r.chunks:
             if r.chunk_gap:
                 await asyncio.sleep(r.chunk_gap)
+            if _after_close(out, ep, f"P{rank}", r.room_id):
+                return
             last = end == r.tokens
             room.send(list(r.src_pages[rank][pages(start):pages(end)]), end, last=last,
                       aux_slot=r.aux[0] if last and r.aux else None)
@@ -578,6 +659,26 @@ async def _close_decode(out: Outcome, script: Script, decode: DecodeEndpoint, t0
         h.poll() is RoomState.BOOTSTRAPPING for h in list(decode._handles.values()))
     out.events[(0, "close")] = asyncio.get_running_loop().time()
     await decode.close()
+
+
+async def _close_prefill(out: Outcome, script: Script, prefills: list[PrefillEndpoint], t0: float) -> None:
+    assert script.close_prefill is not None
+    rank, at = script.close_prefill
+    await _at(t0, at)
+    out.counts["prefill_closes"] += 1
+    out.events[(0, "close_prefill")] = asyncio.get_running_loop().time()
+    await prefills[rank].close()
+
+
+async def _stall(out: Outcome, script: Script) -> None:
+    """Block the event loop for a random moment at random times (``Script.perturb``)."""
+    assert script.perturb is not None
+    mean, longest = script.perturb
+    rng = random.Random(script.seed * 31 + 17)
+    while True:
+        await asyncio.sleep(rng.expovariate(1.0 / mean))
+        time.sleep(rng.uniform(0.0, longest))
+        out.counts["stalls"] += 1
 
 
 async def _jump(out: Outcome, script: Script, clocks: dict[str, JumpClock], t0: float) -> None:
@@ -647,6 +748,7 @@ def _check_codes(out: Outcome, script: Script) -> None:
         except MalformedTag:
             pass
     lost_rank = script.lose[0] if script.lose else None
+    skipped = out.notes.get((0, "skipped"), set())
     any_tag_lost = any(kinds & TAG_LOSSES for kinds in logs.values())
     for r in script.rooms:
         ends = {e.side: e for e in out.ends if e.room_id == r.room_id}
@@ -666,8 +768,13 @@ def _check_codes(out: Outcome, script: Script) -> None:
                 # A grant is no progress for the prefill room's deadline: one starved by a stalled ring
                 # can time out (TRANSFER_TIMEOUT) just after its late grant arrived.
                 allowed_timeouts["P"].add(ErrorCode.TRANSFER_TIMEOUT)
-        if script.close_decode is not None:
+        if script.close_decode is not None or script.close_prefill is not None:
             origins.add(ErrorCode.ENDPOINT_CLOSED)
+        if script.close_prefill is not None or any(room == r.room_id for _s, room in skipped):
+            # A closed prefill rank answers no handshake, and a side that closed before opening the
+            # room never asks for it: the others can only wait out their bootstrap deadline.
+            allowed_timeouts["D"].add(ErrorCode.BOOTSTRAP_TIMEOUT)
+            allowed_timeouts["P"].add(ErrorCode.BOOTSTRAP_TIMEOUT)
         # A decode room that ends while its link bootstraps holds its ABORT until the link is up:
         # the prefill fails with the decode's code, never by waiting out its own deadline.
         abort_state = out.notes.get((r.room_id, "abort_state"))
@@ -691,10 +798,13 @@ def _check_codes(out: Outcome, script: Script) -> None:
                   and e.code not in TIMEOUT_CODES]
         if aborted:
             causes.append(out.events[(r.room_id, "abort")])
-        if causes and d.code not in TIMEOUT_CODES and d.at - min(causes) > QUICK_S:
+        # A closing prefill tells the decode only once its writes in flight ended (up to the grace).
+        quick = QUICK_S + (CLOSE_GRACE_S if script.close_prefill is not None else 0.0)
+        if causes and d.code not in TIMEOUT_CODES and d.at - min(causes) > quick:
             out.violations.append(f"room {r.room_id}: decode failed {d.at - min(causes):.2f}s after its cause "
                                   f"({_fmt(ends)})")
-        if causes and d.code in TIMEOUT_CODES and not any_tag_lost and lost_rank is None:
+        if causes and d.code in TIMEOUT_CODES and not any_tag_lost and lost_rank is None and \
+                script.close_prefill is None:
             out.violations.append(
                 f"room {r.room_id}: decode timed out although a failure could reach it ({_fmt(ends)})")
 

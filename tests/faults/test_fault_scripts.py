@@ -10,7 +10,7 @@ import pytest
 
 from kvproto.aio import DecodeEndpoint, EndpointConfig, PrefillEndpoint
 from kvproto.core import RoomState
-from kvproto.wire import BootstrapInfo, decode_frame
+from kvproto.wire import BootstrapInfo, ErrorCode, decode_frame
 
 from .scripts import HEADS, Outcome, RoomScript, Script, make_cache, run_script
 
@@ -21,16 +21,20 @@ SCRIPTS = int(os.environ.get("KVPROTO_FAULT_SCRIPTS", "320"))
 """Scripts per run (spread over ``BATCHES`` tests); raise it for a soak."""
 FIRST_SEED = int(os.environ.get("KVPROTO_FAULT_SEED", "1"))
 PER_BATCH = -(-SCRIPTS // BATCHES)
+PERTURBED = int(os.environ.get("KVPROTO_FAULT_PERTURBED", "48"))
+"""Perturbed scripts per run (``Script.generate(seed, perturb=True)``; the soak, ``python -m
+tests.faults.soak``, runs thousands)."""
+PERTURBED_BATCHES = 2
 CONCURRENT = 6
 SCRIPT_LIMIT_S = 60.0
 """A script that has not finished by then (closing included) hung: reported with every task's stack."""
 
 
-async def run_many(seeds: list[int]) -> list[Outcome]:
+async def run_many(seeds: list[int], *, perturb: bool = False) -> list[Outcome]:
     sem = asyncio.Semaphore(CONCURRENT)
 
     async def one(seed: int) -> Outcome:
-        script = Script.generate(seed)
+        script = Script.generate(seed, perturb=perturb)
         async with sem:
             try:
                 return await asyncio.wait_for(run_script(script), SCRIPT_LIMIT_S)
@@ -62,6 +66,16 @@ async def test_fault_scripts_keep_invariants(batch: int) -> None:
     ends once on both sides, SUCCESS means exact bytes, no FAILED room has a write pending into it,
     nothing is left behind, and quiet scripts agree on codes and fail fast."""
     outcomes = await run_many([FIRST_SEED + batch * PER_BATCH + i for i in range(PER_BATCH)])
+    bad = report(outcomes)
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("batch", range(PERTURBED_BATCHES))
+async def test_fault_scripts_perturbed_keep_invariants(batch: int) -> None:
+    """The same invariants under perturbed scheduling (random event-loop stalls), slow writes and
+    decode or prefill closes at random moments of the rooms' lives."""
+    per = -(-PERTURBED // PERTURBED_BATCHES)
+    outcomes = await run_many([FIRST_SEED + batch * per + i for i in range(per)], perturb=True)
     bad = report(outcomes)
     assert not bad, bad
 
@@ -98,6 +112,39 @@ async def test_endpoint_decode_clock_jump_keeps_rooms_until_writes_end_regressio
     out = await run_script(script, summarize=False)
     assert not out.violations, out.violations
     assert out.counts["exempt_hazard"] == 0 and out.counts["late_landed_exempt"] == 0, out.counts
+
+
+@pytest.mark.parametrize("path", ["direct", "sliced", "staged"])
+@pytest.mark.parametrize("prefill_tp", [1, 2])
+async def test_endpoint_decode_close_with_writes_in_flight_waits_for_them_regression(path: str,
+                                                                                     prefill_tp: int) -> None:
+    """The decode endpoint closes while the prefill's writes into its room are in flight (held for
+    20,000 polls): the room reports FAILED (ENDPOINT_CLOSED) only once the prefill answered its
+    ABORT, which follows those writes (found by seeds 24 and 115 one run in two: close() failed the
+    room at once, on the claim that closing deregisters the memory, and the writes landed before the
+    transport closed; this script failed that way every time)."""
+    script = Script(seed=9101, prefill_tp=prefill_tp, path=path, staging_bytes=1024,
+                    rooms=(_room(9101001, src_pages=((3, 9),) * prefill_tp),),
+                    data=(("delay_write", 1.0),), delay_polls=(20000, 20000), close_decode=0.2)
+    out = await run_script(script, summarize=False)
+    assert not out.violations, out.violations
+    ends = {e.side: (e.state, e.code) for e in out.ends}
+    assert ends["D"] == (RoomState.FAILED, ErrorCode.ENDPOINT_CLOSED), ends
+    assert out.counts["exempt_forced"] == 0 and out.counts["exempt_hazard"] == 0, out.counts
+
+
+async def test_endpoint_prefill_close_with_writes_stuck_fences_before_telling_regression() -> None:
+    """A prefill endpoint closes while its write never completes (held for 10**9 polls, past the
+    close's grace): it removes the decode agent from its transport (the write cannot land any more)
+    before the decode hears the room's ABORT or the link's, so the decode's FAILED is safe (it used
+    to send the room's ABORT, which promises that no write is in flight, with the write pending)."""
+    script = Script(seed=9102, prefill_tp=1, path="sliced", staging_bytes=1024, rooms=(_room(9102001),),
+                    data=(("delay_write", 1.0),), delay_polls=(10**9, 10**9), close_prefill=(0, 0.25))
+    out = await run_script(script, summarize=False)
+    assert not out.violations, out.violations
+    ends = {e.side: (e.state, e.code) for e in out.ends}
+    assert ends == {"P0": (RoomState.FAILED, ErrorCode.ENDPOINT_CLOSED),
+                    "D": (RoomState.FAILED, ErrorCode.ENDPOINT_CLOSED)}, ends
 
 
 def _awaiting(task: asyncio.Task[object]) -> list[str]:
