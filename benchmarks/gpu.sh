@@ -2,7 +2,7 @@
 # The GPU measurements in one go: GPU tests, then kvproto bench transfer, rooms and kernels, each
 # writing its table to OUTDIR/<name>.txt and its figures to OUTDIR/<name>.json.
 #
-#   usage: benchmarks/gpu.sh OUTDIR [quick]
+#   usage: benchmarks/gpu.sh OUTDIR [quick | kernel | round2]
 #
 # Run from the repository root on a machine with one or two CUDA GPUs, with kvproto's
 # dependencies importable (wheels in .whl/ are installed to /tmp/site first if present).
@@ -22,7 +22,7 @@ step() {  # step NAME SECONDS COMMAND...
     shift 2
     echo "=== $name (limit ${limit}s): $*"
     local t0=$SECONDS
-    timeout "$limit" "$@" 2>&1 | grep -v "NIXL INFO" | tee "$out/$name.txt"
+    timeout "$limit" "$@" 2>&1 | grep -v "NIXL INFO\|UCX AM send failed" | tee "$out/$name.txt"
     echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0))s"
 }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpus.txt"
@@ -38,12 +38,35 @@ if [ "$quick" = round2 ]; then
     step kernels 80 python3 -m kvproto.cli bench kernels --layers 32 --tokens 1024 8192 --iters 5 --sweep --no-host
     exit 0
 fi
+kernel_path() {  # the kernel path (transport cuda-ipc) and NIXL beside it, random pages
+    local b="python3 -m kvproto.cli bench transfer"
+    step kernel-11 150 $b --transport cuda-ipc --json "$out/kernel-11.json" --tp 1:1 --sizes-mib 8 128 1024 \
+        --pages random --paths auto
+    step kernel-tp 150 $b --transport cuda-ipc --json "$out/kernel-tp.json" --tp 1:2 2:1 --sizes-mib 1024 \
+        --pages random --paths auto
+    step kernel-block64 80 $b --transport cuda-ipc --json "$out/kernel-block64.json" --tp 1:1 --sizes-mib 1024 \
+        --pages random --paths auto --decode-block 64
+    step kernel-hnd 80 $b --transport cuda-ipc --json "$out/kernel-hnd.json" --tp 1:1 --sizes-mib 1024 \
+        --pages random --paths auto --decode-layout HND
+    step kernel-latency 80 $b --transport cuda-ipc --json "$out/kernel-latency.json" --tp 1:1 --sizes-mib 8 \
+        --pages random --paths auto --in-flight 1 --rooms 60
+    step nixl-11 150 $b --transport nixl --json "$out/nixl-11.json" --tp 1:1 --sizes-mib 8 128 1024 \
+        --pages random --paths auto
+}
+if [ "$quick" = kernel ]; then
+    step gpu-tests 150 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/aio/test_gpu.py tests/kernels \
+        tests/transport/test_cuda_ipc_gpu.py
+    kernel_path
+    exit 0
+fi
 if [ "$quick" = quick ]; then
     step transfer 240 python3 -m kvproto.cli bench transfer --json "$out/transfer.json" --sizes-mib 128 1024 --tp 1:1 \
         --paths auto
     exit 0
 fi
-step gpu-tests 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/aio/test_gpu.py tests/kernels -x
+step gpu-tests 150 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/aio/test_gpu.py tests/kernels \
+    tests/transport/test_cuda_ipc_gpu.py
+kernel_path
 step transfer 300 python3 -m kvproto.cli bench transfer --json "$out/transfer.json"
 step rooms 80 python3 -m kvproto.cli bench rooms --json "$out/rooms.json" --rooms 2000 --windows 1 64 512
 step kernels 60 python3 -m kvproto.cli bench kernels --layers 32 --tokens 1024 8192 --iters 5

@@ -144,6 +144,7 @@ class DecodeEndpoint(EndpointBase):
         Give ``pages`` and ``num_tokens`` now, or later with ``room.set_destination``.
         """
         self._check_open()
+        trace.mark("open", room_id, 0)
         now = self._now()
         destination = None
         if pages is not None:
@@ -291,6 +292,8 @@ class DecodeEndpoint(EndpointBase):
             log.warning("bad frame from prefill rank %d: %s", link.prefill_rank, exc)
             return
         if isinstance(msg, (TransferDone, Abort, StagingRequest)) and msg.room_id:
+            if trace.ENABLED:
+                trace.mark(f"recv_{type(msg).__name__}", msg.room_id, 0)
             self.core.on_message(link.link_id, msg, now)
         elif isinstance(msg, Heartbeat):
             if link.registered and msg.boot_id != link.boot_id:
@@ -528,6 +531,8 @@ class DecodeEndpoint(EndpointBase):
             log.error("draining notifications failed: %s", exc)
             notes = []
         for note in notes:
+            if trace.ENABLED:
+                trace.mark("tag", int.from_bytes(note.tag[4:12], "little") if len(note.tag) >= 12 else 0, 0)
             self.core.on_notification(note.peer, note.tag, now)
         scattered = self._copies.poll() if self._staging is not None else 0
         self.core.handle_timer(now)

@@ -51,6 +51,7 @@ from kvproto.aio.room import _Handle
 from kvproto.core import PathCost, RoomEnded, RoomState, Send, Timeouts
 from kvproto.metrics import EndpointMetrics, room_phases
 from kvproto.transport import Transport, load_transport
+from kvproto.transport.base import wakeup_fd
 from kvproto.wire import ErrorCode, LocalProtocolError, Message, encode
 
 log = logging.getLogger("kvproto")
@@ -194,6 +195,7 @@ class EndpointBase:
         self.metrics = EndpointMetrics(role=self.ROLE)
         """Rooms, bytes, phase times (``kvproto.metrics``)."""
         self._last_tick: float | None = None
+        self._wakeup_fd: int | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
     async def __aenter__(self) -> Any:
@@ -215,6 +217,9 @@ class EndpointBase:
         self._ctx = zmq.asyncio.Context()
         self.metrics.core = self.core
         await self._start_io()
+        self._wakeup_fd = wakeup_fd(self.transport)
+        if self._wakeup_fd is not None:  # the adapter's "a tag arrived" signal wakes the progress task
+            self._loop.add_reader(self._wakeup_fd, self._kick)
         self._spawn(self._progress_loop(), "progress")
         self._started = True
 
@@ -239,6 +244,9 @@ class EndpointBase:
                 log.error("%s task %s did not stop at close", self.ROLE, task.get_name())
         self._close_io()
         assert self.transport is not None
+        if self._wakeup_fd is not None:
+            self._loop.remove_reader(self._wakeup_fd)  # type: ignore[union-attr]
+            self._wakeup_fd = None
         try:
             self.transport.close()  # deregisters the memory, removes the peers: the data plane is fenced
         finally:
@@ -307,6 +315,7 @@ class EndpointBase:
                     self._perform(out)
 
     def _room_ended(self, out: RoomEnded) -> None:
+        trace.mark("ended", out.room_id, int(out.state))
         handle = self._handles.pop(out.room_id, None)
         now = self._now()
         phases = room_phases(out.timeline)

@@ -12,6 +12,9 @@ every region (layer, plane) and posts it as one write:
 * ``staged``: the pair's head slice of a token range is gathered into local staging, one bulk
   WRITE carries it into a region the decode rank granted, and decode scatters it
   (``kvproto.aio.staging``): one descriptor per piece instead of thousands.
+* a *pattern route* (the adapter's ``route(peer).pattern``, e.g. the kernel path): direct and
+  sliced writes go to the adapter as the pattern itself (extents relative to a region's base,
+  applied to every region), which it moves in one launch: nothing is expanded into rows here.
 
 The aux slot moves through prepared one-slot-per-row lists. Nothing here decides anything
 about rooms; errors surface as ``TransportError`` to the caller.
@@ -26,7 +29,8 @@ import numpy as np
 
 from kvproto.aio.memory import KVCache
 from kvproto.geometry import KVGeometry, PairPlan
-from kvproto.transport.base import DescList, MemKind, Transport, Xfer
+from kvproto.kernels.pattern import pair_extents
+from kvproto.transport.base import DescList, MemKind, Route, Transport, Xfer
 
 
 def page_rows(bases: Sequence[int], num_blocks: int, page_bytes: int, device_id: int) -> np.ndarray:
@@ -102,6 +106,7 @@ class LinkPath:
         remote_aux: tuple[int, int, int] | None,
         kind: str | None = None,
         remote_staging: tuple[int, int, MemKind, int] | None = None,
+        route: Route | None = None,
     ) -> None:
         self.transport = transport
         self.local = local
@@ -114,17 +119,34 @@ class LinkPath:
         self.remote_device = remote_device
         self.remote_aux = remote_aux
         self.kind = kind or ("none" if plan is None else ("direct" if plan.direct else "sliced"))
+        self.route = route
+        """The adapter's route to the peer (``route_of``); ``pattern`` routes take whole patterns."""
         self.remote_staging = remote_staging
         """(address, length, memory kind, device) of the decode rank's staging region."""
         self._remote_pages: DescList | None = None
         self._remote_aux: DescList | None = None
 
+    @property
+    def label(self) -> str:
+        """The path's name in ``room.stats.paths``: its kind, and the route where a pattern route
+        moves it (``direct-kernel``, ``sliced-kernel``)."""
+        if self.route is not None and self.route.pattern and self.kind in ("direct", "sliced"):
+            return f"{self.kind}-{self.route.name}"
+        return self.kind
+
     def post_kv(self, tag: bytes, src_pages: Sequence[int], dst_pages: Sequence[int], start: int, end: int) -> Posted:
         assert self.plan is not None, "post_kv on a link this rank does not write"
-        extents = self.plan.extents(src_pages, dst_pages, start, end)
-        if not extents:
+        if self.route is not None and self.route.pattern:
+            if not start < end:
+                raise ValueError(f"tokens [{start}, {end}) move no bytes")
+            xfer = self.transport.post_plan(  # type: ignore[attr-defined]
+                self.peer, self.plan, self.local_bases, self.local.kv.mem_kind, self.remote_bases, self.remote_kind,
+                src_pages, dst_pages, start, end, tag)
+            moved = (end - start) * self.plan.head_count * self.plan.src.head_bytes  # exactly the tokens
+            return Posted(xfer, moved * len(self.local_bases), 0)
+        pattern = pair_extents(self.plan, src_pages, dst_pages, start, end)  # (E, 3): src_off, dst_off, length
+        if not len(pattern):
             raise ValueError(f"tokens [{start}, {end}) move no bytes")
-        pattern = np.asarray(extents, dtype=np.int64)  # (E, 3): src_off, dst_off, length
         regions = len(self.local_bases)
         nbytes = int(pattern[:, 2].sum()) * regions
         if self.plan.direct:

@@ -54,6 +54,7 @@ from kvproto.geometry import (
     writers,
 )
 from kvproto.transport import MemKind, TransportError, XferState
+from kvproto.transport.base import Route, route_of
 from kvproto.wire import (
     MINOR,
     Abort,
@@ -262,6 +263,8 @@ class PrefillEndpoint(EndpointBase):
             self._bad_frame(ident, frame, exc)
             return
         if isinstance(msg, (TransferRequest, Abort, StagingGrant, StagingWatermark)) and msg.room_id:
+            if trace.ENABLED:
+                trace.mark(f"recv_{type(msg).__name__}", msg.room_id, 0)
             self.core.on_message(ident, msg, now)
         elif isinstance(msg, Register):
             self._on_register(ident, header.minor, msg)
@@ -357,11 +360,12 @@ class PrefillEndpoint(EndpointBase):
         is_writer = g.tp_rank in chosen
         plan = plan_pair(g, decode_g) if is_writer else None
         piece = PieceShape(g.num_regions, plan.head_count, g.head_dim, g.itemsize) if plan else None
-        kind, can_stage = self._choose_path(plan, piece, remote, minor)
+        route = route_of(self.transport, agent)
+        kind, can_stage = self._choose_path(plan, piece, remote, minor, route)
         path = LinkPath(
             transport=self.transport, local=self._local, peer=agent, plan=plan, remote=decode_g,
             remote_bases=remote.bases, remote_kind=remote.kind, remote_device=remote.device,
-            remote_aux=remote.aux, kind=kind, remote_staging=remote.staging,
+            remote_aux=remote.aux, kind=kind, remote_staging=remote.staging, route=route,
         )
         # A direct link that can also stage picks per room by cost (``kvproto.core.cost``).
         by_cost = kind == "direct" and can_stage and self.config.path == "auto"
@@ -380,19 +384,22 @@ class PrefillEndpoint(EndpointBase):
             if by_cost else None,
             regions=g.num_regions,
         )
-        if kind == "direct":
+        if kind == "direct" and not (route is not None and route.pattern):
             path.prepare()  # the peer's page list, before the first request needs it
         if piece is not None:
             self._pieces[ident] = (piece, plan.src_head_offset)  # type: ignore[union-attr]
         self._links[ident] = _DecodeLink(ident, link, agent, msg.boot_id, path, now)
         self.core.add_link(link)
-        log.info("registered decode %s rank %d (%s path, minor %d)", msg.instance, decode_g.tp_rank, path.kind, minor)
+        log.info("registered decode %s rank %d (%s path, minor %d)", msg.instance, decode_g.tp_rank, path.label, minor)
         self._send(ident, RegisterAccept(
             boot_id=self.boot_id, link_id=msg.link_id, agent_name=self.agent_name,
             geometry=geometry_to_wire(g), aux_slot_bytes=self.kv.aux.slot_bytes if self.kv.aux else 0))
 
-    def _choose_path(self, plan: Any, piece: PieceShape | None, remote: _Remote, minor: int) -> tuple[str, bool]:
-        """(direct / sliced / staged for this pair, whether it can stage); see ``EndpointConfig.path``."""
+    def _choose_path(self, plan: Any, piece: PieceShape | None, remote: _Remote, minor: int,
+                     route: Route | None) -> tuple[str, bool]:
+        """(direct / sliced / staged for this pair, whether it can stage); see ``EndpointConfig.path``.
+        A pattern route (the kernel path) never stages unless ``path="staged"`` asks: staging
+        saves descriptors, and a pattern write pays none."""
         if plan is None:
             return "none", False
         assert self.transport is not None and piece is not None
@@ -402,6 +409,8 @@ class PrefillEndpoint(EndpointBase):
             and piece.unit <= min(remote.staging[1], self._staging.capacity)
         )
         want = self.config.path
+        if route is not None and route.pattern and want != "staged":
+            return ("direct" if plan.direct and want != "sliced" else "sliced"), False
         if want == "sliced":
             return "sliced", can_stage
         if want == "staged" and can_stage:
@@ -495,6 +504,7 @@ class PrefillEndpoint(EndpointBase):
         if isinstance(out, PostStaged):
             self._stage(out, link)
             return
+        trace.mark("post", out.room_id, out.seq)
         try:
             if isinstance(out, PostWrite):
                 posted = link.path.post_kv(out.tag, out.src_pages, out.dst_pages, out.start_token, out.end_token)
@@ -503,7 +513,8 @@ class PrefillEndpoint(EndpointBase):
         except (TransportError, ValueError) as exc:
             self.core.write_failed(out.room_id, out.link, out.seq, str(exc), self._now(), tag=out.tag)
             return
-        self._posted(out, link, posted, "aux" if isinstance(out, PostAux) else link.path.kind)
+        trace.mark("posted", out.room_id, out.seq)
+        self._posted(out, link, posted, "aux" if isinstance(out, PostAux) else link.path.label)
 
     def _posted(self, out: Any, link: _DecodeLink, posted: Posted, kind: str, local_key: Any = None) -> None:
         self._pending[posted.xfer] = _Pending(out.room_id, link.ident, out.seq, out.tag, posted, local_key)
@@ -605,8 +616,8 @@ class PrefillEndpoint(EndpointBase):
             self.transport.release(xfer)
         except TransportError as exc:
             log.warning("releasing a finished write of room %d: %s", pending.room_id, exc)
+        trace.mark("written", pending.room_id, pending.seq)
         if pending.local_key is not None:
-            trace.mark("written", pending.room_id, pending.seq)
             self._stager.release(pending.local_key)  # the staging region is free only now
         if ok:
             self.core.write_done(pending.room_id, pending.link, pending.seq, pending.posted.nbytes, now,

@@ -37,6 +37,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import random
 import statistics
 import sys
@@ -53,6 +54,13 @@ class Shape:
     heads: int = 8
     head_dim: int = 128
     block: int = 16
+    decode_block: int = 0
+    """Tokens per decode page (0: ``block``)."""
+    decode_layout: str = "NHD"
+    """The decode cache's layout (prefill caches are NHD)."""
+
+    def block_of(self, role: str) -> int:
+        return self.decode_block or self.block if role == "decode" else self.block
 
     @property
     def token_bytes(self) -> int:
@@ -105,23 +113,22 @@ class Row:
 # --- the schedule every process derives the same way ---------------------------------------------
 
 
-def pages_per_room(case: Case, shape: Shape) -> int:
-    return -(-case.tokens(shape) // shape.block)
+def pages_per_room(case: Case, shape: Shape, role: str = "prefill") -> int:
+    return -(-case.tokens(shape) // shape.block_of(role))
 
 
 def pools(case: Case, shape: Shape) -> tuple[int, int]:
     """(prefill pages, decode pages): every room lands in pages of its own, so that all rooms
     are checked after the timed phase, with nothing of the check inside it."""
-    n = pages_per_room(case, shape)
-    return max(2 * n, 64), (case.rooms + 2) * n
+    return max(2 * pages_per_room(case, shape), 64), (case.rooms + 2) * pages_per_room(case, shape, "decode")
 
 
 def room_pages(case: Case, shape: Shape, i: int) -> tuple[list[int], list[int]]:
     """(source pages on every prefill rank, destination pages on every decode rank) of room ``i``."""
-    n = pages_per_room(case, shape)
+    n, m = pages_per_room(case, shape), pages_per_room(case, shape, "decode")
     src_pool, _ = pools(case, shape)
     rng = random.Random(case.seed * 1_000_003 + i)
-    dst = list(range(i * n, i * n + n))
+    dst = list(range(i * m, i * m + m))
     if case.pages == "contiguous":
         first = rng.randrange(0, src_pool - n + 1)
         return list(range(first, first + n)), dst
@@ -171,8 +178,10 @@ class _Rank:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         regions = s.layers * 2
-        big = torch.zeros((regions, blocks, s.block, self.local_heads, s.head_dim), dtype=torch.bfloat16,
-                          device=self.device)
+        block = s.block_of(self.role)
+        self.hnd = self.role == "decode" and s.decode_layout == "HND"
+        page = (self.local_heads, block) if self.hnd else (block, self.local_heads)
+        big = torch.zeros((regions, blocks, *page, s.head_dim), dtype=torch.bfloat16, device=self.device)
         heads = torch.arange(self.rank * self.local_heads, (self.rank + 1) * self.local_heads)
         self.terms = token_terms(torch, regions, s.block, heads, s.head_dim, self.device)
         if self.role == "prefill":
@@ -182,7 +191,8 @@ class _Rank:
                 torch.add(self.terms[r][None], every_page[:, None, None, None], out=words[r])
         self.big = big
         planes = [[big[2 * layer + plane] for layer in range(s.layers)] for plane in range(2)]
-        return KVCache.from_tensors(planes, tp_size=self.tp, tp_rank=self.rank, num_kv_heads=s.heads)
+        return KVCache.from_tensors(planes, tp_size=self.tp, tp_rank=self.rank, num_kv_heads=s.heads,
+                                    layout="HND" if self.hnd else "NHD")
 
     def _config(self, case: Case) -> Any:
         from kvproto.aio import EndpointConfig
@@ -275,24 +285,31 @@ class _Rank:
         await asyncio.gather(*tasks)
         end = time.monotonic()
         if case.tamper and self.rank == 0:
-            self.big.view(self.torch.uint8)[0, schedule[-1][1][0]].view(-1)[0] ^= 1
+            self.big.view(self.torch.uint8)[0, schedule[-1][1][0]].view(-1)[0] ^= 1  # noqa: E501 - token 0 of the last room
         return {"first": first, "warm": warm, "start": start, "end": end, "latencies": latencies,
-                "bad": self._check(schedule)}
+                "bad": self._check(schedule, n_tokens)}
 
-    def _check(self, schedule: list[tuple[list[int], list[int]]]) -> int:
-        """Mismatching bytes over every room's destination pages (after the timed phase)."""
-        torch = self.torch
+    def _check(self, schedule: list[tuple[list[int], list[int]]], tokens: int) -> int:
+        """Mismatching bytes over every room's destination tokens (after the timed phase): token
+        ``t`` must hold the content of source page ``src[t // block]``, slot ``t % block``,
+        wherever the decode's block size and layout put it."""
+        torch, s = self.torch, self.shape
         words = self.big.view(torch.int16)
         regions = words.shape[0]
+        sb, db = s.block, s.block_of("decode")
+        t = torch.arange(tokens, device=self.device)
         bad = torch.zeros((), dtype=torch.int64, device=self.device)
         for src, dst in schedule:
-            src_terms = page_terms(torch, torch.tensor(src, device=self.device))[None, :, None, None, None]
-            dst_index = torch.tensor(dst, device=self.device)
-            step = max(1, (32 << 20) // words[0, 0].numel() // len(dst))
+            spage = torch.tensor(src, device=self.device)[t // sb]
+            dpage = torch.tensor(dst, device=self.device)[t // db]
+            want_page = page_terms(torch, spage)[None, :, None, None]
+            step = max(1, (32 << 20) // max(1, tokens * words[0, 0, 0].numel()))
             for first in range(0, regions, step):
-                got = words[first:first + step].index_select(1, dst_index)
-                got.sub_(self.terms[first:first + step][:, None])
-                bad += (got != src_terms).sum()
+                w = words[first:first + step]
+                # (R, T, heads, dim); HND's advanced indices around a slice put T first
+                got = w[:, dpage, :, t % db].transpose(0, 1) if self.hnd else w[:, dpage, t % db]
+                want = self.terms[first:first + step][:, t % sb] + want_page
+                bad += (got != want).sum()
         return int(bad.item()) * 2
 
     # --- raw reference ------------------------------------------------------------------------
@@ -324,6 +341,10 @@ class _Rank:
         agent = self.raw_agent
         peer = agent.add_peer(meta)
         local = self.raw_buf.data_ptr()
+        if self._copies_raw(agent, peer):
+            seconds = self._raw_copy(agent, peer, remote, size * concurrent, rounds)
+            agent.remove_peer(peer)
+            return seconds
         piece = size // pieces
         times = []
         for r in range(rounds + 1):
@@ -346,6 +367,38 @@ class _Rank:
             if r:
                 times.append(time.monotonic() - t0)
         agent.remove_peer(peer)
+        return statistics.median(times)
+
+    def _copies_raw(self, agent: Any, peer: str) -> bool:
+        """Whether the raw reference is a device copy into the peer's mapping (the kernel path)
+        rather than transport writes (which send the tags ``raw_serve`` counts)."""
+        route = getattr(agent, "route", None)
+        return route is not None and route(peer).name == "kernel"
+
+    def raw_tags(self, meta: bytes, writes: int) -> int:
+        """The tags ``writes`` raw writes to the peer of ``meta`` will send (0 for raw copies)."""
+        peer = self.raw_agent.add_peer(meta)
+        copies = self._copies_raw(self.raw_agent, peer)
+        self.raw_agent.remove_peer(peer)
+        return 0 if copies else writes
+
+    def _raw_copy(self, agent: Any, peer: str, remote: int, nbytes: int, rounds: int) -> float:
+        """The kernel path's raw reference: seconds of one contiguous device copy of ``nbytes``
+        into the peer's memory through this process's mapping of it (median of ``rounds``)."""
+        from kvproto.transport.cuda_ipc import driver
+
+        torch = self.torch
+        dst = agent.here(peer, remote, nbytes)
+        stream = torch.cuda.Stream(self.device)
+        times = []
+        for r in range(rounds + 1):
+            began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            began.record(stream)
+            driver().memcpy(dst, self.raw_buf.data_ptr(), nbytes, stream.cuda_stream)
+            ended.record(stream)
+            ended.synchronize()
+            if r:
+                times.append(began.elapsed_time(ended) / 1e3)
         return statistics.median(times)
 
     def raw_close(self) -> None:
@@ -398,7 +451,15 @@ def _rank_main(role: str, rank: int, tp: int, shape: Shape, device: str, transpo
 
                 conn.send(("error", f"{role} {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
-    asyncio.run(serve())
+    profile_dir = os.environ.get("KVPROTO_BENCH_PROFILE")
+    if not profile_dir:
+        asyncio.run(serve())
+        return
+    import cProfile  # where a rank process spends its time: KVPROTO_BENCH_PROFILE=DIR
+
+    with cProfile.Profile() as prof:
+        asyncio.run(serve())
+    prof.dump_stats(os.path.join(profile_dir, f"{role}-{rank}.prof"))
 
 
 # --- the parent ------------------------------------------------------------------------------------
@@ -421,19 +482,34 @@ class _Group:
     def by_role(self, role: str) -> list[Any]:
         return [conn for r, _rank, conn, _p in self.ranks if r == role]
 
-    @staticmethod
-    def call(conn: Any, *cmd: Any, timeout: float = 600.0) -> Any:
-        conn.send(cmd)
-        return _Group.result(conn, timeout)
+    def call(self, conn: Any, *cmd: Any, timeout: float = 600.0) -> Any:
+        try:
+            conn.send(cmd)
+        except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+            raise RuntimeError(self._died(conn)) from None
+        return self.result(conn, timeout)
 
-    @staticmethod
-    def result(conn: Any, timeout: float = 600.0) -> Any:
-        if not conn.poll(timeout):
-            raise TimeoutError(f"a rank did not answer within {timeout}s")
-        status, value = conn.recv()
+    def result(self, conn: Any, timeout: float = 600.0) -> Any:
+        try:
+            if not conn.poll(timeout):
+                raise TimeoutError(f"a rank did not answer within {timeout}s")
+            status, value = conn.recv()
+        except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
+            raise RuntimeError(self._died(conn)) from None
         if status != "ok":
             raise RuntimeError(value)
         return value
+
+    def _died(self, conn: Any) -> str:
+        """One line on a rank process that went away."""
+        for role, rank, c, proc in self.ranks:
+            if c is conn:
+                proc.join(timeout=5)
+                code = proc.exitcode
+                why = ("killed by SIGKILL: most likely the kernel's out-of-memory killer; try smaller --sizes-mib"
+                       if code == -9 else f"exit code {code}")
+                return f"the {role} rank {rank} process died ({why})"
+        return "a rank process died"
 
     def close(self) -> None:
         for _role, _rank, conn, proc in self.ranks:
@@ -482,7 +558,7 @@ def raw_reference(group: _Group, size: int, in_flight: int, rounds: int) -> floa
     prefill, decode = group.by_role("prefill")[0], group.by_role("decode")[0]
     group.call(prefill, "raw_open", size * in_flight)
     meta, address, dev = group.call(decode, "raw_open", size * in_flight)
-    decode.send(("raw_serve", in_flight * (rounds + 1)))
+    decode.send(("raw_serve", group.call(prefill, "raw_tags", meta, in_flight * (rounds + 1))))
     seconds = group.call(prefill, "raw_write", meta, address, dev, size, in_flight, rounds)
     group.result(decode)
     for conn in (prefill, decode):
@@ -495,7 +571,7 @@ def descriptor_cost(group: _Group, size: int, pieces: int) -> float:
     prefill, decode = group.by_role("prefill")[0], group.by_role("decode")[0]
     group.call(prefill, "raw_open", size)
     meta, address, dev = group.call(decode, "raw_open", size)
-    decode.send(("raw_serve", 2 * 4))
+    decode.send(("raw_serve", group.call(prefill, "raw_tags", meta, 2 * 4)))
     one = group.call(prefill, "raw_write", meta, address, dev, size, 1, 3, 1)
     many = group.call(prefill, "raw_write", meta, address, dev, size, 1, 3, pieces)
     group.result(decode)
@@ -514,6 +590,39 @@ def _print(row: Row) -> None:
           f"{row.gbps:>7.1f} {row.raw_gbps:>7.1f} {row.ratio:>6.2f} {row.descriptors_per_room:>9.0f} "
           f"{row.first_room_ms:>9.1f} {row.warm_room_ms:>8.2f} {row.room_p50_ms:>7.2f} {row.room_p99_ms:>7.2f} "
           f"{'OK' if row.bad_bytes == 0 else row.bad_bytes:>6}", flush=True)
+
+
+def memory_needed(case: Case, shape: Shape, devices: tuple[str, str]) -> dict[str, int]:
+    """Bytes a case allocates, per place (``cpu`` or a device): both sides' page pools, the raw
+    reference's buffers, staging buffers, and (host memory) each rank process's own footprint."""
+    src_pool, dst_pool = pools(case, shape)
+    token = shape.token_bytes
+    raw = case.tokens(shape) * token * case.in_flight
+    cpu = devices[0] == "cpu"
+    staging = (case.staging_mib << 20) if case.staging_mib else ((64 << 20) if cpu else (1 << 30))
+    need: dict[str, int] = {}
+    for device, pool, block, tp in ((devices[0], src_pool, shape.block, case.prefill_tp),
+                                    (devices[1], dst_pool, shape.block_of("decode"), case.decode_tp)):
+        need[device] = need.get(device, 0) + pool * block * token + raw + tp * staging
+    if cpu:
+        need["cpu"] += (case.prefill_tp + case.decode_tp) * (400 << 20)  # an interpreter with torch and NIXL
+    return need
+
+
+def memory_available(place: str) -> int:
+    """Free bytes at ``place`` (``cpu``: MemAvailable; ``cuda:N``: the device's free memory)."""
+    if place == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return 1 << 62
+    import torch
+
+    return torch.cuda.mem_get_info(torch.device(place))[0]
 
 
 def default_in_flight(size: int) -> int:
@@ -535,6 +644,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--decode-block", type=int, default=0, help="tokens per decode page (0: --block)")
+    ap.add_argument("--decode-layout", default="NHD", choices=["NHD", "HND"])
     ap.add_argument("--device", default="auto", help="auto (two GPUs, one GPU, else CPU memory) or cpu")
     ap.add_argument("--transport", default="nixl")
     ap.add_argument("--raw-rounds", type=int, default=5)
@@ -542,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tamper", action="store_true", help=argparse.SUPPRESS)  # tests: the byte check must fail
     ap.add_argument("--json", help="write every figure to this file")
     args = ap.parse_args(argv)
-    shape = Shape(args.layers, args.heads, args.head_dim, args.block)
+    shape = Shape(args.layers, args.heads, args.head_dim, args.block, args.decode_block, args.decode_layout)
     gpus = torch.cuda.device_count() if args.device == "auto" else 0
     devices = ("cuda:0", "cuda:1") if gpus >= 2 else (("cuda:0", "cuda:0") if gpus == 1 else ("cpu", "cpu"))
     where = {2: "prefill ranks on cuda:0, decode ranks on cuda:1", 1: "every rank on cuda:0"}.get(
@@ -550,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(0) if gpus else "CPU"
     print(f"kvproto bench transfer: {name} x {max(gpus, 1) if gpus else 0}; {where}; transport {args.transport}; "
           f"{shape.layers} layers x {shape.heads} KV heads x {shape.head_dim} bf16, {shape.block}-token pages, "
-          f"NHD; raw = concurrent one-descriptor WRITEs of the same bytes, same processes, same run; "
+          f"NHD -> {shape.block_of('decode')}-token {shape.decode_layout} pages; raw = concurrent one-descriptor WRITEs of the same bytes, same processes, same run; "
           f"bytes = every room checked", flush=True)
     rows: list[Row] = []
     constants: dict[str, float] = {}
@@ -580,10 +691,19 @@ def main(argv: list[str] | None = None) -> int:
                 key = (size, in_flight)
                 for pages in args.pages:
                     for path in args.paths:
-                        if path == "direct" and p_tp != d_tp:
+                        if path == "direct" and (p_tp != d_tp or shape.block_of("decode") != shape.block
+                                                 or shape.decode_layout != "NHD"):
                             continue  # pages differ between the sides: no direct path
                         case = Case(p_tp, d_tp, size, pages, path, in_flight, rooms, seed=len(rows) + 1,
                                     staging_mib=args.staging_mib, tamper=args.tamper)
+                        short = {place: (n, memory_available(place))
+                                 for place, n in memory_needed(case, shape, devices).items()
+                                 if n > 0.85 * memory_available(place)}
+                        if short:
+                            print(f"{p_tp}->{d_tp} {size_mib:g} MiB {pages} {path}: skipped, it needs "
+                                  + ", ".join(f"{n / (1 << 30):.1f} GiB of {place} memory ({free / (1 << 30):.1f} free)"
+                                              for place, (n, free) in short.items()), flush=True)
+                            continue
                         if key not in raws:
                             tokens_bytes = case.tokens(shape) * shape.token_bytes
                             raws[key] = raw_reference(group, tokens_bytes, in_flight, args.raw_rounds)

@@ -333,3 +333,99 @@ def _alignment(values: Sequence[int]) -> int:
         while value % align:
             align //= 2
     return align
+
+
+# --- pattern copies (the kernel path: ``kvproto.kernels.pattern``) -----------------------------------
+def _copy_pattern(src_table, dst_table, tiles, word_ptr, TILE_WORDS: tl.constexpr, VEC: tl.constexpr,
+                  ALIGN: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    region = tl.program_id(1)
+    src_off = tl.load(tiles + t * 3) * VEC
+    dst_off = tl.load(tiles + t * 3 + 1) * VEC
+    count = tl.load(tiles + t * 3 + 2) * VEC
+    src = tl.multiple_of(tl.load(src_table + region).to(tl.pointer_type(word_ptr.dtype.element_ty)), ALIGN)
+    dst = tl.multiple_of(tl.load(dst_table + region).to(tl.pointer_type(word_ptr.dtype.element_ty)), ALIGN)
+    words = tl.arange(0, TILE_WORDS)
+    mask = words < count
+    tl.store(dst + dst_off + words, tl.load(src + src_off + words, mask=mask), mask=mask)
+
+
+@functools.cache
+def _pattern_kernel(interpret: bool) -> Any:
+    if interpret:
+        return InterpretedFunction(_copy_pattern)
+    return JITFunction(_copy_pattern)
+
+
+@functools.cache
+def _word_tensor(word: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(1, dtype=_WORDS[word], device=device)
+
+
+def copy_pattern(plan: Any, src_table: torch.Tensor, dst_table: torch.Tensor, tiles: torch.Tensor) -> None:
+    """Launch one ``kvproto.kernels.pattern.PatternPlan`` on the current stream (grid: tiles x
+    regions); the tables and tiles live on the device that runs it (CPU: the interpreter)."""
+    device = src_table.device
+    interpret = device.type != "cuda"
+    constants: dict[str, Any] = {"TILE_WORDS": plan.tile_words, "VEC": plan.vec, "ALIGN": plan.word * plan.vec}
+    if not interpret:
+        constants["num_warps"] = NUM_WARPS if plan.tile_words * plan.word >= 8192 else 4
+    _pattern_kernel(interpret)[(len(plan.tiles), plan.regions)](
+        src_table, dst_table, tiles, _word_tensor(plan.word, device), **constants)
+
+
+# --- paged-to-paged rows (the kernel path's conversions: ``kvproto.kernels.pattern.plan_rows``) --------
+def _copy_paged(src_table, dst_table, src_pages, dst_pages, start_token, num_rows, word_ptr,
+                HEAD_COUNT: tl.constexpr, HEAD_WORDS: tl.constexpr, ROW_WORDS: tl.constexpr,
+                ROW_BLOCK: tl.constexpr, ROWS: tl.constexpr, ALIGN: tl.constexpr,
+                SRC_BLOCK: tl.constexpr, SRC_HEADS: tl.constexpr, SRC_HEAD0: tl.constexpr,
+                SRC_PAGE_WORDS: tl.constexpr, SRC_HND: tl.constexpr,
+                DST_BLOCK: tl.constexpr, DST_HEADS: tl.constexpr, DST_HEAD0: tl.constexpr,
+                DST_PAGE_WORDS: tl.constexpr, DST_HND: tl.constexpr):
+    region = tl.program_id(1)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    live = rows < num_rows
+    token = start_token + rows // HEAD_COUNT
+    head = rows % HEAD_COUNT
+    s_page = tl.load(src_pages + token // SRC_BLOCK, mask=live, other=0)
+    s_slot = token % SRC_BLOCK
+    d_page = tl.load(dst_pages + token // DST_BLOCK, mask=live, other=0)
+    d_slot = token % DST_BLOCK
+    if SRC_HND:
+        s_cell = (SRC_HEAD0 + head) * SRC_BLOCK + s_slot
+    else:
+        s_cell = s_slot * SRC_HEADS + SRC_HEAD0 + head
+    if DST_HND:
+        d_cell = (DST_HEAD0 + head) * DST_BLOCK + d_slot
+    else:
+        d_cell = d_slot * DST_HEADS + DST_HEAD0 + head
+    s_row = s_page * SRC_PAGE_WORDS + s_cell * HEAD_WORDS
+    d_row = d_page * DST_PAGE_WORDS + d_cell * HEAD_WORDS
+    words = tl.arange(0, ROW_BLOCK)
+    if ROW_BLOCK == ROW_WORDS:
+        mask = live[:, None]
+    else:
+        mask = live[:, None] & (words < ROW_WORDS)[None, :]
+    src = tl.multiple_of(tl.load(src_table + region).to(tl.pointer_type(word_ptr.dtype.element_ty)), ALIGN)
+    dst = tl.multiple_of(tl.load(dst_table + region).to(tl.pointer_type(word_ptr.dtype.element_ty)), ALIGN)
+    values = tl.load(src + s_row[:, None] + words[None, :], mask=mask)
+    tl.store(dst + d_row[:, None] + words[None, :], values, mask=mask)
+
+
+@functools.cache
+def _paged_kernel(interpret: bool) -> Any:
+    if interpret:
+        return InterpretedFunction(_copy_paged)
+    return JITFunction(_copy_paged, do_not_specialize=("start_token", "num_rows"))
+
+
+def copy_paged(plan: Any, src_table: torch.Tensor, dst_table: Any, src_pages: Any, dst_pages: Any) -> None:
+    """Launch one ``kvproto.kernels.pattern.RowsPlan`` on the current stream (grid: row tiles x
+    regions); tables and page lists are where the kernel reads them (CPU: the interpreter)."""
+    interpret = src_table.device.type != "cuda"
+    constants = dict(plan.constants)
+    if not interpret:
+        constants["num_warps"] = NUM_WARPS
+    _paged_kernel(interpret)[(plan.programs_x, plan.regions)](
+        src_table, dst_table, src_pages, dst_pages, plan.start, plan.num_rows,
+        _word_tensor(plan.word, src_table.device), **constants)

@@ -61,6 +61,7 @@ __all__ = [
 ENTRY_POINT_GROUP = "kvproto.transports"
 
 _BUILTIN: dict[str, str] = {
+    "cuda-ipc": "kvproto.transport.cuda_ipc:CudaIpcTransport",
     "loopback": "kvproto.transport.loopback:LoopbackTransport",
     "mooncake": "kvproto.transport.mooncake:MooncakeTransport",
     "nixl": "kvproto.transport.nixl:NixlTransport",

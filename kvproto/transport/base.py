@@ -29,6 +29,11 @@ A peer's metadata is a snapshot: memory the peer registers later is reachable on
 the lists prepared for that peer.
 
 Failures raise ``TransportError``; a write that fails after posting polls as ``XferState.ERROR``.
+
+Optional methods, which the endpoints use where an adapter has them (``route_of``,
+``wakeup_fd``): ``route(peer)`` says how writes to a peer move, and with ``Route.pattern`` the
+adapter takes whole patterns through ``post_pattern`` (the kernel path); ``wakeup_fd()`` gives a
+descriptor that turns readable when tags arrive.
 """
 
 from __future__ import annotations
@@ -100,6 +105,17 @@ class TransportStats:
     writes: int = 0
     descriptors: int = 0
     bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """How an adapter moves writes to one peer (optional ``route(peer)``; see ``Transport``)."""
+
+    name: str
+    """What moves the bytes ("kernel", or an adapter's name): shown in ``room.stats.paths``."""
+    pattern: bool
+    """``post_pattern`` serves this peer: one write of any number of extents costs about one
+    launch, so the endpoints neither stage nor merge runs for it."""
 
 
 def as_descs(rows: np.ndarray | Sequence[tuple[int, int, int]]) -> np.ndarray:
@@ -285,3 +301,23 @@ class Transport(Protocol):
     def close(self) -> None:
         """Release everything. Idempotent."""
         ...
+
+
+def wakeup_fd(transport: Transport) -> int | None:
+    """The adapter's optional ``wakeup_fd()``: a file descriptor that turns readable when tags may
+    be waiting, which an endpoint adds to its event loop so that a waiting rank wakes at once
+    rather than at its next poll (None: the adapter has none; endpoints poll as always)."""
+    fn = getattr(transport, "wakeup_fd", None)
+    return None if fn is None else fn()
+
+
+def route_of(transport: Transport, peer: str) -> Route | None:
+    """The adapter's ``route(peer)`` if it has one (an optional method), else None: writes to
+    ``peer`` are descriptors priced per descriptor, as ``kvproto.core.cost`` assumes.
+
+    An adapter whose route says ``pattern`` also offers ``post_pattern(peer, local_bases,
+    local_kind, remote_bases, remote_kind, pattern, tag)``: a write of the same extents
+    (``(E, 3)``: source offset, destination offset, length) from every local region base into
+    the matching remote one, bounds-checked like any write."""
+    route = getattr(transport, "route", None)
+    return None if route is None else route(peer)

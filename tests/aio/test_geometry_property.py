@@ -50,7 +50,9 @@ def geometries(draw: st.DrawFn) -> DemoConfig:
     ), draw(st.sampled_from([2048, 8192, 1 << 20]))
 
 
-async def run_room(cfg: DemoConfig, room_id: int, staging_bytes: int = 1 << 20) -> None:
+async def run_room(cfg: DemoConfig, room_id: int, staging_bytes: int = 1 << 20, transport: str = "loopback",
+                   options: dict | None = None) -> set[str]:
+    """One room across every rank of ``cfg``; returns the paths the prefill rooms used."""
     torch.manual_seed(cfg.seed)
     prefill_caches = [_Cache(torch, cfg, tp=cfg.prefill_tp, rank=r, block=cfg.prefill_block,
                              layout=cfg.prefill_layout, aux_slots=1) for r in range(cfg.prefill_tp)]
@@ -58,18 +60,18 @@ async def run_room(cfg: DemoConfig, room_id: int, staging_bytes: int = 1 << 20) 
                             layout=cfg.decode_layout, aux_slots=1) for r in range(cfg.decode_tp)]
     n = cfg.tokens
     prefix = prefix_of(cfg, n)
-    opts = dict(path=cfg.path, staging_bytes=staging_bytes)
-    first = PrefillEndpoint(prefill_caches[0].kv, config=config("loopback", **opts))
+    opts = dict(path=cfg.path, staging_bytes=staging_bytes, transport_options=options or {})
+    first = PrefillEndpoint(prefill_caches[0].kv, config=config(transport, **opts))
     await first.start()
     prefills = [first]
     try:
         for c in prefill_caches[1:]:
-            ep = PrefillEndpoint(c.kv, bootstrap=first.address, config=config("loopback", **opts))
+            ep = PrefillEndpoint(c.kv, bootstrap=first.address, config=config(transport, **opts))
             await ep.start()
             prefills.append(ep)
         decodes = []
         for c in decode_caches:
-            ep = DecodeEndpoint(c.kv, config=config("loopback", instance=f"decode-{room_id}", **opts))
+            ep = DecodeEndpoint(c.kv, config=config(transport, instance=f"decode-{room_id}", **opts))
             await ep.start()
             decodes.append(ep)
         decode_rooms, decode_pages = [], []
@@ -95,6 +97,7 @@ async def run_room(cfg: DemoConfig, room_id: int, staging_bytes: int = 1 << 20) 
         await asyncio.wait_for(asyncio.gather(*(r.wait() for r in decode_rooms + prefill_rooms)), 20)
         for rank, (cache, pages) in enumerate(zip(decode_caches, decode_pages)):
             assert cache.check(room_id, pages, n) == 0, f"decode rank {rank} holds wrong bytes"
+        return set().union(*(room.stats.paths for room in prefill_rooms))
     finally:
         for ep in [*prefills[::-1], *locals().get("decodes", [])]:
             await ep.close()
@@ -117,3 +120,15 @@ async def test_endpoints_crossed_layouts_with_replication() -> None:
     await run_room(cfg, room_id=4242)
     await run_room(dataclasses.replace(cfg, path="sliced"), room_id=4243)
     await run_room(cfg, room_id=4244, staging_bytes=1024)  # pieces of 2 tokens: many grants per chunk
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=geometries())
+async def test_endpoints_random_geometry_over_the_kernel_path(case: tuple[DemoConfig, int]) -> None:
+    """The same geometries over the kernel-path adapter (``cuda-ipc``; its kernels run on these CPU
+    caches in Triton's interpreter): reference bytes on every decode rank, every KV write one
+    pattern kernel (``direct-kernel`` / ``sliced-kernel``), nothing staged."""
+    cfg, staging_bytes = case
+    paths = await run_room(cfg, room_id=1 + cfg.seed, staging_bytes=staging_bytes, transport="cuda-ipc",
+                           options={"fallback": "loopback", "cpu_kernels": True})
+    assert paths <= {"direct-kernel", "sliced-kernel", "aux"}, paths

@@ -35,20 +35,23 @@ def token_heads(region: torch.Tensor, pages: list[int], n: int, layout: Layout) 
     return t.reshape(-1, t.shape[2], t.shape[3])[:n]
 
 
-@pytest.mark.parametrize("mode", ["direct", "device-staging", "host-staging"])
+@pytest.mark.parametrize("mode", ["direct", "device-staging", "host-staging", "kernel-direct", "kernel-sliced"])
 async def test_gpu_room_lands_byte_exact(mode: str) -> None:
     """A prefill TP 1 -> decode TP 2 room (or a same-geometry room for ``direct``) between CUDA
-    caches lands byte-exact, on the path the mode selects."""
-    decode_tp = 1 if mode == "direct" else 2
-    src_layout, dst_layout = (Layout.NHD, Layout.NHD) if mode == "direct" else (Layout.HND, Layout.NHD)
+    caches lands byte-exact, on the path the mode selects (``kernel-*``: the cuda-ipc adapter,
+    endpoints in this process: one pattern kernel per write, no staging)."""
+    direct = mode in ("direct", "kernel-direct")
+    decode_tp = 1 if direct else 2
+    src_layout, dst_layout = (Layout.NHD, Layout.NHD) if direct else (Layout.HND, Layout.NHD)
+    transport = "cuda-ipc" if mode.startswith("kernel") else "nixl"
     src_kv, src = cuda_cache(8, 1, 0, src_layout, 16, seed=1)
     opts = dict(host_staging=mode == "host-staging", staging_bytes=8 << 20)
-    dsts = [cuda_cache(8 // decode_tp, decode_tp, r, dst_layout, 16 if mode == "direct" else 32, seed=2 + r)
+    dsts = [cuda_cache(8 // decode_tp, decode_tp, r, dst_layout, 16 if direct else 32, seed=2 + r)
             for r in range(decode_tp)]
     n, src_pages = 150, [9, 3, 41, 7, 20, 11, 60, 2, 33, 18]
-    dst_pages = [[5, 17, 40, 1, 30], [8, 9, 10, 50, 22]] if mode != "direct" else [[12, 6, 44, 0, 38, 27, 14, 59, 31, 4]]
-    async with PrefillEndpoint(src_kv, config=config("nixl", **opts)) as prefill:
-        decodes = [DecodeEndpoint(kv, config=config("nixl", instance="gpu-decode", **opts)) for kv, _ in dsts]
+    dst_pages = [[5, 17, 40, 1, 30], [8, 9, 10, 50, 22]] if not direct else [[12, 6, 44, 0, 38, 27, 14, 59, 31, 4]]
+    async with PrefillEndpoint(src_kv, config=config(transport, **opts)) as prefill:
+        decodes = [DecodeEndpoint(kv, config=config(transport, instance="gpu-decode", **opts)) for kv, _ in dsts]
         for d in decodes:
             await d.start()
         try:
@@ -59,7 +62,8 @@ async def test_gpu_room_lands_byte_exact(mode: str) -> None:
         finally:
             for d in decodes:
                 await d.close()
-    want_path = {"direct": "direct", "device-staging": "staged-device", "host-staging": "staged-host"}[mode]
+    want_path = {"direct": "direct", "device-staging": "staged-device", "host-staging": "staged-host",
+                 "kernel-direct": "direct-kernel", "kernel-sliced": "sliced-kernel"}[mode]
     assert want_path in room.stats.paths
     torch.cuda.synchronize()
     hs = 8 // decode_tp

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvproto.kernels.pattern import pair_extents
 from kvproto.geometry import (
     DType,
     Extent,
@@ -151,6 +152,8 @@ def run_scenario(s: Scenario) -> Outcome:
             for w, plan in zip(chosen, plans):
                 pattern = plan.extents(s.src_pages, s.dst_pages, a, b)
                 _check_pattern(pattern, plan)
+                # the array form the data path posts (kvproto.kernels.pattern) is the same, extent for extent
+                assert pair_extents(plan, s.src_pages, s.dst_pages, a, b).tolist() == [list(e) for e in pattern]
                 if not plan.direct:
                     assert sum(e.length for e in pattern) == (b - a) * plan.head_count * cell
                 outcome.extents[(w, d)].append(pattern)

@@ -1,0 +1,991 @@
+"""The kernel path: writes into a peer's GPU memory by one Triton kernel, over CUDA IPC.
+
+Theory of operation
+-------------------
+Where prefill and decode share a machine, the decode rank's cache can be *mapped* into the
+prefill process (CUDA IPC) and written by a kernel: one launch per write, whatever the number of
+extents, instead of one transport descriptor per page (UCX charges microseconds for each). This
+adapter does that for the peers it can map and hands every other peer, and every byte that is
+not GPU memory, to a *fallback* adapter (``nixl`` by default), which also carries the tags. The
+endpoints and cores do not know it exists: it is a ``Transport`` like the others.
+
+What it guarantees (beyond ``kvproto.transport.base``):
+
+* **Per-peer route, decided once at** ``add_peer``: a peer is *mapped* when its metadata comes
+  from this host (same boot id) and every GPU region it registered can be opened here: its device
+  is this process's device or one it has peer access to (``cuIpcOpenMemHandle`` with lazy peer
+  access). A peer in this very process needs no mapping (its addresses are valid here). Anything
+  else (another host, no CUDA, an allocation IPC cannot export) goes to the fallback, and the
+  reason is logged. ``route(peer)`` tells which; the endpoints report it in ``room.stats`` and
+  stop staging for mapped peers (staging exists to save descriptors, which a kernel does not pay).
+* **Bounds before launch.** Every row and every pattern extent is checked against the memory
+  this agent registered and the regions the peer's metadata listed; a kernel never runs on an
+  address outside them (a stray write would corrupt another process silently).
+* **Tags after bytes.** A kernel write runs on this agent's own CUDA stream (after the work
+  already queued on the caller's current stream) and records an event; ``poll`` sees the event
+  complete, then sends the write's tag through the fallback's ``notify``. So the tag leaves only
+  once every byte is in the peer's memory, and tags keep the fallback's ordering rules.
+* **Release.** ``remove_peer`` waits for this agent's kernels into that peer (its own stream:
+  they always finish), then closes the mappings; writes to it poll ERROR and send no tag. A peer
+  that dies keeps its memory alive for as long as it is mapped here (``docs/adapters.md``).
+
+The binding is NVIDIA's ``cuda-bindings`` (``cuda.bindings.driver``; ``pip install
+'kvproto[cuda-ipc]'``): the driver API's own, versioned Python binding, where IPC calls are
+public and documented. PyTorch's IPC helpers are private (``torch.multiprocessing`` internals)
+and may change with any release. Without ``cuda-bindings`` or a GPU, every peer takes the
+fallback. The handles travel in this agent's metadata, i.e. in the decode rank's REGISTER, which
+the control plane authenticates (CURVE, where on): an unauthenticated peer never receives them.
+
+``cpu_kernels=True`` (tests) runs the kernel path on DRAM too, for peers in this process, with
+Triton's interpreter (``TRITON_INTERPRET=1``), so that CPU-only CI checks this adapter's logic.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import json
+import logging
+import os
+import secrets
+import socket
+import struct
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvproto.transport.base import (
+    MemKind,
+    MemoryRegion,
+    Notification,
+    PreparedRows,
+    Route,
+    TransportClosed,
+    TransportError,
+    TransportStats,
+    XferState,
+    as_descs,
+    check_pairs,
+    take_rows,
+)
+from kvproto.geometry import PairPlan
+from kvproto.kernels.pattern import alignment as kernels_alignment
+from kvproto.kernels.pattern import plan_rows
+
+log = logging.getLogger("kvproto.transport")
+
+_FORMAT = "kvproto-cuda-ipc/1"
+_HOST_ID: str | None = None
+
+
+def host_id() -> str:
+    """This machine's identity for the same-host test: host name and kernel boot id."""
+    global _HOST_ID
+    if _HOST_ID is None:
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                boot = f.read().strip()
+        except OSError:
+            boot = ""
+        _HOST_ID = f"{socket.gethostname()}/{boot}"
+    return _HOST_ID
+
+
+# --- tags between agents of one host ------------------------------------------------------------------
+class _TagChannel:
+    """A non-blocking UNIX datagram socket in the abstract namespace (Linux): a kernel write's tag
+    reaches a mapped peer in one ``sendto`` (microseconds) and wakes its event loop through
+    ``fileno()`` (``wakeup_fd``), instead of a round through the fallback's progress engine. The
+    kernel attaches each sender's credentials; datagrams from another user are dropped. Not
+    available (``address`` None) where the platform has no abstract sockets."""
+
+    HEADER = struct.Struct("<H")
+
+    def __init__(self) -> None:
+        self.sock: socket.socket | None = None
+        self.address: str | None = None
+        self.dropped = 0
+        """Datagrams refused: from another user, or malformed."""
+        if not sys.platform.startswith("linux"):
+            return
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+            address = f"\0kvproto-cuda-ipc/{os.getpid()}/{secrets.token_hex(8)}"
+            sock.bind(address)
+        except OSError:
+            sock.close()
+            return
+        self.sock, self.address = sock, address
+
+    def send(self, address: str, sender: bytes, tag: bytes) -> bool:
+        """Send; False when the peer's queue is full (try again later). Raises ``OSError`` when the
+        peer cannot be reached at all."""
+        assert self.sock is not None
+        try:
+            self.sock.sendto(self.HEADER.pack(len(sender)) + sender + tag, address)
+        except BlockingIOError:
+            return False
+        return True
+
+    def drain(self) -> list[Notification]:
+        if self.sock is None:
+            return []
+        out = []
+        space = socket.CMSG_SPACE(struct.calcsize("3i"))
+        uid = os.getuid()
+        while True:
+            try:
+                data, ancdata, _flags, _addr = self.sock.recvmsg(65536, space)
+            except (BlockingIOError, InterruptedError):
+                return out
+            creds = next((struct.unpack("3i", d[:12]) for level, kind, d in ancdata
+                          if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS), None)
+            if creds is None or creds[1] != uid or len(data) < 2:
+                self.dropped += 1
+                continue
+            (n,) = self.HEADER.unpack_from(data)
+            name, tag = data[2:2 + n], data[2 + n:]
+            if len(name) != n or not tag:
+                self.dropped += 1
+                continue
+            out.append(Notification(name.decode(errors="replace"), bytes(tag)))
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+
+# --- the CUDA driver, through cuda-bindings -----------------------------------------------------------
+class _Driver:
+    """The few driver calls the adapter needs (``cuda.bindings.driver``), with errors as
+    ``TransportError``. Loaded on first use; ``available()`` is False without the binding or a GPU."""
+
+    def __init__(self) -> None:
+        try:
+            from cuda.bindings import driver  # type: ignore[import-not-found]
+        except ImportError:
+            try:
+                from cuda import cuda as driver  # type: ignore[import-not-found,no-redef]
+            except ImportError:
+                driver = None
+        self.cu = driver
+
+    def available(self) -> bool:
+        if self.cu is None:
+            return False
+        import torch
+
+        return torch.cuda.is_available()
+
+    def _check(self, what: str, result: Any) -> Any:
+        err, *rest = result if isinstance(result, tuple) else (result,)
+        if int(err) != 0:
+            raise TransportError(f"{what}: CUDA error {int(err)} ({err!r})")
+        return rest[0] if len(rest) == 1 else rest
+
+    def export(self, address: int) -> tuple[bytes, int]:
+        """(IPC handle, offset of ``address`` in its allocation)."""
+        base, _size = self._check("cuMemGetAddressRange", self.cu.cuMemGetAddressRange(address))
+        handle = self._check("cuIpcGetMemHandle", self.cu.cuIpcGetMemHandle(base))
+        return bytes(handle.reserved), address - int(base)
+
+    def open(self, handle: bytes) -> int:
+        h = self.cu.CUipcMemHandle()
+        h.reserved = handle
+        flags = self.cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+        return int(self._check("cuIpcOpenMemHandle", self.cu.cuIpcOpenMemHandle(h, flags)))
+
+    def close(self, address: int) -> None:
+        self._check("cuIpcCloseMemHandle", self.cu.cuIpcCloseMemHandle(address))
+
+    def memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """``cuMemcpyDtoDAsync`` on ``stream`` (benchmarks: the raw copy a kernel path is held to)."""
+        self._check("cuMemcpyDtoDAsync", self.cu.cuMemcpyDtoDAsync(dst, src, nbytes, stream))
+
+    def uuid(self, ordinal: int) -> str:
+        dev = self._check("cuDeviceGet", self.cu.cuDeviceGet(ordinal))
+        return bytes(self._check("cuDeviceGetUuid", self.cu.cuDeviceGetUuid(dev)).bytes).hex()
+
+    def can_access(self, ordinal: int, peer: int) -> bool:
+        if ordinal == peer:
+            return True
+        a = self._check("cuDeviceGet", self.cu.cuDeviceGet(ordinal))
+        b = self._check("cuDeviceGet", self.cu.cuDeviceGet(peer))
+        return bool(self._check("cuDeviceCanAccessPeer", self.cu.cuDeviceCanAccessPeer(a, b)))
+
+
+_driver: _Driver | None = None
+
+
+def driver() -> _Driver:
+    global _driver
+    if _driver is None:
+        _driver = _Driver()
+    return _driver
+
+
+# --- state ---------------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class _Registration:
+    inner: Any
+    regions: list[MemoryRegion]
+
+
+@dataclass(eq=False)
+class _Peer:
+    """A mapped peer: its registered regions (as it knows them) and where they are here."""
+
+    name: str
+    regions: np.ndarray
+    """``(N, 3)`` int64 (address, length, kind), sorted by address: what the peer registered."""
+    local: np.ndarray
+    """``(N,)`` int64: the address of each region in this process."""
+    opened: list[int] = field(default_factory=list)
+    """Mapped allocations to close when the peer goes."""
+    tags: str | None = None
+    """The peer's tag channel (None: tags go through the fallback's ``notify``)."""
+    queue: collections.deque[KernelXfer] = field(default_factory=collections.deque)
+    """Finished writes whose tags wait, in order, for room in the peer's tag channel."""
+    gone: str = ""
+
+
+@dataclass(eq=False)
+class _Bases:
+    """A (local, remote) pair of region-base lists, checked once: a link posts every write with
+    the same pair, so only its extents need checking per write."""
+
+    peer: _Peer | None
+    src: np.ndarray
+    dst: np.ndarray
+    """The remote bases as addresses in this process."""
+    src_room: int
+    """Bytes from a local base to the end of its registered region, the least over regions: an
+    extent ending within it stays inside registered memory in every region."""
+    dst_room: int
+    align: int
+    table: Any
+    """int64 tensor ``[src..., dst...]`` where the kernel runs."""
+
+    @property
+    def regions(self) -> int:
+        return len(self.src)
+
+
+class _Uploads:
+    """Tile tables for the kernels: a ring of pinned host memory that the kernels read directly
+    (mapped, over the bus: three words per program), so that a write costs a copy into the ring
+    and no allocation, transfer call or device memory. A slot is reused only once the event of the
+    write that read it has completed; a table too big for the ring (or a ring full of writes in
+    flight) is copied to the device on its own."""
+
+    ENTRIES = 1 << 19  # int64 words: 4 MiB pinned
+
+    def __init__(self) -> None:
+        self._host: Any = None
+        self._words: np.ndarray | None = None
+        self._head = 0
+        self._live: list[tuple[int, int, Any]] = []  # (start, end, event), oldest first
+
+    def put(self, tiles: np.ndarray, device: Any) -> tuple[Any, Any]:
+        """``tiles`` where a kernel on ``device`` reads them; returns (tensor-like, slot)."""
+        import torch
+
+        n = tiles.size
+        if self._host is None:
+            self._host = torch.empty(self.ENTRIES, dtype=torch.int64, pin_memory=True)
+            self._words = self._host.numpy()
+        start = self._reserve(n + (n & 1))  # slots start 16-byte aligned
+        if start is None:
+            return torch.from_numpy(tiles.reshape(-1)).pin_memory().to(device, non_blocking=True), None
+        assert self._words is not None
+        self._words[start:start + n] = tiles.reshape(-1)
+        return _Pointer(self._host.data_ptr() + 8 * start), (start, start + n + (n & 1))
+
+    def used(self, slot: Any, event: Any) -> None:
+        if slot is not None:
+            self._live.append((slot[0], slot[1], event))
+
+    def _reserve(self, n: int) -> int | None:
+        """The start of ``n`` free words, or None. Slots are released oldest first (their writes
+        run in order on one stream); the free space is after the newest slot and before the oldest."""
+        if n > self.ENTRIES // 4:
+            return None
+        while self._live and self._live[0][2].query():
+            self._live.pop(0)
+        if not self._live:
+            start = 0
+        else:
+            tail, head = self._live[0][0], self._head
+            wrapped = self._live[-1][0] < tail
+            if not wrapped and head + n <= self.ENTRIES:
+                start = head
+            elif not wrapped and n <= tail:
+                start = 0
+            elif wrapped and head + n <= tail:
+                start = head
+            else:
+                return None
+        self._head = start + n
+        return start
+
+
+class _Pointer:
+    """An int64 array at ``address`` as a kernel argument (what Triton reads of a tensor)."""
+
+    __slots__ = ("address",)
+
+    def __init__(self, address: int) -> None:
+        self.address = address
+
+    def data_ptr(self) -> int:
+        return self.address
+
+    @property
+    def dtype(self) -> Any:
+        import torch
+
+        return torch.int64
+
+
+@dataclass(eq=False)
+class _Dual:
+    """A local list prepared for both routes: rows for kernels, the fallback's list for the rest."""
+
+    rows: np.ndarray
+    kind: MemKind
+    inner: Any
+    released: bool = False
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+@dataclass(eq=False)
+class KernelXfer:
+    peer: str
+    tag: bytes
+    event: Any
+    keep: tuple[Any, ...]
+    """Tensors the kernel reads (tile table, staging of the tables) until it has run."""
+    state: XferState = XferState.PENDING
+    released: bool = False
+    error: str | None = None
+    finished: bool = False
+    """The kernel has run; the write is DONE once its tag has left."""
+
+
+class CudaIpcTransport:
+    """``Transport`` that writes into mapped peers with one kernel per write (module docstring)."""
+
+    def __init__(self, name: str, *, fallback: str = "nixl", fallback_options: dict[str, Any] | None = None,
+                 device: int | None = None, cpu_kernels: bool = False, fallback_poll_s: float = 1e-4) -> None:
+        """``fallback_poll_s``: ``drain_notifications`` drives the fallback (whose progress engine
+        costs tens of microseconds a call) at most this often; its own tag channel every time."""
+        from kvproto.transport import load_transport
+
+        self.name = name
+        self._stats = TransportStats()
+        self._fallback = load_transport(fallback, name, **(fallback_options or {}))
+        self.fallback_name = fallback
+        self._cpu_kernels = cpu_kernels
+        self._device = device
+        self._closed = False
+        self._registrations: list[_Registration] = []
+        self._regions: np.ndarray | None = None
+        self._peers: dict[str, _Peer] = {}
+        self._routes: dict[str, Route] = {}
+        self._xfers: set[KernelXfer] = set()
+        self._lists: set[Any] = set()
+        self._stream: Any = None
+        self._bases_cache: dict[tuple[Any, ...], _Bases] = {}
+        self._last_bases: tuple[Any, Any, _Bases, MemKind] | None = None
+        self._uploads = _Uploads()
+        self._tags = _TagChannel()
+        self._fallback_poll_s = fallback_poll_s
+        self._fallback_drained = 0.0
+
+    @property
+    def stats(self) -> TransportStats:
+        """Kernel writes and the fallback's writes together."""
+        inner = self._fallback.stats
+        own = self._stats
+        return TransportStats(writes=own.writes + inner.writes, descriptors=own.descriptors + inner.descriptors,
+                              bytes=own.bytes + inner.bytes)
+
+    # --- registration and metadata ---------------------------------------------------------------
+    def memory_kinds(self) -> frozenset[MemKind]:
+        return self._fallback.memory_kinds()
+
+    def register(self, regions: Sequence[MemoryRegion]) -> _Registration:
+        self._check_open()
+        inner = self._fallback.register(regions)
+        reg = _Registration(inner, list(regions))
+        self._registrations.append(reg)
+        self._regions = None
+        return reg
+
+    def deregister(self, registration: _Registration) -> None:
+        self._check_open()
+        if registration not in self._registrations:
+            raise TransportError("deregister: registration is not registered with this agent")
+        self._registrations.remove(registration)
+        self._regions = None
+        self._fallback.deregister(registration.inner)
+
+    def _local_regions(self) -> np.ndarray:
+        """``(N, 3)`` (address, length, kind) of the memory this agent registered, sorted."""
+        if self._regions is None:
+            rows = [(r.address, r.length, int(r.kind)) for reg in self._registrations for r in reg.regions]
+            self._regions = np.array(sorted(rows), dtype=np.int64).reshape(-1, 3)
+        return self._regions
+
+    def metadata(self) -> bytes:
+        self._check_open()
+        regions = []
+        for reg in self._registrations:
+            for r in reg.regions:
+                entry: dict[str, Any] = {"address": r.address, "length": r.length, "kind": int(r.kind),
+                                         "device": r.device_id}
+                if r.kind is MemKind.VRAM and driver().available():
+                    try:
+                        handle, offset = driver().export(r.address)
+                        entry.update(handle=handle.hex(), offset=offset, uuid=driver().uuid(r.device_id))
+                    except TransportError as exc:  # e.g. expandable segments: not IPC-exportable
+                        entry["why"] = str(exc)
+                regions.append(entry)
+        doc = {"format": _FORMAT, "agent": self.name, "host": host_id(), "pid": os.getpid(), "regions": regions,
+               "tags": self._tags.address, "fallback": base64.b64encode(self._fallback.metadata()).decode()}
+        return json.dumps(doc).encode()
+
+    def add_peer(self, metadata: bytes) -> str:
+        self._check_open()
+        try:
+            doc = json.loads(metadata)
+            if doc.get("format") != _FORMAT:
+                raise ValueError(f"format {doc.get('format')!r}")
+            inner = base64.b64decode(doc["fallback"])
+            regions = [(int(r["address"]), int(r["length"]), int(r["kind"])) for r in doc["regions"]]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise TransportError(f"add_peer: not {_FORMAT} metadata ({exc})") from None
+        name = self._fallback.add_peer(inner)
+        if name != doc.get("agent"):
+            self._fallback.remove_peer(name)
+            raise TransportError(f"add_peer: metadata of {doc.get('agent')!r} carries agent {name!r}")
+        self._forget_peer(name, f"peer {name!r} was reloaded by add_peer")
+        peer, why = self._map(name, doc, regions)
+        if peer is not None:
+            tags = doc.get("tags")
+            peer.tags = tags if isinstance(tags, str) and self._tags.address is not None else None
+            self._peers[name] = peer
+            self._routes[name] = Route(name="kernel", pattern=True)
+        else:
+            self._routes[name] = Route(name=self.fallback_name, pattern=False)
+            log.info("peer %s goes through %s: %s", name, self.fallback_name, why)
+        return name
+
+    def _map(self, name: str, doc: dict[str, Any], regions: list[tuple[int, int, int]]) -> tuple[_Peer | None, str]:
+        """The peer as a mapped peer, or (None, why not)."""
+        if doc.get("host") != host_id():
+            return None, "it is on another host"
+        order = sorted(range(len(regions)), key=lambda i: regions[i][0])
+        table = np.array([regions[i] for i in order], dtype=np.int64).reshape(-1, 3)
+        if doc.get("pid") == os.getpid():
+            usable = self._cpu_kernels or (driver().available() and all(k == MemKind.VRAM for _a, _n, k in regions))
+            if not usable:
+                return None, "kernels need GPU memory (or cpu_kernels)"
+            return _Peer(name, table, table[:, 0].copy()), ""
+        vram = [doc["regions"][i] for i in order]
+        if not vram or any(r["kind"] != MemKind.VRAM or "handle" not in r for r in vram):
+            reason = next((r.get("why") for r in vram if "why" in r), None)
+            return None, reason or "not every region is GPU memory exported for IPC"
+        drv = driver()
+        if not drv.available():
+            return None, "no CUDA driver binding (pip install 'kvproto[cuda-ipc]') or no GPU"
+        here = self._device_ordinal()
+        try:
+            ordinals = {drv.uuid(i): i for i in range(self._device_count())}
+            opened: dict[str, int] = {}
+            local = np.empty(len(vram), dtype=np.int64)
+            for i, r in enumerate(vram):
+                ordinal = ordinals.get(r["uuid"])
+                if ordinal is None or not drv.can_access(here, ordinal):
+                    raise TransportError(f"device {r['uuid']} is not reachable from cuda:{here}")
+                if r["handle"] not in opened:
+                    opened[r["handle"]] = drv.open(bytes.fromhex(r["handle"]))
+                local[i] = opened[r["handle"]] + int(r["offset"])
+        except TransportError as exc:
+            for address in locals().get("opened", {}).values():
+                try:
+                    drv.close(address)
+                except TransportError:
+                    pass
+            return None, str(exc)
+        return _Peer(name, table, local, opened=list(opened.values())), ""
+
+    def _device_ordinal(self) -> int:
+        import torch
+
+        if self._device is None:
+            self._device = torch.cuda.current_device()
+        torch.cuda.set_device(self._device)
+        return self._device
+
+    @staticmethod
+    def _device_count() -> int:
+        import torch
+
+        return torch.cuda.device_count()
+
+    def here(self, peer: str, address: int, length: int = 1) -> int:
+        """Where ``address`` of a mapped peer's registered GPU memory is in this process (tests and
+        benchmarks, e.g. the raw copy that ``kvproto bench transfer`` compares against)."""
+        self._check_open()
+        mapped = self._mapped(peer, "here")
+        rows = np.array([[address, length, 0]], dtype=np.int64)
+        return int(self._translate(mapped, rows, MemKind.VRAM, "here")[0])
+
+    def route(self, peer: str) -> Route:
+        """How writes to ``peer`` move (see the module docstring)."""
+        self._check_open()
+        route = self._routes.get(peer)
+        if route is None:
+            raise TransportError(f"route: unknown peer {peer!r}")
+        return route
+
+    def remove_peer(self, peer: str) -> None:
+        self._check_open()
+        self._fallback.remove_peer(peer)
+        self._forget_peer(peer, f"peer {peer!r} was removed")
+        self._routes.pop(peer, None)
+
+    def _forget_peer(self, peer: str, why: str) -> None:
+        mapped = self._peers.pop(peer, None)
+        if mapped is None:
+            return
+        for xfer in [x for x in self._xfers if x.peer == peer and x.state is XferState.PENDING]:
+            xfer.event.synchronize()  # this agent's own kernel into the mapping: it always ends
+            xfer.state, xfer.error = XferState.ERROR, why
+        mapped.queue.clear()
+        mapped.gone = why
+        self._bases_cache = {k: v for k, v in self._bases_cache.items() if v.peer is not mapped}
+        self._last_bases = None
+        for address in mapped.opened:
+            try:
+                driver().close(address)
+            except TransportError as exc:
+                log.warning("closing the mapping of %s: %s", peer, exc)
+
+    # --- descriptor lists --------------------------------------------------------------------------
+    def prepare(self, peer: str | None, rows: np.ndarray, kind: MemKind) -> Any:
+        self._check_open()
+        arr = as_descs(rows)
+        if peer is None:
+            checked = self._check_local(arr, kind, "prepare") if len(arr) else arr
+            dual = _Dual(checked, kind, self._fallback.prepare(None, rows, kind))
+            self._lists.add(dual)
+            return dual
+        mapped = self._peers.get(peer)
+        if mapped is None or not self._kernel_kind(kind):
+            return self._fallback.prepare(peer, rows, kind)
+        if len(arr) == 0:
+            raise TransportError("prepare: cannot prepare an empty descriptor list")
+        self._translate(mapped, arr, kind, "prepare")
+        dlist = PreparedRows(arr, mapped)
+        self._lists.add(dlist)
+        return dlist
+
+    def release_prepared(self, dlist: Any) -> None:
+        self._check_open()
+        if isinstance(dlist, _Dual):
+            if dlist.released:
+                return
+            dlist.released = True
+            self._lists.discard(dlist)
+            self._fallback.release_prepared(dlist.inner)
+        elif isinstance(dlist, PreparedRows):
+            dlist.released = True
+            self._lists.discard(dlist)
+        else:
+            self._fallback.release_prepared(dlist)
+
+    # --- writes ------------------------------------------------------------------------------------------
+    def post_prepared(self, peer: str, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray,
+                      tag: bytes) -> Any:
+        self._check_open()
+        if not isinstance(remote, PreparedRows):
+            inner = local.inner if isinstance(local, _Dual) else local
+            if isinstance(local, _Dual) and local.released:
+                raise TransportError("post_prepared: the local list was released")
+            return self._fallback.post_prepared(peer, inner, local_idx, remote, remote_idx, tag)
+        mapped = self._mapped(peer, "post_prepared")
+        if not isinstance(local, _Dual) or local.released:
+            raise TransportError("post_prepared: the local list was not prepared by this agent, or was released")
+        rows = remote.usable(mapped)
+        src = take_rows(local.rows, local_idx, "local")
+        dst = take_rows(rows, remote_idx, "remote")
+        here = self._translate(mapped, dst, local.kind, "post_prepared")
+        return self._launch_rows(mapped, src, np.stack([here, dst[:, 1], dst[:, 2]], axis=1), tag, local.kind)
+
+    def post_descs(self, peer: str, local_rows: np.ndarray, local_kind: MemKind, remote_rows: np.ndarray,
+                   remote_kind: MemKind, tag: bytes) -> Any:
+        self._check_open()
+        mapped = self._peers.get(peer)
+        if mapped is None or not (self._kernel_kind(local_kind) and self._kernel_kind(remote_kind)):
+            return self._fallback.post_descs(peer, local_rows, local_kind, remote_rows, remote_kind, tag)
+        src = self._check_local(as_descs(local_rows), local_kind, "post_descs")
+        dst = as_descs(remote_rows)
+        if local_kind is not remote_kind:
+            raise TransportError(f"post_descs: kernels copy {local_kind.name} to {local_kind.name} only")
+        here = self._translate(mapped, dst, remote_kind, "post_descs")
+        return self._launch_rows(mapped, src, np.stack([here, dst[:, 1], dst[:, 2]], axis=1), tag, local_kind)
+
+    def post_pattern(self, peer: str, local_bases: Sequence[int], local_kind: MemKind, remote_bases: Sequence[int],
+                     remote_kind: MemKind, pattern: np.ndarray, tag: bytes) -> Any:
+        """A write of the same extents ``pattern`` ((E, 3): src_off, dst_off, length) from every
+        ``local_bases[r]`` into ``remote_bases[r]``: one kernel. Only for peers whose ``route``
+        says ``pattern``. The bases are checked once per (peer, bases) and remembered, so that a
+        link's writes cost a few array operations and a launch."""
+        self._check_open()
+        mapped = self._mapped(peer, "post_pattern")
+        bases = self._bases(mapped, local_bases, local_kind, remote_bases, remote_kind)
+        pat = np.asarray(pattern, dtype=np.int64).reshape(-1, 3)
+        if len(pat) == 0 or pat.min() < 0 or pat[:, 2].min() <= 0:
+            raise TransportError("post_pattern: extents need non-negative offsets and positive lengths")
+        src_end, dst_end = (pat[:, :2] + pat[:, 2:3]).max(axis=0).tolist()
+        for side, end, room in (("local", src_end, bases.src_room), ("remote", dst_end, bases.dst_room)):
+            if end > room:
+                raise TransportError(f"post_pattern: an extent ends {end} bytes past a {side} region base, but "
+                                     f"a {side} region has only {room} bytes from its base: it is not inside "
+                                     f"registered memory")
+        nbytes = int(pat[:, 2].sum()) * bases.regions
+        return self._launch(mapped, pat, bases, tag, nbytes, descriptors=0)
+
+    def post_plan(self, peer: str, plan: PairPlan, local_bases: Sequence[int], local_kind: MemKind,
+                  remote_bases: Sequence[int], remote_kind: MemKind, src_pages: Sequence[int],
+                  dst_pages: Sequence[int], start: int, end: int, tag: bytes) -> Any:
+        """Tokens ``[start, end)`` of the local cache into the peer's, as ``plan`` maps them (pages
+        from token 0 on each side): one kernel, row by row (a token's moved heads, or one head
+        where a layout is HND), both addresses computed on the GPU from the two page lists, so
+        head slices, block sizes and layouts convert on the way and the host does no work per
+        token. Exactly the tokens move, also for a direct plan (whose pages are identical)."""
+        self._check_open()
+        mapped = self._mapped(peer, "post_plan")
+        bases = self._bases(mapped, local_bases, local_kind, remote_bases, remote_kind)
+        if not 0 <= start < end:
+            raise TransportError(f"post_plan: bad token range [{start}, {end})")
+        pages = []
+        for side, g, listed, room in (("local", plan.src, src_pages, bases.src_room),
+                                      ("remote", plan.dst, dst_pages, bases.dst_room)):
+            arr = np.asarray(listed, dtype=np.int64)
+            last = (end - 1) // g.block_size
+            if last >= len(arr):
+                raise TransportError(f"post_plan: {len(arr)} {side} pages, tokens [{start}, {end}) need {last + 1}")
+            used = arr[start // g.block_size:last + 1]
+            if used.min() < 0 or (int(used.max()) + 1) * g.page_bytes > room:
+                raise TransportError(f"post_plan: a {side} page of {used.tolist()} is not inside registered memory "
+                                     f"({room // g.page_bytes} pages of {g.page_bytes} bytes from each region base)")
+            pages.append(arr[:last + 1])
+        rows = plan_rows(plan, start, end, regions=bases.regions, base_align=bases.align)
+        return self._launch_rows_plan(mapped, rows, bases, pages[0], pages[1], tag)
+
+    def _launch_rows_plan(self, mapped: _Peer, rows: Any, bases: _Bases, src_pages: np.ndarray,
+                          dst_pages: np.ndarray, tag: bytes) -> KernelXfer:
+        import torch
+
+        from kvproto.kernels import pattern as kernels
+
+        src_table, dst_table = bases.table[:bases.regions], bases.table[bases.regions:]
+        both = np.concatenate([src_pages, dst_pages])
+        if bases.table.device.type == "cpu":
+            table = torch.from_numpy(both)
+            kernels.launch_rows(rows, src_table, dst_table, table[:len(src_pages)], table[len(src_pages):])
+            return self._record(mapped, tag, _Done(), (), rows.nbytes, 0)
+        stream = self._own_stream(bases.table.device)
+        stream.wait_stream(torch.cuda.current_stream(bases.table.device))
+        with torch.cuda.stream(stream):
+            table, slot = self._uploads.put(both, bases.table.device)
+            if isinstance(table, _Pointer):
+                src, dst = table, _Pointer(table.address + 8 * len(src_pages))
+            else:
+                src, dst = table[:len(src_pages)], table[len(src_pages):]
+            kernels.launch_rows(rows, src_table, dst_table, src, dst)
+            event = torch.cuda.Event()
+            event.record(stream)
+        self._uploads.used(slot, event)
+        return self._record(mapped, tag, event, (table,), rows.nbytes, 0)
+
+    def _record(self, mapped: _Peer, tag: bytes, event: Any, keep: tuple[Any, ...], nbytes: int,
+                descriptors: int) -> KernelXfer:
+        self._stats.writes += 1
+        self._stats.descriptors += descriptors
+        self._stats.bytes += nbytes
+        xfer = KernelXfer(mapped.name, bytes(tag), event, keep)
+        self._xfers.add(xfer)
+        return xfer
+
+    def _bases(self, mapped: _Peer, local_bases: Sequence[int], local_kind: MemKind, remote_bases: Sequence[int],
+               remote_kind: MemKind) -> _Bases:
+        """The checked, translated and uploaded form of a (local, remote) list of region bases.
+        A link passes the same two arrays every time: they are recognised by identity first."""
+        last = self._last_bases
+        if last is not None and last[0] is local_bases and last[1] is remote_bases and last[2].peer is mapped \
+                and last[3] is local_kind:
+            return last[2]
+        key = (mapped.name, local_kind, tuple(np.asarray(local_bases).tolist()), tuple(np.asarray(remote_bases).tolist()))
+        bases = self._bases_cache.get(key)
+        if bases is not None and bases.peer is mapped:
+            self._last_bases = (local_bases, remote_bases, bases, local_kind)
+            return bases
+        if not (self._kernel_kind(local_kind) and local_kind is remote_kind):
+            raise TransportError(f"post_pattern: kernels move {self._kernel_kinds()} memory, not "
+                                 f"{local_kind.name} to {remote_kind.name}")
+        if len(key[2]) != len(key[3]) or not key[2]:
+            raise TransportError(f"post_pattern: {len(key[2])} local and {len(key[3])} remote regions")
+        local = np.asarray(key[2], dtype=np.int64)
+        remote = np.asarray(key[3], dtype=np.int64)
+        ones = np.ones_like(local)
+        regions = self._local_regions()
+        i = _inside(np.stack([local, ones, 0 * ones], 1), regions, local_kind, "post_pattern: local base",
+                    "this agent's")
+        src_room = int((regions[i, 0] + regions[i, 1] - local).min())
+        j = _inside(np.stack([remote, ones, 0 * ones], 1), mapped.regions, remote_kind, "post_pattern: remote base",
+                    f"peer {mapped.name!r}'s")
+        dst_room = int((mapped.regions[j, 0] + mapped.regions[j, 1] - remote).min())
+        here = mapped.local[j] + (remote - mapped.regions[j, 0])
+        bases = _Bases(mapped, local, here, src_room, dst_room, align=kernels_alignment(np.concatenate([local, here])),
+                       table=self._table(np.concatenate([local, here]), local_kind))
+        if len(self._bases_cache) >= 256:
+            self._bases_cache.pop(next(iter(self._bases_cache)))
+        self._bases_cache[key] = bases
+        self._last_bases = (local_bases, remote_bases, bases, local_kind)
+        return bases
+
+    def _table(self, values: np.ndarray, kind: MemKind) -> Any:
+        """``values`` as an int64 tensor where the kernel runs (uploaded once, on this agent's stream)."""
+        import torch
+
+        host = torch.from_numpy(values.copy())
+        if kind is MemKind.DRAM:
+            return host
+        device = torch.device("cuda", self._device_ordinal())
+        with torch.cuda.stream(self._own_stream(device)):
+            return host.pin_memory().to(device, non_blocking=True)
+
+    def _launch_rows(self, mapped: _Peer, src: np.ndarray, dst_here: np.ndarray, tag: bytes,
+                     kind: MemKind) -> KernelXfer:
+        """Rows as a pattern of absolute addresses over one region of base 0."""
+        nbytes = check_pairs(src, dst_here)
+        pattern = np.stack([src[:, 0], dst_here[:, 0], src[:, 1]], axis=1)
+        zero = np.zeros(1, np.int64)
+        key = ("", kind, (0,), (0,))
+        bases = self._bases_cache.get(key)
+        if bases is None:
+            bases = self._bases_cache[key] = _Bases(None, zero, zero, 0, 0, align=16,
+                                                    table=self._table(np.zeros(2, np.int64), kind))
+        return self._launch(mapped, pattern, bases, tag, nbytes, descriptors=len(src))
+
+    def _launch(self, mapped: _Peer, pattern: np.ndarray, bases: _Bases, tag: bytes, nbytes: int,
+                descriptors: int) -> KernelXfer:
+        """One kernel for the whole write, on this agent's stream (DRAM: in the interpreter, at
+        once); the event that ``poll`` waits for before it sends the tag."""
+        import torch
+
+        from kvproto.kernels import pattern as kernels
+
+        plan = kernels.plan_pattern(pattern, regions=bases.regions, base_align=bases.align)
+        src_table, dst_table = bases.table[:bases.regions], bases.table[bases.regions:]
+        if bases.table.device.type == "cpu":
+            kernels.launch(plan, src_table, dst_table, torch.from_numpy(plan.tiles))
+            event: Any = _Done()
+            keep: tuple[Any, ...] = ()
+        else:
+            stream = self._own_stream(bases.table.device)
+            stream.wait_stream(torch.cuda.current_stream(bases.table.device))
+            with torch.cuda.stream(stream):
+                tiles, keep = self._uploads.put(plan.tiles, bases.table.device)
+                kernels.launch(plan, src_table, dst_table, tiles)
+                event = torch.cuda.Event()
+                event.record(stream)
+            self._uploads.used(keep, event)
+        return self._record(mapped, tag, event, keep, nbytes, descriptors)
+
+    def _own_stream(self, device: Any) -> Any:
+        import torch
+
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=device)
+        return self._stream
+
+    def poll(self, xfer: Any) -> XferState:
+        self._check_open()
+        if not isinstance(xfer, KernelXfer):
+            return self._fallback.poll(xfer)
+        if xfer.released:
+            raise TransportError("poll: the write was released")
+        if xfer.state is XferState.PENDING and not xfer.finished and xfer.event.query():
+            xfer.keep = ()
+            xfer.finished = True
+            if not xfer.tag:
+                xfer.state = XferState.DONE
+            else:
+                mapped = self._peers.get(xfer.peer)
+                if mapped is not None:
+                    mapped.queue.append(xfer)
+                    self._send_tags(mapped)
+        elif xfer.state is XferState.PENDING and xfer.finished:
+            mapped = self._peers.get(xfer.peer)
+            if mapped is not None:
+                self._send_tags(mapped)
+        return xfer.state
+
+    def _send_tags(self, mapped: _Peer) -> None:
+        """Send the queued tags of finished writes to ``mapped``, in order, until its channel is full;
+        each write is DONE once its tag has left (ERROR if it cannot be sent at all)."""
+        while mapped.queue:
+            xfer = mapped.queue[0]
+            try:
+                if mapped.tags is not None:
+                    try:
+                        if not self._tags.send(mapped.tags, self.name.encode(), xfer.tag):
+                            return  # the peer's queue is full: the next poll tries again, in order
+                    except OSError as exc:  # unreachable (e.g. another network namespace)
+                        log.info("tags to %s go through %s: %s", mapped.name, self.fallback_name, exc)
+                        mapped.tags = None
+                        continue
+                else:
+                    self._fallback.notify(xfer.peer, xfer.tag)
+                xfer.state = XferState.DONE
+            except TransportError as exc:
+                xfer.state, xfer.error = XferState.ERROR, f"the tag could not be sent: {exc}"
+            mapped.queue.popleft()
+
+    def release(self, xfer: Any) -> None:
+        self._check_open()
+        if not isinstance(xfer, KernelXfer):
+            self._fallback.release(xfer)
+            return
+        if xfer.released:
+            return
+        if xfer.state is XferState.PENDING and xfer.peer in self._peers:
+            raise TransportError(f"release: the write to {xfer.peer!r} is still pending and its peer is present")
+        xfer.released = True
+        self._xfers.discard(xfer)
+
+    def notify(self, peer: str, tag: bytes) -> None:
+        """A tag with no bytes: behind the tags of this agent's finished writes to ``peer``."""
+        self._check_open()
+        mapped = self._peers.get(peer)
+        if mapped is None:
+            self._fallback.notify(peer, tag)
+            return
+        if not tag:
+            raise TransportError("notify: the tag is empty")
+        note = KernelXfer(peer, bytes(tag), _Done(), (), finished=True)
+        mapped.queue.append(note)
+        self._send_tags(mapped)
+        if note.state is XferState.ERROR:
+            raise TransportError(f"notify {peer!r}: {note.error}")
+
+    def drain_notifications(self) -> list[Notification]:
+        """Tags from this agent's channel, then (at most every ``fallback_poll_s``) the fallback's."""
+        self._check_open()
+        notes = self._tags.drain()
+        now = time.monotonic()
+        if now - self._fallback_drained >= self._fallback_poll_s:
+            self._fallback_drained = now
+            notes += self._fallback.drain_notifications()
+        for mapped in self._peers.values():
+            if mapped.queue:
+                self._send_tags(mapped)
+        return notes
+
+    def wakeup_fd(self) -> int | None:
+        """A file descriptor that turns readable when a tag arrives on this agent's channel (an
+        endpoint adds it to its event loop, so that a waiting rank wakes at once); None without one."""
+        return self._tags.sock.fileno() if self._tags.sock is not None else None
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            for xfer in self._xfers:
+                if xfer.state is XferState.PENDING:
+                    xfer.event.synchronize()
+            for peer in list(self._peers):
+                self._forget_peer(peer, "the agent was closed")
+            self._xfers.clear()
+            self._lists.clear()
+        finally:
+            self._tags.close()
+            self._fallback.close()
+
+    # --- checks --------------------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportClosed("the agent was closed")
+
+    def _kernel_kinds(self) -> str:
+        return "VRAM and DRAM" if self._cpu_kernels else "VRAM"
+
+    def _kernel_kind(self, kind: MemKind) -> bool:
+        return kind is MemKind.VRAM or (self._cpu_kernels and kind is MemKind.DRAM)
+
+    def _mapped(self, peer: str, op: str) -> _Peer:
+        mapped = self._peers.get(peer)
+        if mapped is None:
+            route = self._routes.get(peer)
+            raise TransportError(f"{op}: peer {peer!r} is " + ("not mapped here (it goes through the fallback)"
+                                                               if route else "unknown"))
+        return mapped
+
+    def _check_local(self, rows: np.ndarray, kind: MemKind, op: str) -> np.ndarray:
+        """Rows inside memory this agent registered as ``kind``."""
+        _inside(rows, self._local_regions(), kind, f"{op}: row", "this agent's")
+        return rows
+
+    @staticmethod
+    def _translate(mapped: _Peer, rows: np.ndarray, kind: MemKind, op: str) -> np.ndarray:
+        """The addresses here of ``rows`` of the peer's memory (each checked to lie inside one region
+        the peer registered as ``kind``)."""
+        if mapped.gone:
+            raise TransportError(f"{op}: {mapped.gone}")
+        idx = _inside(rows, mapped.regions, kind, f"{op}: row", f"peer {mapped.name!r}'s")
+        return mapped.local[idx] + (rows[:, 0] - mapped.regions[idx, 0])
+
+
+class _Done:
+    """The event of a kernel that ran synchronously (the CPU interpreter)."""
+
+    @staticmethod
+    def query() -> bool:
+        return True
+
+    @staticmethod
+    def synchronize() -> None:
+        return None
+
+
+def _inside(rows: np.ndarray, regions: np.ndarray, kind: MemKind, what: str, whose: str) -> np.ndarray:
+    """For each row, the index of the region of ``regions`` ((N, 3): address, length, kind; sorted)
+    that holds all of it; raises ``TransportError`` naming the first row that none holds."""
+    if len(rows) == 0:
+        return np.zeros(0, dtype=np.int64)
+    i = np.searchsorted(regions[:, 0], rows[:, 0], side="right") - 1 if len(regions) else np.full(len(rows), -1)
+    j = np.clip(i, 0, max(0, len(regions) - 1))
+    ok = (i >= 0) & (len(regions) > 0)
+    if len(regions):
+        ok &= (rows[:, 0] + rows[:, 1] <= regions[j, 0] + regions[j, 1]) & (regions[j, 2] == int(kind))
+    bad = np.flatnonzero(~ok)
+    if bad.size:
+        k = int(bad[0])
+        raise TransportError(f"{what} {k} {rows[k].tolist()} is not inside {whose} registered {kind.name}")
+    return j

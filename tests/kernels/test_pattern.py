@@ -1,0 +1,117 @@
+"""Pattern copies (the kernel path's kernel): the plan covers every extent exactly, and the Triton
+kernel (interpreted on CPU tensors here; compiled under ``-m gpu``) equals the torch reference."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvproto.kernels import pattern as P
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def patterns(draw):
+    """A region size, an alignment and non-overlapping destination extents with any sources."""
+    align = draw(st.sampled_from([1, 2, 4, 8, 16]))
+    units = draw(st.integers(4, 64))
+    size = units * 16
+    n = draw(st.integers(1, min(6, units)))
+    dst_starts = sorted(draw(st.lists(st.integers(0, units - 1), min_size=n, max_size=n, unique=True)))
+    extents = []
+    for i, start in enumerate(dst_starts):
+        limit = (dst_starts[i + 1] if i + 1 < n else units) - start
+        length = draw(st.integers(1, limit)) * 16 - draw(st.sampled_from([0, align])) % 16
+        length = max(align, length - length % align)
+        src = draw(st.integers(0, (size - length) // align)) * align
+        extents.append((src, start * 16, length))
+    return size, align, np.array(extents, dtype=np.int64)
+
+
+@FAST
+@given(case=patterns(), regions=st.integers(1, 3), tile=st.sampled_from([16, 64, 1024, 32768]))
+def test_pattern_plan_tiles_cover_each_extent_exactly(case, regions, tile) -> None:
+    """Tiles, mapped back to bytes, are exactly the extents (no gap, no overlap, none longer than a
+    tile), and the word and vector divide every offset, length and base."""
+    size, align, extents = case
+    bases = [4096 * (r + 1) for r in range(regions)]
+    plan = P.plan_pattern(extents, regions=regions, base_align=P.alignment(bases), max_tile_bytes=max(tile, 16),
+                          min_programs=1)
+    unit = plan.word * plan.vec
+    assert unit >= align and all(int(v) % unit == 0 for v in [*extents.reshape(-1), *bases])
+    got: list[tuple[int, int]] = sorted((int(s) * unit, int(n) * unit) for s, _d, n in plan.tiles)
+    assert max(n for _s, n in got) <= plan.tile_words * plan.word
+    covered = np.zeros(size, dtype=np.int64)
+    for s, d, n in plan.tiles:
+        covered[int(d) * unit:int(d + n) * unit] += 1
+        assert int(s) * unit - int(d) * unit in {int(e[0] - e[1]) for e in extents}
+    want = np.zeros(size, dtype=np.int64)
+    for _s, d, n in extents:
+        want[d:d + n] += 1
+    assert np.array_equal(covered, want)
+    assert plan.nbytes == int(extents[:, 2].sum()) * regions
+
+
+def test_pattern_plan_small_writes_use_small_tiles() -> None:
+    """A small write is cut into tiles small enough to keep many programs busy; a large one into
+    the longest tiles."""
+    small = P.plan_pattern(np.array([[0, 0, 32768 * 4]]), regions=64)
+    large = P.plan_pattern(np.array([[0, 0, 32768 * 512]]), regions=64)
+    assert small.tile_words * small.word < P.MAX_TILE_BYTES and small.programs >= 1024
+    assert large.tile_words * large.word == P.MAX_TILE_BYTES
+
+
+def test_pattern_plan_refuses_empty_and_mismatched() -> None:
+    with pytest.raises(ValueError):
+        P.plan_pattern(np.zeros((0, 3)), regions=1)
+    with pytest.raises(ValueError):
+        P.plan_pattern(np.array([[0, 0, 16]]), regions=0)
+    with pytest.raises(ValueError):
+        P.plan_pattern(np.array([[0, 0, 0]]), regions=1)
+
+
+@needs_triton
+@FAST
+@given(case=patterns(), regions=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_pattern_triton_interpreted_equals_reference(case, regions, seed) -> None:
+    """Bit for bit: the interpreted kernel writes the extents of every region and nothing else."""
+    size, _align, extents = case
+    gen = torch.Generator().manual_seed(seed)
+    src = [torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen) for _ in range(regions)]
+    dst = [torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen) for _ in range(regions)]
+    want = [d.clone() for d in dst]
+    P.copy_reference(extents, src, want)
+    bases = [t.data_ptr() for t in src + dst]
+    plan = P.plan_pattern(extents, regions=regions, base_align=P.alignment(bases), min_programs=4)
+    P.launch(plan, torch.tensor([t.data_ptr() for t in src]), torch.tensor([t.data_ptr() for t in dst]),
+             torch.from_numpy(plan.tiles))
+    for got, ref in zip(dst, want, strict=True):
+        assert torch.equal(got, ref)
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pattern_triton_compiled_equals_reference_on_gpu() -> None:
+    """The compiled kernel: random pages of bf16 regions, byte-exact, other bytes untouched."""
+    gen = torch.Generator().manual_seed(0)
+    pages, page = 256, 32768
+    src = [torch.randn(pages * page // 2, generator=gen).to(torch.bfloat16).cuda() for _ in range(4)]
+    dst = [torch.zeros_like(s) for s in src]
+    perm = torch.randperm(pages, generator=gen)[:100].tolist()
+    extents = np.array([[p * page, q * page, page] for p, q in zip(perm, perm[::-1], strict=True)], dtype=np.int64)
+    want = [d.clone() for d in dst]
+    P.copy_reference(extents, src, want)
+    plan = P.plan_pattern(extents, regions=4, base_align=P.alignment([t.data_ptr() for t in src + dst]))
+    table = torch.tensor([t.data_ptr() for t in src] + [t.data_ptr() for t in dst], device="cuda")
+    P.launch(plan, table[:4], table[4:], torch.from_numpy(plan.tiles).cuda())
+    torch.cuda.synchronize()
+    for got, ref in zip(dst, want, strict=True):
+        assert torch.equal(got.view(torch.int16), ref.view(torch.int16))

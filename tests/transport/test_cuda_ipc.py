@@ -1,0 +1,234 @@
+"""The kernel-path adapter (``cuda-ipc``) on the CPU: the public conformance suite unchanged, once
+with every peer on its fallback and once with the kernel path itself running on DRAM peers of
+this process (``cpu_kernels``: Triton's interpreter); then its routes, bounds and pattern writes,
+and endpoints over it. The GPU half (IPC between processes) is ``tests/aio/test_gpu.py``."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kvproto.kernels import pattern as kernels
+from kvproto.testing.conformance import TransportConformance, pattern, region
+from kvproto.transport import MemKind, TransportError, XferState, load_transport
+from kvproto.transport.base import route_of
+
+DRAM = MemKind.DRAM
+KERNELS = {"fallback": "loopback", "cpu_kernels": True}
+
+
+class TestCudaIpcFallback(TransportConformance):
+    """No peer can be mapped (DRAM, no cpu_kernels): every call goes to the fallback."""
+
+    transport = "cuda-ipc"
+    options = {"fallback": "loopback"}
+
+
+class TestCudaIpcKernels(TransportConformance):
+    """Peers of this process, DRAM: every write is one (interpreted) pattern kernel."""
+
+    transport = "cuda-ipc"
+    options = KERNELS
+
+
+def _agents(**options):
+    a = load_transport("cuda-ipc", "a", **options)
+    b = load_transport("cuda-ipc", "b", **options)
+    return a, b
+
+
+def _finish(a, b, xfer, limit: int = 1000) -> list:
+    got = []
+    for _ in range(limit):
+        state = a.poll(xfer)
+        got += b.drain_notifications()
+        if state is not XferState.PENDING:
+            return got
+    raise AssertionError("the write never ended")
+
+
+def test_cuda_ipc_route_is_kernel_for_mapped_peers_else_fallback() -> None:
+    """A peer of this process is mapped by an agent with cpu_kernels (route "kernel", pattern);
+    an agent without them sends DRAM through the fallback; a peer of another host always goes there."""
+    a, b = _agents(**KERNELS)
+    c = load_transport("cuda-ipc", "c", fallback="loopback")
+    try:
+        buf = np.zeros(4096, np.uint8)
+        b.register([region(buf)])
+        a.add_peer(b.metadata())
+        assert route_of(a, "b").name == "kernel" and route_of(a, "b").pattern
+        c.add_peer(b.metadata())
+        assert route_of(c, "b").name == "loopback" and not route_of(c, "b").pattern
+        doc = json.loads(b.metadata())
+        doc["host"] = "elsewhere/boot"
+        a.remove_peer("b")
+        a.add_peer(json.dumps(doc).encode())
+        assert route_of(a, "b").name == "loopback"
+        with pytest.raises(TransportError, match="not mapped"):
+            a.post_pattern("b", [buf.ctypes.data], DRAM, [buf.ctypes.data], DRAM, np.array([[0, 0, 16]]), b"t")
+    finally:
+        for t in (a, b, c):
+            t.close()
+
+
+def test_cuda_ipc_garbage_or_foreign_metadata_raises() -> None:
+    """Metadata that is not this adapter's, or whose agent differs from its fallback's, is refused."""
+    a, b = _agents(**KERNELS)
+    try:
+        with pytest.raises(TransportError, match="kvproto-cuda-ipc"):
+            a.add_peer(b'{"format": "other"}')
+        doc = json.loads(b.metadata())
+        doc["agent"] = "impostor"
+        with pytest.raises(TransportError, match="impostor"):
+            a.add_peer(json.dumps(doc).encode())
+    finally:
+        a.close()
+        b.close()
+
+
+def _regions(n: int, size: int, seed: int) -> list[np.ndarray]:
+    return [pattern(size, seed=seed + i) for i in range(n)]
+
+
+def test_cuda_ipc_post_pattern_moves_every_region_byte_exact() -> None:
+    """One pattern write of three extents over four region pairs lands exactly like the torch
+    reference, touches nothing else, and its tag arrives once, after the bytes."""
+    import torch
+
+    a, b = _agents(**KERNELS)
+    try:
+        src, dst = _regions(4, 8192, 1), [np.zeros(8192, np.uint8) for _ in range(4)]
+        a.register([region(x) for x in src])
+        b.register([region(x) for x in dst])
+        a.add_peer(b.metadata())
+        extents = np.array([[0, 4096, 1024], [6144, 0, 2048], [2048, 7168, 1024]], dtype=np.int64)
+        want = [torch.zeros(8192, dtype=torch.uint8) for _ in range(4)]
+        kernels.copy_reference(extents, [torch.from_numpy(x) for x in src], want)
+        xfer = a.post_pattern("b", [x.ctypes.data for x in src], DRAM, [x.ctypes.data for x in dst], DRAM,
+                              extents, b"tag")
+        got = _finish(a, b, xfer)
+        assert [n.tag for n in got] == [b"tag"]
+        for d, w in zip(dst, want, strict=True):
+            assert np.array_equal(d, w.numpy())
+        assert (a.stats.writes, a.stats.bytes) == (1, 4 * 4096)
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("where", ["remote end", "remote start", "local", "unregistered region"])
+def test_cuda_ipc_post_pattern_out_of_bounds_is_refused_and_writes_nothing(where: str) -> None:
+    """An extent reaching past a registered region (either side), or a base the peer never
+    registered, raises TransportError naming the row before any kernel runs."""
+    a, b = _agents(**KERNELS)
+    try:
+        src, dst = _regions(2, 4096, 1), [np.zeros(4096, np.uint8) for _ in range(2)]
+        stray = np.zeros(4096, np.uint8)
+        a.register([region(x) for x in src])
+        b.register([region(x) for x in dst])
+        a.add_peer(b.metadata())
+        extents = np.array([[0, 0, 1024], [1024, 3072, 1024]], dtype=np.int64)
+        local = [x.ctypes.data for x in src]
+        remote = [x.ctypes.data for x in dst]
+        if where == "remote end":
+            extents[1, 1] = 3584
+        elif where == "remote start":
+            remote[1] -= 16
+        elif where == "local":
+            extents[0, 0] = 3584
+        else:
+            remote[0] = stray.ctypes.data
+        with pytest.raises(TransportError, match="not inside"):
+            a.post_pattern("b", local, DRAM, remote, DRAM, extents, b"t")
+        assert all(not d.any() for d in dst) and not stray.any()
+        assert a.stats.writes == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_cuda_ipc_remove_peer_ends_its_writes_and_unmaps() -> None:
+    """After remove_peer, lists prepared for it and new writes to it are refused."""
+    a, b = _agents(**KERNELS)
+    try:
+        src, dst = pattern(4096), np.zeros(4096, np.uint8)
+        a.register([region(src)])
+        b.register([region(dst)])
+        a.add_peer(b.metadata())
+        remote = a.prepare("b", np.array([[dst.ctypes.data, 4096, 0]]), DRAM)
+        a.remove_peer("b")
+        with pytest.raises(TransportError):
+            a.post_prepared("b", a.prepare(None, np.array([[src.ctypes.data, 4096, 0]]), DRAM), np.array([0]),
+                            remote, np.array([0]), b"t")
+    finally:
+        a.close()
+        b.close()
+
+
+def _geometry(tp: int, rank: int, block: int, layout: str, blocks: int = 8):
+    from kvproto.geometry import KVGeometry, Layout
+    from kvproto.geometry.model import DType
+
+    return KVGeometry(tp_size=tp, tp_rank=rank, num_layers=1, num_kv_heads=4, head_dim=8, dtype=DType.BFLOAT16,
+                      block_size=block, layout=Layout[layout], mla=False, num_blocks=blocks)
+
+
+@pytest.mark.parametrize("dst", [(2, 0, 4, "NHD"), (1, 0, 8, "HND"), (2, 1, 2, "HND")])
+def test_cuda_ipc_post_plan_converts_heads_blocks_and_layouts_byte_exact(dst) -> None:
+    """One post_plan write (TP 1 -> 2, block 4 -> 8 or 2, NHD -> HND) lands exactly the tokens'
+    moved heads where the decode geometry puts them, in every region, and nothing else."""
+    import dataclasses
+
+    import torch
+
+    from kvproto.geometry import plan_pair
+
+    src_g, dst_g = _geometry(1, 0, 4, "NHD"), _geometry(*dst)
+    plan = plan_pair(src_g, dst_g)
+    a, b = _agents(**KERNELS)
+    try:
+        src = _regions(2, src_g.num_blocks * src_g.page_bytes, 1)
+        dst_bufs = [np.zeros(dst_g.num_blocks * dst_g.page_bytes, np.uint8) for _ in range(2)]
+        a.register([region(x) for x in src])
+        b.register([region(x) for x in dst_bufs])
+        a.add_peer(b.metadata())
+        src_pages, dst_pages = [5, 2, 7, 0], [3, 6, 1, 4, 0, 2, 5, 7][:-(-15 // dst_g.block_size)]
+        want = [torch.zeros_like(torch.from_numpy(d)) for d in dst_bufs]
+        exact = dataclasses.replace(plan, direct=False)
+        kernels.copy_reference(kernels.pair_extents(exact, src_pages, dst_pages, 3, 15),
+                               [torch.from_numpy(x) for x in src], want)
+        xfer = a.post_plan("b", plan, [x.ctypes.data for x in src], DRAM, [x.ctypes.data for x in dst_bufs], DRAM,
+                           src_pages, dst_pages, 3, 15, b"rows")
+        assert [n.tag for n in _finish(a, b, xfer)] == [b"rows"]
+        for d, w in zip(dst_bufs, want, strict=True):
+            assert np.array_equal(d, w.numpy())
+    finally:
+        a.close()
+        b.close()
+
+
+def test_cuda_ipc_post_plan_page_outside_registered_memory_is_refused() -> None:
+    """A destination page past the peer's registered region (or a page list too short) raises
+    TransportError before any kernel runs."""
+    from kvproto.geometry import plan_pair
+
+    src_g, dst_g = _geometry(1, 0, 4, "NHD"), _geometry(2, 0, 4, "NHD")
+    plan = plan_pair(src_g, dst_g)
+    a, b = _agents(**KERNELS)
+    try:
+        src = _regions(1, src_g.num_blocks * src_g.page_bytes, 1)
+        dst = np.zeros(4 * dst_g.page_bytes, np.uint8)  # registered: 4 pages only
+        a.register([region(x) for x in src])
+        b.register([region(dst)])
+        a.add_peer(b.metadata())
+        args = ("b", plan, [src[0].ctypes.data], DRAM, [dst.ctypes.data], DRAM)
+        with pytest.raises(TransportError, match="not inside registered memory"):
+            a.post_plan(*args, [0, 1], [1, 5], 0, 8, b"t")
+        with pytest.raises(TransportError, match="pages"):
+            a.post_plan(*args, [0, 1], [1], 0, 8, b"t")
+        assert not dst.any() and a.stats.writes == 0
+    finally:
+        a.close()
+        b.close()
