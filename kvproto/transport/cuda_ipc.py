@@ -386,9 +386,11 @@ class CudaIpcTransport:
     """``Transport`` that writes into mapped peers with one kernel per write (module docstring)."""
 
     def __init__(self, name: str, *, fallback: str = "nixl", fallback_options: dict[str, Any] | None = None,
-                 device: int | None = None, cpu_kernels: bool = False, fallback_poll_s: float = 1e-4) -> None:
-        """``fallback_poll_s``: ``drain_notifications`` drives the fallback (whose progress engine
-        costs tens of microseconds a call) at most this often; its own tag channel every time."""
+                 device: int | None = None, cpu_kernels: bool = False, fallback_poll_s: float = 1e-3) -> None:
+        """``fallback_poll_s``: while the fallback is idle (no write of this agent through it in
+        flight, nothing delivered by it in the last second), ``drain_notifications`` drives it
+        (its progress engine costs tens of microseconds a call) at most this often; while it is
+        busy, on every call. This agent's own tag channel is read on every call."""
         from kvproto.transport import load_transport
 
         self.name = name
@@ -408,9 +410,14 @@ class CudaIpcTransport:
         self._bases_cache: dict[tuple[Any, ...], _Bases] = {}
         self._last_bases: tuple[Any, Any, _Bases, MemKind] | None = None
         self._uploads = _Uploads()
+        self._running: collections.deque[KernelXfer] = collections.deque()
+        """Kernel writes not yet seen finished, in launch order (see ``_advance``)."""
         self._tags = _TagChannel()
         self._fallback_poll_s = fallback_poll_s
         self._fallback_drained = 0.0
+        self._fallback_busy_until = 0.0
+        """Until when the fallback counts as busy (drained on every call): a second after it last
+        delivered a tag, or was handed a write or a notify."""
 
     @property
     def stats(self) -> TransportStats:
@@ -624,6 +631,7 @@ class CudaIpcTransport:
             inner = local.inner if isinstance(local, _Dual) else local
             if isinstance(local, _Dual) and local.released:
                 raise TransportError("post_prepared: the local list was released")
+            self._fallback_busy()
             return self._fallback.post_prepared(peer, inner, local_idx, remote, remote_idx, tag)
         mapped = self._mapped(peer, "post_prepared")
         if not isinstance(local, _Dual) or local.released:
@@ -639,6 +647,7 @@ class CudaIpcTransport:
         self._check_open()
         mapped = self._peers.get(peer)
         if mapped is None or not (self._kernel_kind(local_kind) and self._kernel_kind(remote_kind)):
+            self._fallback_busy()
             return self._fallback.post_descs(peer, local_rows, local_kind, remote_rows, remote_kind, tag)
         src = self._check_local(as_descs(local_rows), local_kind, "post_descs")
         dst = as_descs(remote_rows)
@@ -729,6 +738,7 @@ class CudaIpcTransport:
         self._stats.bytes += nbytes
         xfer = KernelXfer(mapped.name, bytes(tag), event, keep)
         self._xfers.add(xfer)
+        self._running.append(xfer)
         return xfer
 
     def _bases(self, mapped: _Peer, local_bases: Sequence[int], local_kind: MemKind, remote_bases: Sequence[int],
@@ -827,24 +837,39 @@ class CudaIpcTransport:
     def poll(self, xfer: Any) -> XferState:
         self._check_open()
         if not isinstance(xfer, KernelXfer):
-            return self._fallback.poll(xfer)
+            state = self._fallback.poll(xfer)
+            if state is XferState.PENDING:
+                self._fallback_busy()
+            return state
         if xfer.released:
             raise TransportError("poll: the write was released")
-        if xfer.state is XferState.PENDING and not xfer.finished and xfer.event.query():
-            xfer.keep = ()
-            xfer.finished = True
-            if not xfer.tag:
-                xfer.state = XferState.DONE
-            else:
+        if xfer.state is XferState.PENDING:
+            if not xfer.finished and self._running and self._running[0] is xfer:
+                self._advance()
+            elif xfer.finished:
                 mapped = self._peers.get(xfer.peer)
                 if mapped is not None:
-                    mapped.queue.append(xfer)
                     self._send_tags(mapped)
-        elif xfer.state is XferState.PENDING and xfer.finished:
+        return xfer.state
+
+    def _advance(self) -> None:
+        """Finish the kernels that have run, oldest first: they run in launch order on this
+        agent's one stream, so the first one still running ends the scan (one event query per
+        call, however many writes are in flight)."""
+        running = self._running
+        while running and running[0].event.query():
+            xfer = running.popleft()
+            xfer.keep = ()
+            xfer.finished = True
+            if xfer.state is not XferState.PENDING:
+                continue  # its peer was removed meanwhile
+            if not xfer.tag:
+                xfer.state = XferState.DONE
+                continue
             mapped = self._peers.get(xfer.peer)
             if mapped is not None:
+                mapped.queue.append(xfer)
                 self._send_tags(mapped)
-        return xfer.state
 
     def _send_tags(self, mapped: _Peer) -> None:
         """Send the queued tags of finished writes to ``mapped``, in order, until its channel is full;
@@ -861,6 +886,7 @@ class CudaIpcTransport:
                         mapped.tags = None
                         continue
                 else:
+                    self._fallback_busy()
                     self._fallback.notify(xfer.peer, xfer.tag)
                 xfer.state = XferState.DONE
             except TransportError as exc:
@@ -884,6 +910,7 @@ class CudaIpcTransport:
         self._check_open()
         mapped = self._peers.get(peer)
         if mapped is None:
+            self._fallback_busy()
             self._fallback.notify(peer, tag)
             return
         if not tag:
@@ -895,17 +922,24 @@ class CudaIpcTransport:
             raise TransportError(f"notify {peer!r}: {note.error}")
 
     def drain_notifications(self) -> list[Notification]:
-        """Tags from this agent's channel, then (at most every ``fallback_poll_s``) the fallback's."""
+        """Tags from this agent's channel, then the fallback's (see ``fallback_poll_s``)."""
         self._check_open()
+        self._advance()
         notes = self._tags.drain()
         now = time.monotonic()
-        if now - self._fallback_drained >= self._fallback_poll_s:
+        if now < self._fallback_busy_until or now - self._fallback_drained >= self._fallback_poll_s:
             self._fallback_drained = now
-            notes += self._fallback.drain_notifications()
+            delivered = self._fallback.drain_notifications()
+            if delivered:
+                self._fallback_busy_until = now + 1.0
+                notes += delivered
         for mapped in self._peers.values():
             if mapped.queue:
                 self._send_tags(mapped)
         return notes
+
+    def _fallback_busy(self) -> None:
+        self._fallback_busy_until = time.monotonic() + 1.0
 
     def wakeup_fd(self) -> int | None:
         """A file descriptor that turns readable when a tag arrives on this agent's channel (an
