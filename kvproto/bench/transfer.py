@@ -385,7 +385,7 @@ class _Rank:
     def _raw_copy(self, agent: Any, peer: str, remote: int, nbytes: int, rounds: int) -> float:
         """The kernel path's raw reference: seconds of one contiguous device copy of ``nbytes``
         into the peer's memory through this process's mapping of it (median of ``rounds``)."""
-        from kvproto.transport.cuda_ipc import driver
+        from kvproto.transport.cuda import driver
 
         torch = self.torch
         dst = agent.here(peer, remote, nbytes)

@@ -29,7 +29,6 @@ addresses belong to anyone: callers check every row against registered memory fi
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any

@@ -47,10 +47,6 @@ import collections
 import json
 import logging
 import os
-import secrets
-import socket
-import struct
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -73,164 +69,14 @@ from kvproto.transport.base import (
     take_rows,
 )
 from kvproto.geometry import PairPlan
+from kvproto.transport.cuda import Pointer, Uploads, driver
+from kvproto.transport.local import TagChannel, host_id
 from kvproto.kernels.pattern import alignment as kernels_alignment
 from kvproto.kernels.pattern import plan_rows
 
 log = logging.getLogger("kvproto.transport")
 
 _FORMAT = "kvproto-cuda-ipc/1"
-_HOST_ID: str | None = None
-
-
-def host_id() -> str:
-    """This machine's identity for the same-host test: host name and kernel boot id."""
-    global _HOST_ID
-    if _HOST_ID is None:
-        try:
-            with open("/proc/sys/kernel/random/boot_id") as f:
-                boot = f.read().strip()
-        except OSError:
-            boot = ""
-        _HOST_ID = f"{socket.gethostname()}/{boot}"
-    return _HOST_ID
-
-
-# --- tags between agents of one host ------------------------------------------------------------------
-class _TagChannel:
-    """A non-blocking UNIX datagram socket in the abstract namespace (Linux): a kernel write's tag
-    reaches a mapped peer in one ``sendto`` (microseconds) and wakes its event loop through
-    ``fileno()`` (``wakeup_fd``), instead of a round through the fallback's progress engine. The
-    kernel attaches each sender's credentials; datagrams from another user are dropped. Not
-    available (``address`` None) where the platform has no abstract sockets."""
-
-    HEADER = struct.Struct("<H")
-
-    def __init__(self) -> None:
-        self.sock: socket.socket | None = None
-        self.address: str | None = None
-        self.dropped = 0
-        """Datagrams refused: from another user, or malformed."""
-        if not sys.platform.startswith("linux"):
-            return
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        try:
-            sock.setblocking(False)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-            address = f"\0kvproto-cuda-ipc/{os.getpid()}/{secrets.token_hex(8)}"
-            sock.bind(address)
-        except OSError:
-            sock.close()
-            return
-        self.sock, self.address = sock, address
-
-    def send(self, address: str, sender: bytes, tag: bytes) -> bool:
-        """Send; False when the peer's queue is full (try again later). Raises ``OSError`` when the
-        peer cannot be reached at all."""
-        assert self.sock is not None
-        try:
-            self.sock.sendto(self.HEADER.pack(len(sender)) + sender + tag, address)
-        except BlockingIOError:
-            return False
-        return True
-
-    def drain(self) -> list[Notification]:
-        if self.sock is None:
-            return []
-        out = []
-        space = socket.CMSG_SPACE(struct.calcsize("3i"))
-        uid = os.getuid()
-        while True:
-            try:
-                data, ancdata, _flags, _addr = self.sock.recvmsg(65536, space)
-            except (BlockingIOError, InterruptedError):
-                return out
-            creds = next((struct.unpack("3i", d[:12]) for level, kind, d in ancdata
-                          if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS), None)
-            if creds is None or creds[1] != uid or len(data) < 2:
-                self.dropped += 1
-                continue
-            (n,) = self.HEADER.unpack_from(data)
-            name, tag = data[2:2 + n], data[2 + n:]
-            if len(name) != n or not tag:
-                self.dropped += 1
-                continue
-            out.append(Notification(name.decode(errors="replace"), bytes(tag)))
-
-    def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
-
-
-# --- the CUDA driver, through cuda-bindings -----------------------------------------------------------
-class _Driver:
-    """The few driver calls the adapter needs (``cuda.bindings.driver``), with errors as
-    ``TransportError``. Loaded on first use; ``available()`` is False without the binding or a GPU."""
-
-    def __init__(self) -> None:
-        try:
-            from cuda.bindings import driver  # type: ignore[import-not-found]
-        except ImportError:
-            try:
-                from cuda import cuda as driver  # type: ignore[import-not-found,no-redef]
-            except ImportError:
-                driver = None
-        self.cu = driver
-
-    def available(self) -> bool:
-        if self.cu is None:
-            return False
-        import torch
-
-        return torch.cuda.is_available()
-
-    def _check(self, what: str, result: Any) -> Any:
-        err, *rest = result if isinstance(result, tuple) else (result,)
-        if int(err) != 0:
-            raise TransportError(f"{what}: CUDA error {int(err)} ({err!r})")
-        return rest[0] if len(rest) == 1 else rest
-
-    def export(self, address: int) -> tuple[bytes, int]:
-        """(IPC handle, offset of ``address`` in its allocation)."""
-        base, _size = self._check("cuMemGetAddressRange", self.cu.cuMemGetAddressRange(address))
-        handle = self._check("cuIpcGetMemHandle", self.cu.cuIpcGetMemHandle(base))
-        return bytes(handle.reserved), address - int(base)
-
-    def open(self, handle: bytes) -> int:
-        h = self.cu.CUipcMemHandle()
-        h.reserved = handle
-        flags = self.cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
-        return int(self._check("cuIpcOpenMemHandle", self.cu.cuIpcOpenMemHandle(h, flags)))
-
-    def close(self, address: int) -> None:
-        self._check("cuIpcCloseMemHandle", self.cu.cuIpcCloseMemHandle(address))
-
-    def memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        """``cuMemcpyDtoDAsync`` on ``stream`` (benchmarks: the raw copy a kernel path is held to)."""
-        self._check("cuMemcpyDtoDAsync", self.cu.cuMemcpyDtoDAsync(dst, src, nbytes, stream))
-
-    def uuid(self, ordinal: int) -> str:
-        dev = self._check("cuDeviceGet", self.cu.cuDeviceGet(ordinal))
-        return bytes(self._check("cuDeviceGetUuid", self.cu.cuDeviceGetUuid(dev)).bytes).hex()
-
-    def can_access(self, ordinal: int, peer: int) -> bool:
-        if ordinal == peer:
-            return True
-        a = self._check("cuDeviceGet", self.cu.cuDeviceGet(ordinal))
-        b = self._check("cuDeviceGet", self.cu.cuDeviceGet(peer))
-        return bool(self._check("cuDeviceCanAccessPeer", self.cu.cuDeviceCanAccessPeer(a, b)))
-
-
-_driver: _Driver | None = None
-
-
-def driver() -> _Driver:
-    global _driver
-    if _driver is None:
-        _driver = _Driver()
-    return _driver
-
 
 # --- state ---------------------------------------------------------------------------------------------
 @dataclass(eq=False)
@@ -277,82 +123,6 @@ class _Bases:
     @property
     def regions(self) -> int:
         return len(self.src)
-
-
-class _Uploads:
-    """Tile tables for the kernels: a ring of pinned host memory that the kernels read directly
-    (mapped, over the bus: three words per program), so that a write costs a copy into the ring
-    and no allocation, transfer call or device memory. A slot is reused only once the event of the
-    write that read it has completed; a table too big for the ring (or a ring full of writes in
-    flight) is copied to the device on its own."""
-
-    ENTRIES = 1 << 19  # int64 words: 4 MiB pinned
-
-    def __init__(self) -> None:
-        self._host: Any = None
-        self._words: np.ndarray | None = None
-        self._head = 0
-        self._live: list[tuple[int, int, Any]] = []  # (start, end, event), oldest first
-
-    def put(self, tiles: np.ndarray, device: Any) -> tuple[Any, Any]:
-        """``tiles`` where a kernel on ``device`` reads them; returns (tensor-like, slot)."""
-        import torch
-
-        n = tiles.size
-        if self._host is None:
-            self._host = torch.empty(self.ENTRIES, dtype=torch.int64, pin_memory=True)
-            self._words = self._host.numpy()
-        start = self._reserve(n + (n & 1))  # slots start 16-byte aligned
-        if start is None:
-            return torch.from_numpy(tiles.reshape(-1)).pin_memory().to(device, non_blocking=True), None
-        assert self._words is not None
-        self._words[start:start + n] = tiles.reshape(-1)
-        return _Pointer(self._host.data_ptr() + 8 * start), (start, start + n + (n & 1))
-
-    def used(self, slot: Any, event: Any) -> None:
-        if slot is not None:
-            self._live.append((slot[0], slot[1], event))
-
-    def _reserve(self, n: int) -> int | None:
-        """The start of ``n`` free words, or None. Slots are released oldest first (their writes
-        run in order on one stream); the free space is after the newest slot and before the oldest."""
-        if n > self.ENTRIES // 4:
-            return None
-        while self._live and self._live[0][2].query():
-            self._live.pop(0)
-        if not self._live:
-            start = 0
-        else:
-            tail, head = self._live[0][0], self._head
-            wrapped = self._live[-1][0] < tail
-            if not wrapped and head + n <= self.ENTRIES:
-                start = head
-            elif not wrapped and n <= tail:
-                start = 0
-            elif wrapped and head + n <= tail:
-                start = head
-            else:
-                return None
-        self._head = start + n
-        return start
-
-
-class _Pointer:
-    """An int64 array at ``address`` as a kernel argument (what Triton reads of a tensor)."""
-
-    __slots__ = ("address",)
-
-    def __init__(self, address: int) -> None:
-        self.address = address
-
-    def data_ptr(self) -> int:
-        return self.address
-
-    @property
-    def dtype(self) -> Any:
-        import torch
-
-        return torch.int64
 
 
 @dataclass(eq=False)
@@ -409,10 +179,10 @@ class CudaIpcTransport:
         self._stream: Any = None
         self._bases_cache: dict[tuple[Any, ...], _Bases] = {}
         self._last_bases: tuple[Any, Any, _Bases, MemKind] | None = None
-        self._uploads = _Uploads()
+        self._uploads = Uploads()
         self._running: collections.deque[KernelXfer] = collections.deque()
         """Kernel writes not yet seen finished, in launch order (see ``_advance``)."""
-        self._tags = _TagChannel()
+        self._tags = TagChannel()
         self._fallback_poll_s = fallback_poll_s
         self._fallback_drained = 0.0
         self._fallback_busy_until = 0.0
@@ -721,8 +491,8 @@ class CudaIpcTransport:
         stream.wait_stream(torch.cuda.current_stream(bases.table.device))
         with torch.cuda.stream(stream):
             table, slot = self._uploads.put(both, bases.table.device)
-            if isinstance(table, _Pointer):
-                src, dst = table, _Pointer(table.address + 8 * len(src_pages))
+            if isinstance(table, Pointer):
+                src, dst = table, Pointer(table.address + 8 * len(src_pages))
             else:
                 src, dst = table[:len(src_pages)], table[len(src_pages):]
             kernels.launch_rows(rows, src_table, dst_table, src, dst)

@@ -14,7 +14,7 @@ import asyncio
 import sys
 import time
 
-from .scripts import SUMMARY, Script
+from .scripts import SUMMARY
 from .test_fault_scripts import report, run_many
 
 BATCH = 24
