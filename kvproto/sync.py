@@ -166,23 +166,31 @@ class KVSender(_Room):
         self._aux_slot: int | None = None
         self._pages_given = 0
         self._block = facade._endpoint.kv.geometry.block_size
+        self._num_layers = facade._endpoint.kv.geometry.num_layers
 
     def init(self, num_tokens: int, aux_slot: int | None = None) -> None:
         """The room's prompt length in tokens, and this rank's aux slot to copy with the last chunk."""
         self._num_tokens, self._aux_slot = num_tokens, aux_slot
 
-    def send(self, pages: Sequence[int], end_token: int | None = None) -> None:
+    def send(self, pages: Sequence[int], end_token: int | None = None, *, layers: range | None = None,
+             ready: Any = None) -> None:
         """The KV of the next chunk is in ``pages``; ``end_token`` defaults to where those pages
         end (the prompt's end for the last chunk). The chunk that reaches the prompt's end is the
-        last: the aux slot goes with it."""
+        last: the aux slot goes with it (with its last layer, when streaming layers).
+
+        ``layers``/``ready``: only those layers are written, once the CUDA event ``ready`` has
+        fired (``SenderRoomHandle.send``); the next layers of the same tokens come with
+        ``pages=[]``."""
         if self._num_tokens is None:
             raise LocalProtocolError("KVSender.send() before init(num_tokens)")
         self._pages_given += len(pages)
         end = end_token if end_token is not None else min(self._num_tokens, self._pages_given * self._block)
         last = end >= self._num_tokens
-        aux = self._aux_slot if last else None
+        completes = layers is None or layers.stop >= self._num_layers
+        aux = self._aux_slot if last and completes else None
         chunk = list(pages)
-        self._facade._post(self._do, lambda: self._handle.send(chunk, end, last=last, aux_slot=aux))
+        self._facade._post(self._do, lambda: self._handle.send(chunk, end, last=last, aux_slot=aux, layers=layers,
+                                                               ready=ready))
 
 
 class KVReceiver(_Room):

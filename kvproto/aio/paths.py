@@ -125,6 +125,7 @@ class LinkPath:
         """(address, length, memory kind, device) of the decode rank's staging region."""
         self._remote_pages: DescList | None = None
         self._remote_aux: DescList | None = None
+        self._layer_regions: dict[tuple[int, int], tuple[int, np.ndarray, np.ndarray]] = {}
 
     @property
     def label(self) -> str:
@@ -134,27 +135,30 @@ class LinkPath:
             return f"{self.kind}-{self.route.name}"
         return self.kind
 
-    def post_kv(self, tag: bytes, src_pages: Sequence[int], dst_pages: Sequence[int], start: int, end: int) -> Posted:
+    def post_kv(self, tag: bytes, src_pages: Sequence[int], dst_pages: Sequence[int], start: int, end: int,
+                layers: tuple[int, int] | None = None) -> Posted:
+        """One write of tokens ``[start, end)``, of every layer or of ``layers`` (``(first, end)``)."""
         assert self.plan is not None, "post_kv on a link this rank does not write"
+        first, local_bases, remote_bases = self._regions(layers)
         if self.route is not None and self.route.pattern:
             if not start < end:
                 raise ValueError(f"tokens [{start}, {end}) move no bytes")
             xfer = self.transport.post_plan(  # type: ignore[attr-defined]
-                self.peer, self.plan, self.local_bases, self.local.kv.mem_kind, self.remote_bases, self.remote_kind,
+                self.peer, self.plan, local_bases, self.local.kv.mem_kind, remote_bases, self.remote_kind,
                 src_pages, dst_pages, start, end, tag)
             moved = (end - start) * self.plan.head_count * self.plan.src.head_bytes  # exactly the tokens
-            return Posted(xfer, moved * len(self.local_bases), 0)
+            return Posted(xfer, moved * len(local_bases), 0)
         pattern = pair_extents(self.plan, src_pages, dst_pages, start, end)  # (E, 3): src_off, dst_off, length
         if not len(pattern):
             raise ValueError(f"tokens [{start}, {end}) move no bytes")
-        regions = len(self.local_bases)
+        regions = len(local_bases)
         nbytes = int(pattern[:, 2].sum()) * regions
         if self.plan.direct:
-            return self._post_pages(tag, pattern, nbytes)
+            return self._post_pages(tag, pattern, nbytes, first, regions)
         local_rows = np.empty((regions * len(pattern), 3), dtype=np.int64)
         remote_rows = np.empty_like(local_rows)
-        local_rows[:, 0] = (self.local_bases[:, None] + pattern[None, :, 0]).reshape(-1)
-        remote_rows[:, 0] = (self.remote_bases[:, None] + pattern[None, :, 1]).reshape(-1)
+        local_rows[:, 0] = (local_bases[:, None] + pattern[None, :, 0]).reshape(-1)
+        remote_rows[:, 0] = (remote_bases[:, None] + pattern[None, :, 1]).reshape(-1)
         local_rows[:, 1] = remote_rows[:, 1] = np.tile(pattern[:, 2], regions)
         local_rows[:, 2] = self.local.kv.device_id
         remote_rows[:, 2] = self.remote_device
@@ -163,7 +167,20 @@ class LinkPath:
         )
         return Posted(xfer, nbytes, len(local_rows))
 
-    def _post_pages(self, tag: bytes, pattern: np.ndarray, nbytes: int) -> Posted:
+    def _regions(self, layers: tuple[int, int] | None) -> tuple[int, np.ndarray, np.ndarray]:
+        """(first region, local bases, remote bases) of ``layers`` (regions ``layer * planes +
+        plane``), the same arrays every time for one span (adapters recognise them by identity)."""
+        if layers is None:
+            return 0, self.local_bases, self.remote_bases
+        cached = self._layer_regions.get(layers)
+        if cached is None:
+            planes = len(self.local_bases) // self.local.kv.geometry.num_layers
+            a, b = layers[0] * planes, layers[1] * planes
+            cached = self._layer_regions[layers] = (a, self.local_bases[a:b], self.remote_bases[a:b])
+        return cached
+
+    def _post_pages(self, tag: bytes, pattern: np.ndarray, nbytes: int, region0: int = 0,
+                    count: int | None = None) -> Posted:
         src_g, dst_g = self.local.kv.geometry, self.remote
         page = src_g.page_bytes
         counts = pattern[:, 2] // page
@@ -171,13 +188,14 @@ class LinkPath:
         step = np.arange(int(counts.sum()), dtype=np.int64) - first
         src_idx = np.repeat(pattern[:, 0] // page, counts) + step
         dst_idx = np.repeat(pattern[:, 1] // page, counts) + step
-        regions = np.arange(len(self.local_bases), dtype=np.int64)[:, None]
+        count = len(self.local_bases) if count is None else count
+        regions = np.arange(region0, region0 + count, dtype=np.int64)[:, None]
         local_idx = (regions * src_g.num_blocks + src_idx[None, :]).reshape(-1)
         remote_idx = (regions * dst_g.num_blocks + dst_idx[None, :]).reshape(-1)
         xfer = self.transport.post_prepared(
             self.peer, self.local.pages(), local_idx, self.prepare(), remote_idx, tag
         )
-        return Posted(xfer, nbytes, len(pattern) * len(self.local_bases))
+        return Posted(xfer, nbytes, len(pattern) * count)
 
     def prepare(self) -> DescList:
         """The peer's pages as a prepared list (one row per page of every region), made once."""

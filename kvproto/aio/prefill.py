@@ -44,7 +44,7 @@ from kvproto.aio.staging import (
     gather_piece,
     warm_kernels,
 )
-from kvproto.core import DEVICE_COST, HOST_COST, PostAux, PostStaged, PostWrite, SenderCore, SenderLink
+from kvproto.core import DEVICE_COST, HOST_COST, PostAux, PostStaged, PostWrite, RoomState, SenderCore, SenderLink
 from kvproto.geometry import (
     IncompatibleGeometry,
     KVGeometry,
@@ -140,13 +140,15 @@ class PrefillEndpoint(EndpointBase):
         aux = kv.aux
         self.core = SenderCore(
             block_size=g.block_size, num_blocks=g.num_blocks, aux_slots=aux.slots if aux else 0,
-            timeouts=self.config.timeouts,
+            timeouts=self.config.timeouts, num_layers=g.num_layers,
         )
         self._router: Channel | None = None
         self._announcer: Channel | None = None
         self.address = ""
         self._links: dict[bytes, _DecodeLink] = {}
         self._pending: dict[Any, _Pending] = {}
+        self._held: list[Any] = []
+        """Writes waiting for the readiness events of the layers they carry (layer-wise chunks)."""
         self._local: LocalLists | None = None
         self._rank_table: dict[int, RankAddress] = {}
         self._auth: _KeyAuthenticator | None = None
@@ -176,10 +178,12 @@ class PrefillEndpoint(EndpointBase):
         self._flush()
         return handle
 
-    def _submit_chunk(self, room_id: int, pages: Sequence[int], end_token: int, last: bool, aux_slot: int | None) -> None:
+    def _submit_chunk(self, room_id: int, pages: Sequence[int], end_token: int, last: bool, aux_slot: int | None,
+                      layers: tuple[int, int] | None = None, ready: Any = None) -> None:
         self._check_open()
         try:
-            self.core.submit_chunk(room_id, list(pages), end_token, self._now(), last=last, aux_slot=aux_slot)
+            self.core.submit_chunk(room_id, list(pages), end_token, self._now(), last=last, aux_slot=aux_slot,
+                                   layers=layers, ready=ready)
         finally:
             self._flush()
             self._kick()
@@ -497,6 +501,29 @@ class PrefillEndpoint(EndpointBase):
     def _perform(self, out: Any) -> None:
         if not isinstance(out, (PostWrite, PostAux, PostStaged)):
             raise TypeError(f"unexpected output {out!r}")
+        if getattr(out, "ready", ()) and not _fired(out.ready):
+            self._held.append(out)  # its layers are not written yet: posted once the events fire
+            return
+        self._post(out)
+
+    def _release_held(self) -> int:
+        """Post the held writes whose readiness events have fired; a held write whose room has
+        ended is reported failed (nothing was posted), so that the room's drain completes."""
+        if not self._held:
+            return 0
+        released = 0
+        for out in list(self._held):
+            if self.core.room_state(out.room_id) in (None, RoomState.FAILED, RoomState.SUCCESS):
+                self._held.remove(out)
+                self.core.write_failed(out.room_id, out.link, out.seq, "the room ended before its KV was ready",
+                                       self._now(), tag=out.tag)
+            elif _fired(out.ready):
+                self._held.remove(out)
+                self._post(out)
+                released += 1
+        return released
+
+    def _post(self, out: Any) -> None:
         link = self._links.get(out.link)  # type: ignore[arg-type]
         if link is None:
             self.core.write_failed(out.room_id, out.link, out.seq, "link is gone", self._now(), tag=out.tag)
@@ -507,7 +534,8 @@ class PrefillEndpoint(EndpointBase):
         trace.mark("post", out.room_id, out.seq)
         try:
             if isinstance(out, PostWrite):
-                posted = link.path.post_kv(out.tag, out.src_pages, out.dst_pages, out.start_token, out.end_token)
+                posted = link.path.post_kv(out.tag, out.src_pages, out.dst_pages, out.start_token, out.end_token,
+                                           out.layers)
             else:
                 posted = link.path.post_aux(out.tag, out.src_slot, out.dst_slot)
         except (TransportError, ValueError) as exc:
@@ -573,6 +601,7 @@ class PrefillEndpoint(EndpointBase):
         now = self._now()
         self.transport.drain_notifications()  # drives the data plane; prefill expects no tags
         finished = self._copies.poll() if self._staging is not None else 0
+        finished += self._release_held()
         finished += self._poll_writes(now)
         self.core.handle_timer(now)
         limit = self.config.heartbeat_timeout
@@ -604,6 +633,11 @@ class PrefillEndpoint(EndpointBase):
     def _busy(self) -> bool:
         return bool(self._pending) or (self._staging is not None and len(self._copies) > 0)
 
+    def _transferring(self) -> bool:
+        """Writes wait for the engine's events: poll them at ``transfer_poll_s``, not spinning
+        (the engine may compute for a long time, and its thread may need the interpreter)."""
+        return bool(self._held)
+
     def _room_ended(self, out: Any) -> None:
         super()._room_ended(out)
         if self._staging is not None:
@@ -632,6 +666,7 @@ class PrefillEndpoint(EndpointBase):
         the link is over (it would free the pages): its link is closed *data plane first* — the
         transport forgets the peer, which ends the writes to it — and only then told."""
         assert self.transport is not None
+        self._release_held()  # close() failed every room: their held writes are reported failed
         deadline = self._now() + grace
         while self._pending and self._now() < deadline:
             with contextlib.suppress(TransportError):
@@ -663,6 +698,11 @@ class PrefillEndpoint(EndpointBase):
 
     def _tell_closed(self, link: _DecodeLink) -> None:
         self._send(link.ident, Abort(code=ErrorCode.ENDPOINT_CLOSED, reason="prefill closed"))
+
+
+def _fired(ready: tuple[Any, ...]) -> bool:
+    """Every readiness handle has completed (``query()``: a CUDA event's, without waiting)."""
+    return all(event.query() for event in ready)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvproto.core import RoomState
-from kvproto.wire import ErrorCode
+from kvproto.wire import ErrorCode, LocalProtocolError
 
 if TYPE_CHECKING:
     from kvproto.aio.decode import DecodeEndpoint
@@ -93,14 +93,29 @@ class SenderRoomHandle(_Handle):
     def poll(self) -> RoomState:
         return self._final if self._final is not None else self._endpoint._room_state(self.room_id)
 
-    def send(self, pages: Sequence[int], end_token: int, *, last: bool = True, aux_slot: int | None = None) -> None:
+    def send(self, pages: Sequence[int], end_token: int, *, last: bool = True, aux_slot: int | None = None,
+             layers: range | tuple[int, int] | None = None, ready: Any = None) -> None:
         """The KV of tokens up to ``end_token`` is ready in ``pages`` (this chunk's new pages).
 
         Call once per prefill chunk; ``last=True`` on the final one, whose ``end_token`` must
         equal the prompt's token count. ``aux_slot`` (last chunk only) is this rank's aux slot
         to copy to the decode rank's.
+
+        Layer-wise streaming: ``layers`` (a ``range`` of consecutive layers) says that only those
+        layers of the chunk's tokens are ready, once ``ready`` has completed: a CUDA event the
+        engine recorded on its stream after writing them (None: ready now; a CPU cache passes
+        none). kvproto never synchronizes the engine's stream: it polls the event and posts the
+        layers' writes once it has fired, so layer ``l`` moves while the engine computes layer
+        ``l + 1``. A token range's layers come in order from layer 0, each once: the first call
+        gives the range's new pages, the following ones repeat ``end_token`` and ``last`` with
+        ``pages=[]``; the aux slot goes with the last range's last layer.
         """
-        self._endpoint._submit_chunk(self.room_id, pages, end_token, last, aux_slot)
+        span = None
+        if layers is not None:
+            span = (layers.start, layers.stop) if isinstance(layers, range) else (int(layers[0]), int(layers[1]))
+            if isinstance(layers, range) and layers.step != 1:
+                raise LocalProtocolError(f"layers {layers} must be consecutive")
+        self._endpoint._submit_chunk(self.room_id, pages, end_token, last, aux_slot, span, ready)
 
     def abort(self) -> None:
         self._endpoint._abort(self.room_id)

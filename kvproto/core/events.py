@@ -55,6 +55,10 @@ class PostWrite:
     end_token: int
     src_pages: Sequence[int]
     dst_pages: Sequence[int]
+    layers: tuple[int, int] | None = None
+    """``(first, end)``: only these layers (all when None)."""
+    ready: tuple[object, ...] = ()
+    """The application's readiness handles (CUDA events) the write must wait for (opaque here)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -82,6 +86,8 @@ class PostStaged:
     end_token: int
     src_pages: Sequence[int]
     remote_offset: int
+    ready: tuple[object, ...] = ()
+    """The readiness handles of every chunk the piece reads from (see ``PostWrite.ready``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

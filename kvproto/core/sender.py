@@ -126,6 +126,12 @@ class _Chunk:
     end: int
     last: bool
     aux_slot: int | None
+    layers: tuple[int, int] | None = None
+    """``(first, end)`` layers of a layer-wise chunk; None: every layer."""
+    ready: object | None = None
+    """The application's readiness handle (a CUDA event), opaque to the core."""
+    completes: bool = True
+    """The chunk gives the last layers of its tokens (a whole chunk always does)."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -140,13 +146,16 @@ class SenderRoom(RoomBase):
     """Generations the room id's previous incarnation accepted or answered with ABORT: a request
     carrying one is a late copy meant for that incarnation, never for this one."""
 
+    layer_next: int = 0
+    """Layer-wise chunks: the next layer of the token range being streamed (0: none open)."""
+
     @property
     def end_token(self) -> int:
         return self.chunks[-1].end if self.chunks else 0
 
     @property
     def last_given(self) -> bool:
-        return bool(self.chunks) and self.chunks[-1].last
+        return bool(self.chunks) and self.chunks[-1].last and self.layer_next == 0
 
 
 class SenderCore(CoreBase):
@@ -160,9 +169,12 @@ class SenderCore(CoreBase):
         aux_slots: int = 0,
         timeouts: Timeouts | None = None,
         max_parked: int = MAX_PARKED,
+        num_layers: int = 0,
     ) -> None:
+        """``num_layers``: the cache's layers, for layer-wise chunks (0: only whole chunks)."""
         super().__init__(timeouts=timeouts)
         self.block_size = block_size
+        self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.aux_slots = aux_slots
         self.max_parked = max_parked
@@ -253,8 +265,16 @@ class SenderCore(CoreBase):
         *,
         last: bool,
         aux_slot: int | None = None,
+        layers: tuple[int, int] | None = None,
+        ready: object | None = None,
     ) -> None:
-        """The KV of tokens up to ``end_token`` is ready in ``pages`` (this chunk's new pages)."""
+        """The KV of tokens up to ``end_token`` is ready in ``pages`` (this chunk's new pages).
+
+        Layer-wise (``layers=(first, end)``): only those layers of the tokens are ready (once
+        ``ready``, an opaque handle the I/O layer waits for, has completed). A token range's
+        layers come in order from layer 0, each exactly once, its first chunk giving its pages
+        and later ones repeating ``end_token`` and ``last`` with no pages; the next token range
+        starts after the last layer (see "Layer-wise chunks" above)."""
         room: SenderRoom | None = self.rooms.get(room_id)
         if room is None:
             if room_id in self._tombstones:
@@ -263,6 +283,10 @@ class SenderCore(CoreBase):
             raise LocalProtocolError(f"room {room_id} was never opened", ErrorCode.UNKNOWN_ROOM)
         if room.last_given:
             raise LocalProtocolError(f"room {room_id} already received its last chunk")
+        span = self._layer_span(room, layers)
+        if room.layer_next:  # a token range is being streamed: this chunk continues it
+            self._continue_layers(room, pages, end_token, last, aux_slot, span, ready, now)
+            return
         start = room.end_token
         if end_token < start or (end_token == start and not last):
             raise LocalProtocolError(f"chunk end token {end_token} does not advance past {start}")
@@ -284,12 +308,52 @@ class SenderCore(CoreBase):
                                      ErrorCode.INDEX_OUT_OF_RANGE)
         if aux_slot is not None and (not last or not 0 <= aux_slot < self.aux_slots):
             raise LocalProtocolError(f"aux slot {aux_slot} needs the last chunk and a slot in [0, {self.aux_slots})")
+        if span is not None and span[0] != 0:
+            raise LocalProtocolError(f"tokens [{start}, {end_token}) of room {room_id} must start at layer 0, "
+                                     f"got layers [{span[0]}, {span[1]})")
+        completes = span is None or span[1] == self.num_layers
+        if aux_slot is not None and not completes:
+            raise LocalProtocolError("the aux slot goes with the chunk that gives the last layer")
         room.src_pages.extend(pages)
-        room.chunks.append(_Chunk(start, end_token, last, aux_slot))
+        room.chunks.append(_Chunk(start, end_token, last, aux_slot, span, ready, completes))
+        room.layer_next = 0 if completes else span[1]  # type: ignore[index]
         mismatch = self._token_mismatch(room)
         if mismatch:
             self.apply(room, Input.PEER_VIOLATION, now, code=ErrorCode.TOKEN_COUNT_MISMATCH, reason=mismatch)
             return
+        self.apply(room, Input.CHUNK, now)
+
+    def _layer_span(self, room: SenderRoom, layers: tuple[int, int] | None) -> tuple[int, int] | None:
+        """``layers`` checked against the cache; None for a whole chunk (every layer)."""
+        if layers is None:
+            if room.layer_next:
+                raise LocalProtocolError(f"room {room.room_id} streams layers: layers [{room.layer_next}, "
+                                         f"{self.num_layers}) of its tokens are still due")
+            return None
+        first, end = layers
+        if not self.num_layers:
+            raise LocalProtocolError("layer-wise chunks need the cache's layer count")
+        if not 0 <= first < end <= self.num_layers:
+            raise LocalProtocolError(f"layers [{first}, {end}) outside [0, {self.num_layers})")
+        return (first, end)
+
+    def _continue_layers(self, room: SenderRoom, pages: Sequence[int], end_token: int, last: bool,
+                         aux_slot: int | None, span: tuple[int, int], ready: object | None, now: float) -> None:
+        """The next layers of the token range being streamed (``submit_chunk``)."""
+        open_chunk = room.chunks[-1]
+        if pages or end_token != open_chunk.end or last != open_chunk.last:
+            raise LocalProtocolError(
+                f"room {room.room_id} streams tokens [{open_chunk.start}, {open_chunk.end}) (last={open_chunk.last}): "
+                f"their next layers repeat that end token and last flag, with no new pages")
+        if span[0] != room.layer_next:
+            raise LocalProtocolError(f"layers [{span[0]}, {span[1]}) of room {room.room_id} out of order: "
+                                     f"layer {room.layer_next} is next")
+        completes = span[1] == self.num_layers
+        if aux_slot is not None and not (completes and last and 0 <= aux_slot < self.aux_slots):
+            raise LocalProtocolError(f"aux slot {aux_slot} needs the last chunk's last layer and a slot in "
+                                     f"[0, {self.aux_slots})")
+        room.chunks.append(_Chunk(open_chunk.start, open_chunk.end, last, aux_slot, span, ready, completes))
+        room.layer_next = 0 if completes else span[1]
         self.apply(room, Input.CHUNK, now)
 
     # --- control plane ---------------------------------------------------------------------
@@ -591,7 +655,8 @@ class SenderCore(CoreBase):
             room_id=room.room_id, link=key, seq=msg.seq,
             tag=self._tag(room.room_id, peer, msg.seq, TagKind.STAGED),
             start_token=msg.start_token, end_token=msg.end_token, src_pages=tuple(room.src_pages),
-            remote_offset=msg.offset))
+            remote_offset=msg.offset,
+            ready=tuple(c.ready for c in room.chunks if c.ready is not None and c.start < msg.end_token)))
         peer.inflight.add(msg.seq)
         peer.staged_seqs.add(msg.seq)
         self._request_staging(room, peer)
@@ -648,16 +713,19 @@ class SenderCore(CoreBase):
                 if start < end and peer.staged is None:
                     peer.staged = self._stages(room, peer, start, end)
                 if peer.staged and start < end:
-                    peer.stage_end = end
-                    self._request_staging(room, peer)
+                    if chunk.completes:  # staged pieces carry every layer: the range waits for its last
+                        peer.stage_end = end
+                        self._request_staging(room, peer)
                 elif start < end:
                     self._outputs.append(PostWrite(
                         room_id=room.room_id, link=link.key, seq=peer.posted,
                         tag=self._tag(room.room_id, peer), start_token=start, end_token=end,
-                        src_pages=tuple(room.src_pages), dst_pages=req.dst_pages))
+                        src_pages=tuple(room.src_pages), dst_pages=req.dst_pages, layers=chunk.layers,
+                        ready=() if chunk.ready is None else (chunk.ready,)))
                     peer.inflight.add(peer.posted)
                     peer.posted += 1
-                if chunk.last and link.aux_owner and chunk.aux_slot is not None and req.aux_slot != NO_SLOT:
+                if chunk.last and chunk.completes and link.aux_owner and chunk.aux_slot is not None and \
+                        req.aux_slot != NO_SLOT:
                     self._outputs.append(PostAux(
                         room_id=room.room_id, link=link.key, seq=peer.posted,
                         tag=self._tag(room.room_id, peer), src_slot=chunk.aux_slot, dst_slot=req.aux_slot))

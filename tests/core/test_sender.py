@@ -1674,3 +1674,101 @@ def test_sender_page_runs_counts_runs_consecutive_on_both_sides():
     assert page_runs([1, 2, 3, 4], [7, 8, 20, 21], 0, 4) == 2
     assert page_runs([1, 5, 6, 9], [1, 2, 3, 4], 0, 4) == 3
     assert page_runs([1, 2, 3, 4], [1, 2, 3, 4], 2, 2) == 0
+
+
+# --- layer-wise chunks -------------------------------------------------------------------------------
+
+LAYERS = 4
+
+
+def layered_core(room: int = 1, n: int = 40, *, link: SenderLink | None = None, **kw) -> SenderCore:
+    core = make_core(num_layers=LAYERS)
+    link = link or make_link()
+    core.add_link(link)
+    core.open_room(room, T0)
+    core.on_message(link.key, req(room, n, **kw), T0)
+    return core
+
+
+def test_sender_layer_chunks_write_each_layer_as_it_is_ready():
+    """Two token ranges streamed layer by layer: one write per (range, layer span) with its layers
+    and readiness handle, seqs in order; the aux slot goes with the last range's last layer;
+    TRANSFER_DONE (all writes) only after the last layer's write is DONE."""
+    core = layered_core(1, 40, aux=1)
+    core.submit_chunk(1, [1, 2], 32, T0, last=False, layers=(0, 1), ready="e0")
+    core.submit_chunk(1, [], 32, T0, last=False, layers=(1, 4), ready="e1")
+    core.submit_chunk(1, [3], 40, T0, last=True, layers=(0, 2), ready="e2")
+    core.submit_chunk(1, [], 40, T0, last=True, layers=(2, 4), ready="e3", aux_slot=0)
+    o = pop(core)
+    got = [(w.seq, w.start_token, w.end_token, w.layers, w.ready) for w in o.writes]
+    assert got == [(0, 0, 32, (0, 1), ("e0",)), (1, 0, 32, (1, 4), ("e1",)), (2, 32, 40, (0, 2), ("e2",)),
+                   (3, 32, 40, (2, 4), ("e3",))]
+    assert [a.seq for a in o.aux] == [4]
+    finish_writes(core, o.writes[:3] + o.aux)
+    assert core.room_state(1) is RoomState.TRANSFERRING
+    finish_writes(core, o.writes[3:])
+    o = pop(core)
+    assert o.to("d0")[0].writes == 5 and [e.state for e in o.ended] == [RoomState.SUCCESS]
+    assert_clean(core)
+
+
+@pytest.mark.parametrize("case, calls, match", [
+    ("not from layer 0", [([1, 2], 32, False, (1, 4))], "must start at layer 0"),
+    ("out of order", [([1, 2], 32, False, (0, 1)), ([], 32, False, (2, 4))], "out of order"),
+    ("twice", [([1, 2], 32, False, (0, 2)), ([], 32, False, (1, 2))], "out of order"),
+    ("new pages mid-range", [([1, 2], 32, False, (0, 1)), ([3], 40, True, (1, 4))], "repeat that end token"),
+    ("whole chunk mid-range", [([1, 2], 32, False, (0, 1)), ([3], 40, True, None)], "still due"),
+    ("past the last layer", [([1, 2], 32, False, (0, 5))], "outside"),
+    ("aux before the last layer", [([1, 2, 3], 40, True, (0, 1), 0)], "last layer"),
+])
+def test_sender_layer_chunk_misuse_is_a_local_error_and_changes_nothing(case, calls, match):
+    """Layers out of order, twice, not from 0, past the cache, new pages or a whole chunk while a
+    range streams, or the aux slot before the last layer: LocalProtocolError, no write posted."""
+    core = layered_core(1, 40, aux=1)
+    *ok, bad = calls
+    for pages, end, last, layers in ok:
+        core.submit_chunk(1, pages, end, T0, last=last, layers=layers)
+    before = len(pop(core).writes)
+    room = core.rooms[1]
+    state = (len(room.chunks), list(room.src_pages), room.layer_next)
+    pages, end, last, layers, *aux = bad
+    with pytest.raises(LocalProtocolError, match=match):
+        core.submit_chunk(1, pages, end, T0, last=last, layers=layers, aux_slot=aux[0] if aux else None)
+    assert pop(core).posts == [] and before == len(ok)
+    assert (len(room.chunks), list(room.src_pages), room.layer_next) == state
+
+
+def test_sender_layer_chunks_last_range_incomplete_sends_no_transfer_done():
+    """The last token range with layers missing is not the room's end: no TRANSFER_DONE until the
+    last layer comes, however many writes are DONE."""
+    core = layered_core(1, 16)
+    core.submit_chunk(1, [1], 16, T0, last=True, layers=(0, 3))
+    finish_writes(core, pop(core).writes)
+    assert pop(core).sends == [] and core.room_state(1) is RoomState.TRANSFERRING
+    core.submit_chunk(1, [], 16, T0, last=True, layers=(3, 4))
+    finish_writes(core, pop(core).writes)
+    assert pop(core).to("d0") == [TransferDone(room_id=1, generation=11, writes=2, nbytes=200)]
+
+
+def test_sender_layer_chunks_on_a_staged_link_stage_each_range_after_its_last_layer():
+    """Staged pieces carry every layer: a staged link asks for a range's staging only once its last
+    layer is given, and the piece waits for the readiness handles of every chunk it reads."""
+    core = make_core(num_layers=LAYERS)
+    link = make_link(unit=UNIT, capacity=CAP)
+    core.add_link(link)
+    core.open_room(1, T0)
+    core.on_message(link.key, req(1, 40), T0)
+    core.submit_chunk(1, [1, 2, 3], 40, T0, last=True, layers=(0, 2), ready="a")
+    assert pop(core).sends == []
+    core.submit_chunk(1, [], 40, T0, last=True, layers=(2, 4), ready="b")
+    assert pop(core).to("d0") == [StagingRequest(room_id=1, generation=11, seq=0, start_token=0, end_token=40)]
+    core.on_message("d0", grant(1, 0, 0, 40), T0)
+    (w,) = pop(core).staged
+    assert w.ready == ("a", "b")
+
+
+def test_sender_layer_chunks_need_the_layer_count():
+    """A core made without ``num_layers`` refuses layer-wise chunks."""
+    core, _ = ready_core(1, 16)
+    with pytest.raises(LocalProtocolError, match="layer count"):
+        core.submit_chunk(1, [1], 16, T0, last=True, layers=(0, 1))
