@@ -18,8 +18,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_arguments(demo_parser)
 
     bench_parser = sub.add_parser("bench", help="benchmarks (ratios against references measured in the same run)")
-    bench_parser.add_argument("which", choices=["kernels", "paths", "rooms", "rss", "sync", "transfer"],
+    bench_parser.add_argument("which", choices=["kernels", "layers", "paths", "rooms", "rss", "sync", "transfer"],
                               help="kernels: staging gather/scatter vs device copy; "
+                                   "layers: layer-wise streaming vs sending a room after its last layer; "
                                    "paths: sliced vs staged room vs one raw transport write; "
                                    "rooms: control-plane cost and event-loop lag with 1-page rooms; "
                                    "rss: memory over 10,000 sequential rooms; "
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         from kvproto.bench import paths
 
         return paths.main(args.rest)
-    if args.command == "bench" and args.which in ("rooms", "sync", "transfer"):
+    if args.command == "bench" and args.which in ("layers", "rooms", "sync", "transfer"):
         import importlib
 
         return importlib.import_module(f"kvproto.bench.{args.which}").main(args.rest)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import json
 import random
+import time
 import weakref
 from collections import Counter
 from collections.abc import Callable
@@ -164,6 +165,8 @@ class SimulatedXfer(LoopbackXfer):
     fate: str = OK
     delay: int = 0
     """Polls left before the write runs."""
+    due: float = 0.0
+    """``time.monotonic()`` before which the write does not run (a bandwidth cap)."""
 
 
 @dataclass(slots=True)
@@ -201,9 +204,14 @@ def pending_writes(target: str) -> list[PendingWrite]:
 class SimulatedTransport(LoopbackTransport):
     """A loopback ``Transport`` with seeded faults (``faults``; see the module docstring)."""
 
-    def __init__(self, name: str, *, faults: FaultPlan | None = None) -> None:
+    def __init__(self, name: str, *, faults: FaultPlan | None = None, bandwidth: float | None = None) -> None:
+        """``bandwidth``: bytes per second of this agent's one simulated link: each write runs no
+        sooner than its bytes could have crossed it after the writes posted before it (a link of
+        that speed, for benchmarks on the CPU; None: writes run at their first poll)."""
         super().__init__(name)
         self.faults = faults if faults is not None else FaultPlan()
+        self.bandwidth = bandwidth
+        self._link_free = 0.0
         self._outstanding: set[SimulatedXfer] = set()
         self._queue: list[_Queued] = []
         _AGENTS[name] = self
@@ -233,6 +241,9 @@ class SimulatedTransport(LoopbackTransport):
         self.stats.bytes += nbytes
         fate, delay = self.faults.write_fate(peer, tag)
         xfer = SimulatedXfer(peer, local, local_kind, remote, remote_kind, bytes(tag), fate=fate, delay=delay)
+        if self.bandwidth:
+            self._link_free = max(time.monotonic(), self._link_free) + nbytes / self.bandwidth
+            xfer.due = self._link_free
         self._outstanding.add(xfer)
         return xfer
 
@@ -243,6 +254,8 @@ class SimulatedTransport(LoopbackTransport):
         if xfer.state is XferState.PENDING:
             if xfer.delay > 0:
                 xfer.delay -= 1
+                return XferState.PENDING
+            if xfer.due and time.monotonic() < xfer.due:
                 return XferState.PENDING
             xfer.error = self._run(xfer)
             xfer.state = XferState.DONE if xfer.error is None else XferState.ERROR

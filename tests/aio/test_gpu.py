@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
 
 from kvproto.aio import DecodeEndpoint, KVCache, PrefillEndpoint
+from kvproto.core import RoomState
 from kvproto.geometry import Layout
 
 from .conftest import config
@@ -72,3 +74,36 @@ async def test_gpu_room_lands_byte_exact(mode: str) -> None:
             want = token_heads(src[r], src_pages, n, src_layout)[:, rank * hs:(rank + 1) * hs]
             got = token_heads(dst[r], dst_pages[rank], n, dst_layout)
             assert torch.equal(want, got), f"decode rank {rank} region {r}"
+
+
+@pytest.mark.parametrize("transport", ["nixl", "cuda-ipc"])
+async def test_gpu_layerwise_send_never_waits_for_the_engine_stream(transport: str) -> None:
+    """Layer chunks whose CUDA events fire only after ~0.3 s of work on the engine's own stream:
+    send() returns at once (kvproto never synchronizes the engine), nothing is written before
+    the event, and the room lands byte-exact once it has fired."""
+    src_kv, src = cuda_cache(8, 1, 0, Layout.NHD, 16, seed=1)
+    dst_kv, dst = cuda_cache(8, 1, 0, Layout.NHD, 16, seed=2)
+    n, src_pages, dst_pages = 32, [9, 3], [12, 40]
+    engine = torch.cuda.Stream()
+    async with PrefillEndpoint(src_kv, config=config(transport, staging_bytes=0)) as prefill, \
+            DecodeEndpoint(dst_kv, config=config(transport, staging_bytes=0)) as decode:
+        d = decode.open_room(3, prefill.address, pages=dst_pages, num_tokens=n)
+        room = prefill.open_room(3)
+        events = []
+        with torch.cuda.stream(engine):
+            for _ in range(2):
+                torch.cuda._sleep(300_000_000)  # ~0.15 s of GPU cycles per layer
+                events.append(torch.cuda.Event())
+                events[-1].record(engine)
+        began = time.monotonic()
+        room.send(src_pages, n, layers=range(0, 1), ready=events[0])
+        room.send([], n, layers=range(1, 2), ready=events[1])
+        assert time.monotonic() - began < 0.05, "send() waited for the engine"
+        assert not events[0].query()
+        await asyncio.sleep(0.02)
+        assert d.poll() is not RoomState.SUCCESS
+        await asyncio.wait_for(asyncio.gather(room.wait(), d.wait()), 30)
+        assert events[1].query()
+    torch.cuda.synchronize()
+    for r in range(4):
+        assert torch.equal(token_heads(src[r], src_pages, n, Layout.NHD), token_heads(dst[r], dst_pages, n, Layout.NHD))
