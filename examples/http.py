@@ -68,7 +68,7 @@ async def serve(host: str, port: int, handler: Handler) -> asyncio.AbstractServe
 
 async def _send(host: str, port: int, method: str, path: str, payload: Any) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     reader, writer = await asyncio.open_connection(host, port)
-    data = json.dumps(payload).encode() if payload is not None else b""
+    data = payload if isinstance(payload, bytes) else json.dumps(payload).encode() if payload is not None else b""
     writer.write(f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
                  f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
     await writer.drain()

@@ -30,7 +30,7 @@ greedy.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,9 +170,11 @@ class Model:
         self.ranks = ranks
         self.w = w or weights()
 
-    def forward(self, tokens: Sequence[int], start: int, cache: PagedCache, pages: Sequence[int]) -> torch.Tensor:
+    def forward(self, tokens: Sequence[int], start: int, cache: PagedCache, pages: Sequence[int],
+                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Run tokens at positions [start, start + len), writing their K and V into ``pages``;
-        returns the logits of the last token."""
+        returns the logits of the last token. ``on_layer(l)`` runs once layer ``l``'s K and V are
+        written (a serving loop streams them to the decode while the next layers compute)."""
         w = self.w
         x = w["embed"][torch.tensor(list(tokens), dtype=torch.int64)]
         positions = torch.arange(start, start + len(tokens))
@@ -183,6 +185,8 @@ class Model:
             new_k = torch.stack([_rope((h @ w[f"{layer}.k"][g])[:, None], positions)[:, 0] for g in groups], 1)
             new_v = torch.stack([h @ w[f"{layer}.v"][g] for g in groups], 1)
             cache.write(layer, pages, start, new_k, new_v)
+            if on_layer is not None:
+                on_layer(layer)
             keys, values = cache.read(layer, pages, end)
             outs = []
             for i, g in enumerate(groups):

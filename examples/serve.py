@@ -135,7 +135,7 @@ async def _prefill_rank(cfg: ServeConfig, index: int, rank: int, dist_port: int,
     import torch
 
     from examples.http import serve
-    from examples.model import Model, PagedCache, Ranks, Shard
+    from examples.model import LAYERS, Model, PagedCache, Ranks, Shard
     from kvproto.aio import PrefillEndpoint
 
     shard = Shard(cfg.prefill_tp, rank)
@@ -193,13 +193,22 @@ async def _prefill_rank(cfg: ServeConfig, index: int, rank: int, dist_port: int,
             given = 0
             for begin in range(0, len(prompt), cfg.chunk):
                 end = min(len(prompt), begin + cfg.chunk)
-                logits = model.forward(prompt[begin:end], begin, cache, pages)
                 last = end == len(prompt)
+                upto = cache.pages_for(end) if last else end // cfg.prefill_block
+                chunk_pages = pages[given:upto]
+
+                def layer_done(layer: int, end: int = end, last: bool = last, chunk_pages: list = chunk_pages) -> None:
+                    # Stream each layer as the forward finishes it (the last one goes with the aux slot,
+                    # once the logits are known); a CUDA model would pass ready=<its stream's event>.
+                    if layer < LAYERS - 1:
+                        room.send(chunk_pages if layer == 0 else [], end, last=last, layers=range(layer, layer + 1))
+
+                logits = model.forward(prompt[begin:end], begin, cache, pages, on_layer=layer_done)
                 if last:
                     aux[slot].zero_()
                     aux[slot][0] = int(logits.argmax())
-                upto = cache.pages_for(end) if last else end // cfg.prefill_block
-                room.send(pages[given:upto], end, last=last, aux_slot=slot if last else None)
+                room.send(chunk_pages if LAYERS == 1 else [], end, last=last, layers=range(LAYERS - 1, LAYERS),
+                          aux_slot=slot if last else None)
                 given = upto
                 await asyncio.sleep(0)  # let kvproto move this chunk while the next computes
             asyncio.ensure_future(finish(room, pages, slot, done))
@@ -226,6 +235,29 @@ def prefill_rank_main(cfg: ServeConfig, index: int, rank: int, dist_port: int, c
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING)
     asyncio.run(_prefill_rank(cfg, index, rank, dist_port, conn))
+
+
+def _generate_request(raw: bytes, encode: Any) -> tuple[list[int], int, int]:
+    """(prompt tokens, max_tokens, prefix) of a /generate body; ValueError naming what is wrong."""
+    try:
+        body = json.loads(raw or b"{}")
+    except ValueError:
+        raise ValueError("the body is not JSON") from None
+    if not isinstance(body, dict):
+        raise ValueError("the body must be a JSON object")
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        prompt = encode(prompt)
+    elif not (isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+        raise ValueError('"prompt" must be a string or a list of token ids')
+    if not prompt:
+        raise ValueError('"prompt" is empty')
+    max_tokens, prefix = body.get("max_tokens", 16), body.get("prefix", 0)
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise ValueError(f'"max_tokens" must be a positive integer, got {max_tokens!r}')
+    if not isinstance(prefix, int) or isinstance(prefix, bool) or not 0 <= prefix <= len(prompt):
+        raise ValueError(f'"prefix" must be an integer in [0, {len(prompt)}], got {prefix!r}')
+    return prompt, max_tokens, prefix
 
 
 # --- decode: step style -----------------------------------------------------------------------------
@@ -383,15 +415,17 @@ class Router:
             return await req.reply(200, b"".join(parts), "text/plain; version=0.0.4")
         if req.path != "/generate":
             return await req.reply(404, {"error": f"no route {req.path}"})
-        body = req.json()
         self.requests.inc()
+        try:
+            prompt, max_tokens, prefix = _generate_request(req.body, encode)
+        except ValueError as exc:  # nothing is opened for a request that cannot run
+            self.errors.inc()
+            return await req.reply(400, {"error": str(exc)})
         turn = next(self._next)
         bootstrap, prefill_port = self.prefills[turn % len(self.prefills)]
         decode_port = self.decodes[turn % len(self.decodes)]
         room = next(self._room)
-        prompt = body["prompt"] if isinstance(body["prompt"], list) else encode(body["prompt"])
-        job = {"room": room, "prompt": prompt, "bootstrap": bootstrap, "max_tokens": int(body.get("max_tokens", 16)),
-               "prefix": int(body.get("prefix", 0))}
+        job = {"room": room, "prompt": prompt, "bootstrap": bootstrap, "max_tokens": max_tokens, "prefix": prefix}
         failure = await self.relay(req, room, job, prefill_port, decode_port, decode_text)
         if failure:
             self.errors.inc()

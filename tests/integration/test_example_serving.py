@@ -116,3 +116,28 @@ def test_example_p1_d1_concurrency_chunks_prefix_hit_metrics_and_killed_prefill(
     assert "error" in out["killed"], out["killed"]
     assert out["status"]["free_pages"] == out["status"]["total_pages"], out["status"]
     print(f"32 concurrent requests through the router in {out['many_s']:.2f}s; killed prefill -> {out['killed']}")
+
+
+def test_example_router_answers_bad_requests_400_at_once_and_opens_nothing() -> None:
+    """A body that is not JSON, a prompt that is a number, a negative max_tokens: each gets a 400
+    naming the problem at once (no room opened, no bootstrap timeout); then a good request works."""
+    cfg = BASE
+
+    async def body(running: Running, port: int) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, payload in (("not-json", b"{not json"), ("prompt-5", {"prompt": 5}),
+                              ("max-tokens", {"prompt": "hi", "max_tokens": -3})):
+            started = time.monotonic()
+            out[name] = await call("127.0.0.1", port, "POST", "/generate", payload)
+            out[name + "_s"] = time.monotonic() - started
+        _, out["status"] = await call("127.0.0.1", running.decodes[0], "GET", "/status")
+        out["good"] = await ask(port, "Hello, world")
+        return out
+
+    out = serving(cfg, body)
+    for name, words in (("not-json", "not JSON"), ("prompt-5", '"prompt"'), ("max-tokens", '"max_tokens"')):
+        status, answer = out[name]
+        assert status == 400 and words in answer["error"], (name, out[name])
+        assert out[name + "_s"] < 1.0, (name, out[name + "_s"])
+    assert out["status"]["free_pages"] == out["status"]["total_pages"], out["status"]
+    assert out["good"].get("tokens") == reference("Hello, world", cfg)
