@@ -11,7 +11,9 @@ has its KV ready. Two ways to send a room are timed in the same run, on the same
 
 The figure is the **tail**: the time from the end of the last layer's compute to the decode
 room's SUCCESS. Sent at once, the tail is the whole room's transfer; streamed, it should be one
-layer's transfer (plus the protocol's own latency). On a GPU the compute is a chain of bf16
+layer's transfer (plus the protocol's own latency), as long as a layer computes for longer than
+it takes to move (where the link is slower, no schedule beats the transfer left when the compute
+ends: the room's transfer minus the compute it overlapped). On a GPU the compute is a chain of bf16
 matrix products on the engine's own stream and readiness is a CUDA event recorded after it (the
 end of compute is seen by polling that event); on the CPU the compute is a sleep of the engine
 (an asynchronous one: the endpoints run in the same event loop) and the transport is the
@@ -212,13 +214,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--block", type=int, default=16)
-    ap.add_argument("--compute-ms", type=float, default=1.0, help="the engine's compute per layer")
+    ap.add_argument("--compute-ms", type=float, default=None,
+                    help="the engine's compute per layer (default: 1 on a GPU; 6 on the CPU, above one layer's "
+                         "transfer at 1 GB/s: a slower link than compute bounds the tail by the transfer left)")
     ap.add_argument("--rooms", type=int, default=10)
     ap.add_argument("--bandwidth-gbps", type=float, default=1.0, help="the simulated transport's link (GB/s)")
     ap.add_argument("--json", help="write every figure to this file")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and args.device != "cpu"
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if args.compute_ms is None:
+        args.compute_ms = 1.0 if cuda else 6.0
     transports = args.transports or (["nixl", "cuda-ipc"] if cuda else ["simulated"])
     where = torch.cuda.get_device_name(0) if cuda else f"CPU, simulated link {args.bandwidth_gbps:g} GB/s"
     print(f"kvproto bench layers: {where}; {args.layers} layers x {args.heads} KV heads x {args.head_dim} bf16, "
