@@ -21,10 +21,18 @@ What it guarantees (beyond ``kvproto.transport.base``):
 * **Bounds before launch.** Every row and every pattern extent is checked against the memory
   this agent registered and the regions the peer's metadata listed; a kernel never runs on an
   address outside them (a stray write would corrupt another process silently).
+* **One kernel per write.** ``post_plan`` moves tokens ``[start, end)`` as the geometry's
+  ``PairPlan`` maps them, row by row, both addresses computed on the GPU from the two page lists
+  (``kvproto.kernels.pattern.plan_rows``): head slices, block sizes and layouts convert in the
+  kernel, and the host does no work per token. ``post_pattern`` moves given extents in every
+  region pair; ``post_descs``/``post_prepared`` take rows, as for any adapter.
 * **Tags after bytes.** A kernel write runs on this agent's own CUDA stream (after the work
-  already queued on the caller's current stream) and records an event; ``poll`` sees the event
-  complete, then sends the write's tag through the fallback's ``notify``. So the tag leaves only
-  once every byte is in the peer's memory, and tags keep the fallback's ordering rules.
+  already queued on the caller's current stream) and records an event. Kernels finish in launch
+  order, so one event query per pass finds every finished write (``_advance``); each write's tag
+  then leaves, in order per peer, over the peer's tag channel (``kvproto.transport.local``: a
+  local datagram that also wakes the peer's event loop), or through the fallback's ``notify``
+  where that channel cannot reach it. So a tag leaves only once every byte is in the peer's
+  memory, and tags to one peer keep their order.
 * **Release.** ``remove_peer`` waits for this agent's kernels into that peer (its own stream:
   they always finish), then closes the mappings; writes to it poll ERROR and send no tag. A peer
   that dies keeps its memory alive for as long as it is mapped here (``docs/adapters.md``).
@@ -37,7 +45,7 @@ fallback. The handles travel in this agent's metadata, i.e. in the decode rank's
 the control plane authenticates (CURVE, where on): an unauthenticated peer never receives them.
 
 ``cpu_kernels=True`` (tests) runs the kernel path on DRAM too, for peers in this process, with
-Triton's interpreter (``TRITON_INTERPRET=1``), so that CPU-only CI checks this adapter's logic.
+Triton's interpreter, so that CPU-only CI checks this adapter's logic.
 """
 
 from __future__ import annotations
