@@ -52,6 +52,8 @@ kernel_path() {  # the kernel path (transport cuda-ipc) and NIXL beside it, rand
         --pages random --paths auto --in-flight 1 --rooms 60
     step nixl-11 150 $b --transport nixl --json "$out/nixl-11.json" --tp 1:1 --sizes-mib 8 128 1024 \
         --pages random --paths auto
+    step nixl-tp 150 $b --transport nixl --json "$out/nixl-tp.json" --tp 1:2 2:1 --sizes-mib 1024 \
+        --pages random --paths auto
     step layers 150 python3 -m kvproto.cli bench layers --json "$out/layers.json" --transports nixl cuda-ipc \
         --layers 32 --tokens 1024 --compute-ms 1 --rooms 10
 }

@@ -22,7 +22,8 @@ stable. A second table moves the same rooms back to back with no compute, per la
 once: the throughput of layer-wise sending against whole rooms. Every room's bytes are checked.
 
 Prefill and decode endpoints run in this process (one event loop): the tail includes both
-endpoints' protocol work on one thread.
+endpoints' protocol work on one thread. With two GPUs the decode's cache is on the second one
+(``cuda:1``), so the bytes cross the GPUs' link.
 """
 
 from __future__ import annotations
@@ -55,11 +56,12 @@ class Row:
 
 
 class _Setup:
-    def __init__(self, args: argparse.Namespace, device: Any, transport: str) -> None:
+    def __init__(self, args: argparse.Namespace, devices: tuple[Any, Any], transport: str) -> None:
         import torch
 
         from kvproto.aio import KVCache
 
+        device, self.dst_device = devices
         self.torch, self.args, self.device = torch, args, device
         self.transport = transport
         L, H, D, B = args.layers, args.heads, args.head_dim, args.block
@@ -69,7 +71,8 @@ class _Setup:
         shape = (blocks, B, H, D)
         self.src = [[torch.randint(-100, 100, shape, generator=gen).to(torch.bfloat16).to(device) for _ in range(L)]
                     for _ in range(2)]
-        self.dst = [[torch.zeros(shape, dtype=torch.bfloat16, device=device) for _ in range(L)] for _ in range(2)]
+        self.dst = [[torch.zeros(shape, dtype=torch.bfloat16, device=self.dst_device) for _ in range(L)]
+                    for _ in range(2)]
         self.kv_src = KVCache.from_tensors(self.src, tp_size=1, tp_rank=0, num_kv_heads=H)
         self.kv_dst = KVCache.from_tensors(self.dst, tp_size=1, tp_rank=0, num_kv_heads=H)
         self.room_bytes = 2 * L * args.tokens * H * D * 2
@@ -121,11 +124,11 @@ class _Setup:
 
     def check(self, src_pages: list[int], dst_pages: list[int]) -> int:
         torch = self.torch
-        s, d = torch.tensor(src_pages, device=self.device), torch.tensor(dst_pages, device=self.device)
+        s, d = torch.tensor(src_pages, device=self.device), torch.tensor(dst_pages, device=self.dst_device)
         bad = 0
         for plane in range(2):
             for layer in range(self.args.layers):
-                got = self.dst[plane][layer].index_select(0, d).view(torch.int16)
+                got = self.dst[plane][layer].index_select(0, d).to(self.device).view(torch.int16)
                 want = self.src[plane][layer].index_select(0, s).view(torch.int16)
                 bad += int((got != want).sum().item()) * 2
         return bad
@@ -144,7 +147,7 @@ async def _room(setup: _Setup, prefill: Any, decode: Any, room_id: int, mode: st
     pages = setup.pages
     src_pages = list(range(room_id % 2 * pages, room_id % 2 * pages + pages))
     dst_pages = list(range(pages + 2, 2 * pages + 2))[::-1]
-    index = setup.torch.tensor(dst_pages, device=setup.device)
+    index = setup.torch.tensor(dst_pages, device=setup.dst_device)
     for plane in setup.dst:
         for t in plane:
             t.index_fill_(0, index, 0)  # a write that never lands shows as wrong bytes
@@ -164,10 +167,10 @@ async def _room(setup: _Setup, prefill: Any, decode: Any, room_id: int, mode: st
     return time.monotonic() - last, setup.check(src_pages, dst_pages)
 
 
-async def _run(args: argparse.Namespace, device: Any, transport: str) -> list[Row]:
+async def _run(args: argparse.Namespace, devices: tuple[Any, Any], transport: str) -> list[Row]:
     from kvproto.aio import DecodeEndpoint, PrefillEndpoint
 
-    setup = _Setup(args, device, transport)
+    setup = _Setup(args, devices, transport)
     rows = []
     async with PrefillEndpoint(setup.kv_src, config=setup.config("prefill")) as prefill, \
             DecodeEndpoint(setup.kv_dst, config=setup.config("decode")) as decode:
@@ -223,10 +226,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and args.device != "cpu"
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    devices = (device, torch.device("cuda", 1) if cuda and torch.cuda.device_count() >= 2 else device)
     if args.compute_ms is None:
         args.compute_ms = 1.0 if cuda else 6.0
     transports = args.transports or (["nixl", "cuda-ipc"] if cuda else ["simulated"])
-    where = torch.cuda.get_device_name(0) if cuda else f"CPU, simulated link {args.bandwidth_gbps:g} GB/s"
+    where = (f"{torch.cuda.get_device_name(0)}, prefill cache on {devices[0]}, decode cache on {devices[1]}" if cuda
+             else f"CPU, simulated link {args.bandwidth_gbps:g} GB/s")
     print(f"kvproto bench layers: {where}; {args.layers} layers x {args.heads} KV heads x {args.head_dim} bf16, "
           f"{args.tokens} tokens a room; compute {args.compute_ms:g} ms a layer; tail = end of the last layer's "
           f"compute -> decode SUCCESS; every room's bytes checked", flush=True)
@@ -236,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for transport in transports:
         try:
-            got = asyncio.run(_run(args, device, transport))
+            got = asyncio.run(_run(args, devices, transport))
         except Exception as exc:  # noqa: BLE001 - one adapter's failure is reported, the others run
             print(f"{transport}: failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             failed = True

@@ -164,6 +164,8 @@ class _Rank:
         self.torch = torch
         self.role, self.rank, self.tp, self.shape = role, rank, tp, shape
         self.device = torch.device(device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # this rank's kernels, events and transport agent
         self.transport = transport
         self.endpoint: Any = None
         self.local_heads = shape.heads // tp
@@ -661,7 +663,8 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(0) if gpus else "CPU"
     print(f"kvproto bench transfer: {name} x {max(gpus, 1) if gpus else 0}; {where}; transport {args.transport}; "
           f"{shape.layers} layers x {shape.heads} KV heads x {shape.head_dim} bf16, {shape.block}-token pages, "
-          f"NHD -> {shape.block_of('decode')}-token {shape.decode_layout} pages; raw = concurrent one-descriptor WRITEs of the same bytes, same processes, same run; "
+          f"NHD -> {shape.block_of('decode')}-token {shape.decode_layout} pages; raw = the same bytes as concurrent one-descriptor WRITEs "
+          f"(a mapped cuda-ipc peer: one contiguous device copy into its mapping), same processes, same run; "
           f"bytes = every room checked", flush=True)
     rows: list[Row] = []
     constants: dict[str, float] = {}

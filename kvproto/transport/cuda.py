@@ -77,6 +77,26 @@ class Driver:
         b = self._check("cuDeviceGet", self.cu.cuDeviceGet(peer))
         return bool(self._check("cuDeviceCanAccessPeer", self.cu.cuDeviceCanAccessPeer(a, b)))
 
+    def enable_peer(self, ordinal: int, peer: int) -> None:
+        """Let kernels on ``cuda:ordinal`` reach this process's own allocations on ``cuda:peer``
+        (memory opened through IPC gets this from ``CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS``)."""
+        if ordinal == peer:
+            return
+        if not self.can_access(ordinal, peer):
+            raise TransportError(f"cuda:{peer} is not reachable from cuda:{ordinal} (no peer access)")
+        cu = self.cu
+        here = self._check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(
+            self._check("cuDeviceGet", cu.cuDeviceGet(ordinal))))
+        there = self._check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(
+            self._check("cuDeviceGet", cu.cuDeviceGet(peer))))
+        self._check("cuCtxPushCurrent", cu.cuCtxPushCurrent(here))
+        try:
+            (err,) = cu.cuCtxEnablePeerAccess(there, 0)
+            if err not in (cu.CUresult.CUDA_SUCCESS, cu.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED):
+                raise TransportError(f"cuCtxEnablePeerAccess cuda:{ordinal} -> cuda:{peer}: CUDA error {int(err)} ({err!r})")
+        finally:
+            self._check("cuCtxPopCurrent", cu.cuCtxPopCurrent())
+
 
 _driver: Driver | None = None
 

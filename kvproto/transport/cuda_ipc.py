@@ -14,7 +14,8 @@ What it guarantees (beyond ``kvproto.transport.base``):
 * **Per-peer route, decided once at** ``add_peer``: a peer is *mapped* when its metadata comes
   from this host (same boot id) and every GPU region it registered can be opened here: its device
   is this process's device or one it has peer access to (``cuIpcOpenMemHandle`` with lazy peer
-  access). A peer in this very process needs no mapping (its addresses are valid here). Anything
+  access). A peer in this very process needs no mapping (its addresses are valid here; its regions on
+  another GPU get peer access enabled, ``cuCtxEnablePeerAccess``). Anything
   else (another host, no CUDA, an allocation IPC cannot export) goes to the fallback, and the
   reason is logged. ``route(peer)`` tells which; the endpoints report it in ``room.stats`` and
   stop staging for mapped peers (staging exists to save descriptors, which a kernel does not pay).
@@ -286,6 +287,13 @@ class CudaIpcTransport:
             usable = self._cpu_kernels or (driver().available() and all(k == MemKind.VRAM for _a, _n, k in regions))
             if not usable:
                 return None, "kernels need GPU memory (or cpu_kernels)"
+            if driver().available() and all(k == MemKind.VRAM for _a, _n, k in regions):
+                here = self._device_ordinal()
+                try:  # the peer's regions on another GPU of this process: kernels here need peer access
+                    for other in sorted({int(r.get("device", here)) for r in doc["regions"]} - {here}):
+                        driver().enable_peer(here, other)
+                except TransportError as exc:
+                    return None, str(exc)
             return _Peer(name, table, table[:, 0].copy()), ""
         vram = [doc["regions"][i] for i in order]
         if not vram or any(r["kind"] != MemKind.VRAM or "handle" not in r for r in vram):

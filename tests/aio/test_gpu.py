@@ -22,10 +22,15 @@ pytestmark = [
 ]
 
 
-def cuda_cache(heads: int, tp: int, rank: int, layout: Layout, block: int, seed: int) -> tuple[KVCache, list]:
+DECODE_GPUS = [0, 1] if torch.cuda.device_count() >= 2 else [0]
+"""Where the decode's cache is: the prefill's GPU, and the other GPU where there are two."""
+
+
+def cuda_cache(heads: int, tp: int, rank: int, layout: Layout, block: int, seed: int,
+               gpu: int = 0) -> tuple[KVCache, list]:
     gen = torch.Generator().manual_seed(seed)
     shape = (64, block, heads, 32) if layout is Layout.NHD else (64, heads, block, 32)
-    regions = [torch.randint(-50, 50, shape, generator=gen).to(torch.bfloat16).cuda() for _ in range(4)]
+    regions = [torch.randint(-50, 50, shape, generator=gen).to(torch.bfloat16).to(f"cuda:{gpu}") for _ in range(4)]
     kv = KVCache.from_tensors([regions[0::2], regions[1::2]], tp_size=tp, tp_rank=rank, num_kv_heads=8, layout=layout)
     return kv, regions
 
@@ -37,18 +42,20 @@ def token_heads(region: torch.Tensor, pages: list[int], n: int, layout: Layout) 
     return t.reshape(-1, t.shape[2], t.shape[3])[:n]
 
 
+@pytest.mark.parametrize("decode_gpu", DECODE_GPUS, ids=lambda g: f"decode-cuda{g}")
 @pytest.mark.parametrize("mode", ["direct", "device-staging", "host-staging", "kernel-direct", "kernel-sliced"])
-async def test_gpu_room_lands_byte_exact(mode: str) -> None:
+async def test_gpu_room_lands_byte_exact(mode: str, decode_gpu: int) -> None:
     """A prefill TP 1 -> decode TP 2 room (or a same-geometry room for ``direct``) between CUDA
     caches lands byte-exact, on the path the mode selects (``kernel-*``: the cuda-ipc adapter,
-    endpoints in this process: one pattern kernel per write, no staging)."""
+    endpoints in this process: one pattern kernel per write, no staging); the decode's cache is on
+    the prefill's GPU, or on the other one."""
     direct = mode in ("direct", "kernel-direct")
     decode_tp = 1 if direct else 2
     src_layout, dst_layout = (Layout.NHD, Layout.NHD) if direct else (Layout.HND, Layout.NHD)
     transport = "cuda-ipc" if mode.startswith("kernel") else "nixl"
     src_kv, src = cuda_cache(8, 1, 0, src_layout, 16, seed=1)
     opts = dict(host_staging=mode == "host-staging", staging_bytes=8 << 20)
-    dsts = [cuda_cache(8 // decode_tp, decode_tp, r, dst_layout, 16 if direct else 32, seed=2 + r)
+    dsts = [cuda_cache(8 // decode_tp, decode_tp, r, dst_layout, 16 if direct else 32, seed=2 + r, gpu=decode_gpu)
             for r in range(decode_tp)]
     n, src_pages = 150, [9, 3, 41, 7, 20, 11, 60, 2, 33, 18]
     dst_pages = [[5, 17, 40, 1, 30], [8, 9, 10, 50, 22]] if not direct else [[12, 6, 44, 0, 38, 27, 14, 59, 31, 4]]
@@ -67,22 +74,24 @@ async def test_gpu_room_lands_byte_exact(mode: str) -> None:
     want_path = {"direct": "direct", "device-staging": "staged-device", "host-staging": "staged-host",
                  "kernel-direct": "direct-kernel", "kernel-sliced": "sliced-kernel"}[mode]
     assert want_path in room.stats.paths
-    torch.cuda.synchronize()
+    for gpu in DECODE_GPUS:
+        torch.cuda.synchronize(gpu)
     hs = 8 // decode_tp
     for rank, (_kv, dst) in enumerate(dsts):
         for r in range(4):
             want = token_heads(src[r], src_pages, n, src_layout)[:, rank * hs:(rank + 1) * hs]
-            got = token_heads(dst[r], dst_pages[rank], n, dst_layout)
+            got = token_heads(dst[r], dst_pages[rank], n, dst_layout).to(want.device)
             assert torch.equal(want, got), f"decode rank {rank} region {r}"
 
 
+@pytest.mark.parametrize("decode_gpu", DECODE_GPUS, ids=lambda g: f"decode-cuda{g}")
 @pytest.mark.parametrize("transport", ["nixl", "cuda-ipc"])
-async def test_gpu_layerwise_send_never_waits_for_the_engine_stream(transport: str) -> None:
+async def test_gpu_layerwise_send_never_waits_for_the_engine_stream(transport: str, decode_gpu: int) -> None:
     """Layer chunks whose CUDA events fire only after ~0.3 s of work on the engine's own stream:
     send() returns at once (kvproto never synchronizes the engine), nothing is written before
     the event, and the room lands byte-exact once it has fired."""
     src_kv, src = cuda_cache(8, 1, 0, Layout.NHD, 16, seed=1)
-    dst_kv, dst = cuda_cache(8, 1, 0, Layout.NHD, 16, seed=2)
+    dst_kv, dst = cuda_cache(8, 1, 0, Layout.NHD, 16, seed=2, gpu=decode_gpu)
     n, src_pages, dst_pages = 32, [9, 3], [12, 40]
     engine = torch.cuda.Stream()
     async with PrefillEndpoint(src_kv, config=config(transport, staging_bytes=0)) as prefill, \
@@ -104,6 +113,8 @@ async def test_gpu_layerwise_send_never_waits_for_the_engine_stream(transport: s
         assert d.poll() is not RoomState.SUCCESS
         await asyncio.wait_for(asyncio.gather(room.wait(), d.wait()), 30)
         assert events[1].query()
-    torch.cuda.synchronize()
+    for gpu in DECODE_GPUS:
+        torch.cuda.synchronize(gpu)
     for r in range(4):
-        assert torch.equal(token_heads(src[r], src_pages, n, Layout.NHD), token_heads(dst[r], dst_pages, n, Layout.NHD))
+        want = token_heads(src[r], src_pages, n, Layout.NHD)
+        assert torch.equal(want, token_heads(dst[r], dst_pages, n, Layout.NHD).to(want.device))

@@ -19,6 +19,9 @@ from kvproto.transport.base import route_of
 
 VRAM = MemKind.VRAM
 PAGE = 32768
+PEER_GPUS = [0, 1] if torch.cuda.device_count() >= 2 else [0]
+"""Where the peer process's memory is: this process's GPU, and the other GPU where there are two
+(mapped through CUDA IPC with peer access: NVLink or PCIe)."""
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,13 +37,14 @@ class TestCudaIpcOverNixl(TransportConformance):
     transport = "cuda-ipc"
 
 
-def _target(conn: Any, nbytes: int) -> None:
-    """A process that owns ``nbytes`` of VRAM registered with a cuda-ipc agent; it answers
-    ``digest`` (the buffer's bytes as int64 sums per page), forwards tags, and exits on ``exit``."""
-    torch.cuda.set_device(0)
+def _target(conn: Any, nbytes: int, gpu: int) -> None:
+    """A process that owns ``nbytes`` of VRAM on ``cuda:gpu`` registered with a cuda-ipc agent; it
+    answers ``digest`` (the buffer's bytes as int64 sums per page), forwards tags, and exits on
+    ``exit``."""
+    torch.cuda.set_device(gpu)
     buf = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
     agent = load_transport("cuda-ipc", f"target-{os.getpid()}")
-    agent.register([MemoryRegion(buf.data_ptr(), nbytes, 0, VRAM)])
+    agent.register([MemoryRegion(buf.data_ptr(), nbytes, gpu, VRAM)])
     conn.send((agent.metadata(), buf.data_ptr()))
     while True:
         for note in agent.drain_notifications():
@@ -56,10 +60,10 @@ def _target(conn: Any, nbytes: int) -> None:
                 conn.send(("digest", buf.view(-1, PAGE).to(torch.int64).sum(1).cpu().numpy()))
 
 
-def _spawn(nbytes: int) -> tuple[Any, Any, bytes, int]:
+def _spawn(nbytes: int, gpu: int = 0) -> tuple[Any, Any, bytes, int]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_target, args=(child, nbytes), daemon=True)
+    proc = ctx.Process(target=_target, args=(child, nbytes, gpu), daemon=True)
     proc.start()
     meta, address = parent.recv()
     return proc, parent, meta, address
@@ -99,12 +103,13 @@ def _drive(agent: Any, xfers: list[Any], timeout: float = 30.0) -> list[XferStat
     return [states.get(i, XferState.PENDING) for i in range(len(xfers))]
 
 
-def test_cuda_ipc_gpu_pattern_write_into_another_process_lands_byte_exact() -> None:
-    """The peer in another process on this GPU is mapped (route "kernel"); one pattern write of
-    random pages lands byte-exact in its memory and its tag arrives after the bytes; a write past
-    its region is refused before launch."""
+@pytest.mark.parametrize("peer_gpu", PEER_GPUS, ids=lambda g: f"peer-cuda{g}")
+def test_cuda_ipc_gpu_pattern_write_into_another_process_lands_byte_exact(peer_gpu: int) -> None:
+    """The peer in another process (on this GPU, or on the other one) is mapped (route "kernel");
+    one pattern write of random pages lands byte-exact in its memory and its tag arrives after
+    the bytes; a write past its region is refused before launch."""
     pages = 64
-    proc, conn, meta, remote = _spawn(pages * PAGE)
+    proc, conn, meta, remote = _spawn(pages * PAGE, peer_gpu)
     src, agent = _source(pages)
     try:
         peer = agent.add_peer(meta)
@@ -135,12 +140,13 @@ def test_cuda_ipc_gpu_pattern_write_into_another_process_lands_byte_exact() -> N
             proc.kill()
 
 
-def test_cuda_ipc_gpu_peer_killed_under_kernels_leaves_this_context_healthy() -> None:
+@pytest.mark.parametrize("peer_gpu", PEER_GPUS, ids=lambda g: f"peer-cuda{g}")
+def test_cuda_ipc_gpu_peer_killed_under_kernels_leaves_this_context_healthy(peer_gpu: int) -> None:
     """kill -9 of the process whose memory is mapped, with kernels queued into it: every write
     still ends (its memory stays alive while mapped here), remove_peer unmaps, this process's CUDA
     context keeps working, and a new peer is mapped and written byte-exact."""
     pages = 4096  # 128 MiB
-    proc, conn, meta, remote = _spawn(pages * PAGE)
+    proc, conn, meta, remote = _spawn(pages * PAGE, peer_gpu)
     src, agent = _source(pages)
     try:
         peer = agent.add_peer(meta)
@@ -156,7 +162,7 @@ def test_cuda_ipc_gpu_peer_killed_under_kernels_leaves_this_context_healthy() ->
         a = torch.randn(1 << 20, device="cuda")
         assert torch.allclose((a * 2).sum(), a.sum() * 2, rtol=1e-4)
         torch.cuda.synchronize()
-        proc2, conn2, meta2, remote2 = _spawn(64 * PAGE)
+        proc2, conn2, meta2, remote2 = _spawn(64 * PAGE, peer_gpu)
         try:
             peer2 = agent.add_peer(meta2)
             one = np.array([[PAGE, 0, 64 * PAGE - PAGE]], dtype=np.int64)
