@@ -379,7 +379,7 @@ class DecodeEndpoint(EndpointBase):
         prefill_template = KVGeometry(
             tp_size=info.tp_size, tp_rank=0, num_layers=g.num_layers, num_kv_heads=g.num_kv_heads,
             head_dim=g.head_dim, dtype=g.dtype, block_size=g.block_size, layout=g.layout, mla=g.mla,
-            num_blocks=g.num_blocks,
+            num_blocks=g.num_blocks, kv_fused=g.kv_fused,
         )
         by_rank = {r.tp_rank: r for r in info.ranks}
         paired = paired_ranks_of_decode(prefill_template, g)

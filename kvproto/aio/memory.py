@@ -70,6 +70,7 @@ class KVCache:
         num_kv_heads: int | None = None,
         layout: Layout | str = Layout.NHD,
         mla: bool = False,
+        kv_fused: bool = False,
         aux: Any = None,
     ) -> KVCache:
         """Describe per-layer cache tensors.
@@ -78,12 +79,16 @@ class KVCache:
         has shape ``(num_blocks, block_size, heads, head_dim)`` for NHD or
         ``(num_blocks, heads, block_size, head_dim)`` for HND, and must be contiguous.
         ``num_kv_heads`` is the model's total (defaults to local heads x tp_size).
+        ``kv_fused``: one plane ``[layers]`` whose ``head_dim`` holds each head's K then V (vLLM's
+        layout since 0.33).
         """
         layout = Layout[layout.upper()] if isinstance(layout, str) else Layout(layout)
         if not planes or not planes[0]:
             raise ValueError("no cache tensors given")
-        if len(planes) != (1 if mla else 2):
-            raise ValueError(f"expected {'1 plane (MLA)' if mla else '2 planes (K, V)'}, got {len(planes)}")
+        one = mla or kv_fused
+        if len(planes) != (1 if one else 2):
+            what = "1 plane (MLA)" if mla else "1 plane (fused K/V)" if kv_fused else "2 planes (K, V)"
+            raise ValueError(f"expected {what}, got {len(planes)}")
         num_layers = len(planes[0])
         if any(len(p) != num_layers for p in planes):
             raise ValueError("every plane needs one tensor per layer")
@@ -122,6 +127,7 @@ class KVCache:
             layout=layout,
             mla=mla,
             num_blocks=nb,
+            kv_fused=kv_fused,
         )
         if geometry.local_heads != heads:
             raise ValueError(f"tensors hold {heads} heads but the geometry gives {geometry.local_heads} per rank")
@@ -166,7 +172,7 @@ def geometry_to_wire(g: KVGeometry) -> WireGeometry:
     return WireGeometry(
         tp_size=g.tp_size, tp_rank=g.tp_rank, num_layers=g.num_layers, num_kv_heads=g.num_kv_heads,
         head_dim=g.head_dim, dtype=int(g.dtype), block_size=g.block_size, layout=int(g.layout),
-        mla=int(g.mla), num_blocks=g.num_blocks,
+        mla=2 if g.kv_fused else int(g.mla), num_blocks=g.num_blocks,
     )
 
 
@@ -175,5 +181,5 @@ def geometry_from_wire(w: WireGeometry) -> KVGeometry:
     return KVGeometry(
         tp_size=w.tp_size, tp_rank=w.tp_rank, num_layers=w.num_layers, num_kv_heads=w.num_kv_heads,
         head_dim=w.head_dim, dtype=DType(w.dtype), block_size=w.block_size, layout=Layout(w.layout),
-        mla=bool(w.mla), num_blocks=w.num_blocks,
+        mla=w.mla == 1 or w.mla > 2, num_blocks=w.num_blocks, kv_fused=w.mla == 2,
     )

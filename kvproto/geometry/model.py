@@ -2,7 +2,9 @@
 
 Theory of operation
 -------------------
-A rank holds, for every layer, one or two *planes* (K and V; MLA has a single latent plane).
+A rank holds, for every layer, one or two *planes* (K and V; MLA has a single latent plane;
+a *fused* cache keeps each head's K and V side by side in one plane, as vLLM lays out its cache
+since 0.33: ``head_dim`` then counts both, and heads split over TP as for K and V).
 Each plane is one dense *region* of ``num_blocks`` pages. A page holds ``block_size`` tokens of
 the rank's local heads, laid out either token-major (NHD: ``[token][head][dim]``) or
 head-major (HND: ``[head][token][dim]``). Region ``r`` is ``layer * planes + plane``.
@@ -74,6 +76,8 @@ class KVGeometry:
     layout: Layout
     mla: bool
     num_blocks: int
+    kv_fused: bool = False
+    """One plane per layer holding each head's K and V side by side (``head_dim`` = K + V)."""
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks"):
@@ -82,6 +86,8 @@ class KVGeometry:
                 raise GeometryError(f"{name} must be a positive int, got {value!r}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise GeometryError(f"tp_rank {self.tp_rank} outside [0, {self.tp_size})")
+        if self.mla and self.kv_fused:
+            raise GeometryError("a cache is MLA or fused K/V, not both")
         if self.mla and self.num_kv_heads != 1:
             raise GeometryError(f"MLA has one latent head, got num_kv_heads={self.num_kv_heads}")
         if not self.mla:
@@ -96,8 +102,8 @@ class KVGeometry:
     # --- derived sizes -------------------------------------------------------------------
     @property
     def planes(self) -> int:
-        """Planes per layer: 2 (K, V) or 1 (MLA latent)."""
-        return 1 if self.mla else 2
+        """Planes per layer: 2 (K, V) or 1 (MLA latent, or fused K/V)."""
+        return 1 if self.mla or self.kv_fused else 2
 
     @property
     def num_regions(self) -> int:
@@ -160,6 +166,7 @@ class KVGeometry:
             layout=self.layout,
             mla=self.mla,
             num_blocks=self.num_blocks,
+            kv_fused=self.kv_fused,
         )
 
     def byte_offset(self, page: int, token: int, head: int) -> int:

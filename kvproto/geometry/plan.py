@@ -56,7 +56,7 @@ from typing import NamedTuple
 from kvproto.geometry.model import KVGeometry, Layout, pages_for_tokens
 
 # Checked in this order, so an MLA/MHA mix is reported as ``mla``, not as a head count.
-_MODEL_FIELDS = ("mla", "dtype", "head_dim", "num_layers", "num_kv_heads")
+_MODEL_FIELDS = ("mla", "kv_fused", "dtype", "head_dim", "num_layers", "num_kv_heads")
 
 
 class IncompatibleGeometry(ValueError):

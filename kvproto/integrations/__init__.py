@@ -1,0 +1,1 @@
+"""kvproto inside serving engines: ``kvproto.integrations.vllm`` is vLLM's KV connector."""

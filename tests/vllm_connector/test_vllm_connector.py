@@ -1,0 +1,218 @@
+"""kvproto's vLLM connector, driven by vLLM's own scheduler (``tests/vllm/harness.py``): requests go
+prefill -> kv_transfer_params -> decode, real NIXL and ZMQ on loopback, every decode block checked
+against the prefill block it came from; failures reach the scheduler through vLLM's own paths."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+
+from kvproto.integrations.vllm import BOOTSTRAP, ROOM, KVProtoMetadata, Settings  # noqa: E402
+
+from .harness import KV_HEADS, LAYER_NAMES, Instance, free_port, kv_params, run_until  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300) if hasattr(pytest.mark, "timeout") else []
+
+
+def pair(p_tp: int = 1, d_tp: int = 1, *, p_block: int = 16, d_block: int = 16, p_layout: str = "LBNHC",
+         d_layout: str = "LBNHC", d_blocks: int = 96, timeouts: dict[str, float] | None = None,
+         batch_tokens: int = 256, heartbeat: float = 5.0) -> tuple[Instance, Instance]:
+    port = free_port()
+    prefill = Instance("kv_producer", tp=p_tp, block=p_block, layout=p_layout, batch_tokens=batch_tokens,
+                       extra={"bootstrap_port": port, "timeouts": dict(timeouts or {}),
+                              "heartbeat_timeout_s": heartbeat}, seed=1)
+    decode = Instance("kv_consumer", tp=d_tp, block=d_block, layout=d_layout, blocks=d_blocks,
+                      extra={"heartbeat_timeout_s": heartbeat}, seed=2)
+    return prefill, decode
+
+
+def sends(inst: Instance, room: int) -> list[int]:
+    return [p for m in inst.metas for s in m.sends if s.room == room for p in s.pages]
+
+
+def recv(inst: Instance, room: int) -> Any:
+    found = [r for m in inst.metas for r in m.recvs if r.room == room]
+    assert len(found) == 1, f"room {room} opened {len(found)} times on the decode"
+    return found[0]
+
+
+def check_bytes(prefill: Instance, decode: Instance, room: int, num_tokens: int) -> int:
+    """Every moved token's K|V of every head of every layer equals the prefill's; returns bytes checked."""
+    src, r = sends(prefill, room), recv(decode, room)
+    t = torch.arange(r.prefix_tokens, num_tokens)
+    ph, dh = KV_HEADS // prefill.tp, KV_HEADS // decode.tp
+    checked = 0
+    for name in LAYER_NAMES:
+        for head in range(KV_HEADS):
+            pv = prefill.caches[head // ph][name][torch.tensor(src)[t // prefill.block], head % ph, t % prefill.block]
+            dv = decode.caches[head // dh][name][torch.tensor(r.pages)[t // decode.block], head % dh, t % decode.block]
+            assert torch.equal(pv.view(torch.int16), dv.view(torch.int16)), f"{name} head {head} differs"
+            checked += dv.numel() * dv.element_size()
+    return checked
+
+
+def disaggregated(prefill: Instance, decode: Instance, prompts: dict[str, list[int]], max_tokens: int = 4,
+                  timeout: float = 60.0) -> dict[str, dict[str, Any]]:
+    """vLLM's proxy pattern: each prompt to the prefill (max_tokens 1, do_remote_decode), then to the
+    decode with the kv_transfer_params the prefill returned."""
+    for rid, prompt in prompts.items():
+        prefill.add(rid, prompt, 1, {"do_remote_decode": True})
+    run_until([prefill], lambda: all(r in prefill.finished for r in prompts), timeout)
+    params = {rid: kv_params(prefill, rid) for rid in prompts}
+    for rid, prompt in prompts.items():
+        decode.add(rid, prompt, max_tokens, params[rid])
+    run_until([prefill, decode], lambda: all(r in decode.finished for r in prompts) and not prefill.busy()
+              and not decode.busy(), timeout)
+    return params
+
+
+def assert_all_freed(*instances: Instance) -> None:
+    for inst in instances:
+        assert not inst.busy(), f"{inst.role}: requests still held"
+        assert inst.free_blocks() == inst.free_at_start, f"{inst.role}: {inst.free_at_start - inst.free_blocks()} blocks not freed"
+
+
+CASES = {
+    "tp1-nhd": dict(),
+    "tp1-hnd-to-nhd": dict(p_layout="LBHNC"),
+    "tp1-to-2": dict(d_tp=2),
+    "tp2-to-1": dict(p_tp=2),
+    "block16-to-32": dict(d_block=32),
+    "tp2-to-1-block32-to-16-hnd": dict(p_tp=2, p_block=32, p_layout="LBHNC"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_requests_move_prefill_to_decode_byte_exact(case: str) -> None:
+    """Prompts of several lengths (one block, partial blocks, several chunks of chunked prefill)
+    go through both schedulers; every decode block holds the prefill's bytes; the decode samples
+    its tokens; every block of both instances is free at the end."""
+    prefill, decode = pair(**CASES[case], batch_tokens=48)
+    try:
+        rng = random.Random(case)
+        prompts = {f"r{i}": [rng.randrange(1, 999) for _ in range(n)] for i, n in enumerate([16, 37, 100, 5, 130])}
+        params = disaggregated(prefill, decode, prompts)
+        moved = 0
+        for rid, prompt in prompts.items():
+            assert set(params[rid]) >= {BOOTSTRAP, ROOM, "do_remote_prefill"}
+            assert decode.finished[rid].finish_reason is not None and len(decode.outputs[rid]) == 4
+            moved += check_bytes(prefill, decode, int(params[rid][ROOM]), len(prompt))
+        assert moved > 0
+        assert_all_freed(prefill, decode)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_decode_prefix_hit_moves_only_the_rest() -> None:
+    """A second prompt sharing 64 tokens with the first: the decode scheduler's prefix cache holds
+    them, the room moves the rest only, and the whole prompt's blocks hold the prefill's bytes."""
+    prefill, decode = pair()
+    try:
+        shared = list(range(1, 65))
+        first = disaggregated(prefill, decode, {"a": shared + [500, 501, 502]})
+        second = disaggregated(prefill, decode, {"b": shared + [600] * 40})
+        r = recv(decode, int(second["b"][ROOM]))
+        assert r.prefix_tokens == 64, r.prefix_tokens
+        check_bytes(prefill, decode, int(first["a"][ROOM]), 67)
+        check_bytes(prefill, decode, int(second["b"][ROOM]), 104)
+        assert_all_freed(prefill, decode)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_prefill_dies_decode_recomputes_nothing_hangs() -> None:
+    """The prefill instance goes silent (its endpoints' loop stops, as in a crash) before the decode
+    opens the room: the decode room fails PEER_GONE after the heartbeat timeout, vLLM takes it as a
+    failed receive and recomputes the prompt; the request finishes and every decode block is free."""
+    prefill, decode = pair(heartbeat=1.0)
+    try:
+        prefill.add("x", list(range(1, 90)), 1, {"do_remote_decode": True})
+        run_until([prefill], lambda: "x" in prefill.finished)
+        params = kv_params(prefill, "x")
+        for w in prefill.workers:  # a crash: no goodbye, no answers, heartbeats stop
+            loop = w._worker.loop.loop
+            loop.call_soon_threadsafe(loop.stop)
+        decode.add("x", list(range(1, 90)), 3, params)
+        run_until([decode], lambda: "x" in decode.finished, timeout=30)
+        assert len(decode.outputs["x"]) == 3
+        assert_all_freed(decode)
+    finally:
+        decode.close()
+
+
+def test_prefill_abort_mid_prompt_frees_its_blocks() -> None:
+    """A request aborted on the prefill while its prompt is half computed (chunked prefill): its
+    room is aborted and its blocks are freed once the room has ended; nothing is returned to send."""
+    prefill, _decode = pair(batch_tokens=32)
+    _decode.close()
+    try:
+        prefill.add("y", list(range(1, 200)), 1, {"do_remote_decode": True})
+        prefill.step()
+        prefill.step()
+        assert prefill.free_blocks() < prefill.free_at_start
+        prefill.abort("y")
+        run_until([prefill], lambda: not prefill.busy(), timeout=30)
+        assert_all_freed(prefill)
+        assert any(a.req_id == "y" for m in prefill.metas for a in m.aborts)
+    finally:
+        prefill.close()
+
+
+def test_decode_abort_while_waiting_for_kv_frees_blocks_and_releases_nothing_twice() -> None:
+    """A decode request aborted while it waits for its KV (here: a room the prefill does not know
+    yet, so nothing arrives): the room is aborted, vLLM frees the blocks when the connector reports
+    the room ended (finished receiving), and the scheduler has nothing left."""
+    prefill, decode = pair()
+    try:
+        bogus = {"do_remote_prefill": True, BOOTSTRAP: Settings(bootstrap_port=prefill.configs[0].kv_transfer_config
+                                                                 .kv_connector_extra_config["bootstrap_port"]).bootstrap_address,
+                 ROOM: 12345}
+        decode.add("z", list(range(1, 50)), 3, bogus)
+        decode.step()
+        decode.step()
+        assert decode.scheduler.requests["z"].status.name == "WAITING_FOR_REMOTE_KVS"
+        decode.abort("z")
+        run_until([decode, prefill], lambda: not decode.busy(), timeout=30)
+        assert_all_freed(decode)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_decode_out_of_blocks_prefill_times_out_decode_recomputes() -> None:
+    """The decode has blocks for one request at a time: the second waits for blocks longer than the
+    prefill holds its room (bootstrap timeout 2 s), so the prefill frees its blocks and the decode,
+    once it has blocks, finds the room gone: a failed receive, recomputed. Both finish; every block
+    of both instances is free."""
+    prefill, decode = pair(d_blocks=9, timeouts={"bootstrap": 2.0})
+    try:
+        prompts = {"big1": list(range(1, 100)), "big2": list(range(200, 299))}
+        for rid, prompt in prompts.items():
+            prefill.add(rid, prompt, 1, {"do_remote_decode": True})
+        run_until([prefill], lambda: all(r in prefill.finished for r in prompts))
+        for rid, prompt in prompts.items():
+            decode.add(rid, prompt, 40, kv_params(prefill, rid))
+        run_until([prefill, decode], lambda: all(r in decode.finished for r in prompts) and not prefill.busy(),
+                  timeout=60)
+        assert all(len(decode.outputs[r]) == 40 for r in prompts)
+        assert_all_freed(prefill, decode)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_unknown_extra_config_key_is_refused_at_start() -> None:
+    with pytest.raises(ValueError, match="unknown kv_connector_extra_config keys \\['bootstrap_prot'\\]"):
+        Settings.from_extra({"bootstrap_prot": 1})
+
+
+def test_metadata_is_kvproto_metadata() -> None:
+    assert isinstance(KVProtoMetadata(), vllm.distributed.kv_transfer.kv_connector.v1.base.KVConnectorMetadata)
