@@ -334,6 +334,8 @@ class _Scheduler:
         """Prefill: requests whose last chunk has been given (or whose room was aborted)."""
         self.held: set[str] = set()
         """Prefill: finished requests whose blocks wait for their room to end (finished_sending)."""
+        self.recving: dict[str, int] = {}
+        """Decode: request id -> room, from its blocks' allocation until its room has ended."""
         self.next = KVProtoMetadata()
 
     # -- prefill (producer) --
@@ -360,8 +362,9 @@ class _Scheduler:
             self.next.aborts.append(Abort(rid, room, bootstrap))
             return
         pages = list(blocks.get_block_ids()[0])
+        self.recving[rid] = room
         self.next.recvs.append(Recv(rid, room, bootstrap, pages, request.num_prompt_tokens,
-                                    request.num_computed_tokens))
+                                    request.num_prompt_tokens - num_external_tokens))  # the rest: a local hit
 
     def meta(self, out: SchedulerOutput) -> KVProtoMetadata:
         meta, self.next = self.next, KVProtoMetadata()
@@ -408,8 +411,8 @@ class _Scheduler:
         rid = request.request_id
         params = request.kv_transfer_params or {}
         if not self.c.producer:
-            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                self.next.aborts.append(Abort(rid, int(params[ROOM])))  # vLLM holds the blocks until it ends
+            if rid in self.recving:  # still loading: vLLM holds its blocks until the room has ended
+                self.next.aborts.append(Abort(rid, self.recving[rid]))
             elif params.get("do_remote_prefill") and ROOM in params:  # never scheduled: release the prefill
                 self.next.aborts.append(Abort(rid, int(params[ROOM]), str(params[BOOTSTRAP])))
             return False, None
@@ -437,6 +440,8 @@ class _Scheduler:
     def output(self, out: KVConnectorOutput) -> None:
         for rid in out.finished_sending or ():
             self.held.discard(rid)
+        for rid in out.finished_recving or ():
+            self.recving.pop(rid, None)
 
     def pending(self) -> bool:
         return bool(self.held)

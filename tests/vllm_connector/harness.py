@@ -68,7 +68,7 @@ class Instance:
 
     def __init__(self, role: str, *, tp: int = 1, block: int = 16, layout: str = "LBNHC", blocks: int = 96,
                  batch_tokens: int = 256, extra: dict[str, Any] | None = None, seed: int = 0,
-                 prefix_caching: bool = True) -> None:
+                 prefix_caching: bool = True, policy: str = "fail") -> None:
         self.role, self.tp, self.block = role, tp, block
         self.producer = role == "kv_producer"
         self.configs = []
@@ -78,7 +78,8 @@ class Instance:
             cache.num_gpu_blocks = blocks
             cache.num_gpu_blocks_override = blocks
             kt = KVTransferConfig(kv_connector="KVProtoConnector", kv_connector_module_path="kvproto.integrations.vllm",
-                                  kv_role=role, engine_id=f"{role}-{seed}", kv_connector_extra_config=dict(extra or {}))
+                                  kv_role=role, engine_id=f"{role}-{seed}", kv_connector_extra_config=dict(extra or {}),
+                                  kv_load_failure_policy=policy)
             self.configs.append(VllmConfig(
                 model_config=model_config(), cache_config=cache, device_config=DeviceConfig("cpu"),
                 parallel_config=ParallelConfig(tensor_parallel_size=tp, rank=rank), kv_transfer_config=kt,
@@ -109,7 +110,8 @@ class Instance:
         self.aggregator = KVOutputAggregator(expected_finished_count=tp)
         self.metas: list[KVProtoMetadata] = []
         self.outputs: dict[str, list[int]] = {}
-        self.finished: dict[str, RequestStatus] = {}
+        self.finished: dict[str, Any] = {}
+        self.failed_recving: set[str] = set()
 
     # --- requests ------------------------------------------------------------------------------
     def add(self, req_id: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None) -> Request:
@@ -158,6 +160,8 @@ class Instance:
             outputs.append(ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                              sampled_token_ids=[list(s) for s in sampled], kv_connector_output=kvo))
         merged = self.aggregator.aggregate(outputs)
+        if merged.kv_connector_output is not None:
+            self.failed_recving |= set(merged.kv_connector_output.failed_recving or ())
         engine_outputs = self.scheduler.update_from_output(out, merged)
         for eo in engine_outputs.values():
             for o in eo.outputs:

@@ -22,13 +22,15 @@ pytestmark = pytest.mark.timeout(300) if hasattr(pytest.mark, "timeout") else []
 
 def pair(p_tp: int = 1, d_tp: int = 1, *, p_block: int = 16, d_block: int = 16, p_layout: str = "LBNHC",
          d_layout: str = "LBNHC", d_blocks: int = 96, timeouts: dict[str, float] | None = None,
-         batch_tokens: int = 256, heartbeat: float = 5.0) -> tuple[Instance, Instance]:
+         batch_tokens: int = 256, heartbeat: float = 5.0,
+         decode_timeouts: dict[str, float] | None = None, policy: str = "fail") -> tuple[Instance, Instance]:
     port = free_port()
     prefill = Instance("kv_producer", tp=p_tp, block=p_block, layout=p_layout, batch_tokens=batch_tokens,
                        extra={"bootstrap_port": port, "timeouts": dict(timeouts or {}),
                               "heartbeat_timeout_s": heartbeat}, seed=1)
     decode = Instance("kv_consumer", tp=d_tp, block=d_block, layout=d_layout, blocks=d_blocks,
-                      extra={"heartbeat_timeout_s": heartbeat}, seed=2)
+                      extra={"heartbeat_timeout_s": heartbeat, "timeouts": dict(decode_timeouts or {})}, seed=2,
+                      policy=policy)
     return prefill, decode
 
 
@@ -128,11 +130,14 @@ def test_decode_prefix_hit_moves_only_the_rest() -> None:
         decode.close()
 
 
-def test_prefill_dies_decode_recomputes_nothing_hangs() -> None:
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_prefill_dies_the_decode_request_ends_through_vllms_load_failure_path(policy: str) -> None:
     """The prefill instance goes silent (its endpoints' loop stops, as in a crash) before the decode
-    opens the room: the decode room fails PEER_GONE after the heartbeat timeout, vLLM takes it as a
-    failed receive and recomputes the prompt; the request finishes and every decode block is free."""
-    prefill, decode = pair(heartbeat=1.0)
+    opens the room: the decode's room cannot bootstrap and fails after its bootstrap timeout (3 s
+    here); vLLM takes it as a failed receive and follows its ``kv_load_failure_policy``: ``fail``
+    ends the request with an error, ``recompute`` computes the prompt itself. Nothing hangs and
+    every decode block is free."""
+    prefill, decode = pair(heartbeat=1.0, decode_timeouts={"bootstrap": 3.0}, policy=policy)
     try:
         prefill.add("x", list(range(1, 90)), 1, {"do_remote_decode": True})
         run_until([prefill], lambda: "x" in prefill.finished)
@@ -141,8 +146,13 @@ def test_prefill_dies_decode_recomputes_nothing_hangs() -> None:
             loop = w._worker.loop.loop
             loop.call_soon_threadsafe(loop.stop)
         decode.add("x", list(range(1, 90)), 3, params)
-        run_until([decode], lambda: "x" in decode.finished, timeout=30)
-        assert len(decode.outputs["x"]) == 3
+        run_until([decode], lambda: "x" in decode.finished and not decode.busy(), timeout=30)
+        if policy == "recompute":
+            assert len(decode.outputs["x"]) == 3
+            assert decode.finished["x"].finish_reason.name == "LENGTH"
+        else:
+            assert decode.outputs.get("x", []) == []
+            assert decode.finished["x"].finish_reason.name == "ERROR"
         assert_all_freed(decode)
     finally:
         decode.close()
@@ -188,11 +198,12 @@ def test_decode_abort_while_waiting_for_kv_frees_blocks_and_releases_nothing_twi
 
 
 def test_decode_out_of_blocks_prefill_times_out_decode_recomputes() -> None:
-    """The decode has blocks for one request at a time: the second waits for blocks longer than the
-    prefill holds its room (bootstrap timeout 2 s), so the prefill frees its blocks and the decode,
-    once it has blocks, finds the room gone: a failed receive, recomputed. Both finish; every block
-    of both instances is free."""
-    prefill, decode = pair(d_blocks=9, timeouts={"bootstrap": 2.0})
+    """The decode has blocks for one of two requests: the second waits in vLLM's queue (no blocks,
+    no room opened) for longer than the prefill keeps its room (bootstrap timeout 2 s), so the
+    prefill's room fails and its blocks are freed; once the decode has blocks, its room finds the
+    prefill's room gone: a failed receive, which vLLM recomputes (``kv_load_failure_policy``
+    recompute). Both requests finish; every block of both instances is free."""
+    prefill, decode = pair(d_blocks=12, timeouts={"bootstrap": 2.0}, policy="recompute")
     try:
         prompts = {"big1": list(range(1, 100)), "big2": list(range(200, 299))}
         for rid, prompt in prompts.items():
@@ -200,9 +211,15 @@ def test_decode_out_of_blocks_prefill_times_out_decode_recomputes() -> None:
         run_until([prefill], lambda: all(r in prefill.finished for r in prompts))
         for rid, prompt in prompts.items():
             decode.add(rid, prompt, 40, kv_params(prefill, rid))
-        run_until([prefill, decode], lambda: all(r in decode.finished for r in prompts) and not prefill.busy(),
-                  timeout=60)
+        decode.step()
+        assert decode.scheduler.requests["big2"].status.name == "WAITING", "big2 should wait for blocks"
+        held = prefill.scheduler.connector._scheduler.held
+        run_until([prefill], lambda: "big2" not in held, timeout=30)  # the prefill gave up on big2
+        run_until([prefill, decode], lambda: all(r in decode.finished for r in prompts) and not prefill.busy()
+                  and not decode.busy(), timeout=60)
         assert all(len(decode.outputs[r]) == 40 for r in prompts)
+        assert decode.failed_recving == {"big2"}, decode.failed_recving  # big1 moved, big2 recomputed
+        check_bytes(prefill, decode, int(kv_params(prefill, "big1")[ROOM]), 99)
         assert_all_freed(prefill, decode)
     finally:
         prefill.close()
