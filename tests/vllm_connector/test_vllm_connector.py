@@ -5,6 +5,7 @@ against the prefill block it came from; failures reach the scheduler through vLL
 from __future__ import annotations
 
 import random
+import threading
 from typing import Any
 
 import pytest
@@ -17,17 +18,18 @@ from kvproto.integrations.vllm import BOOTSTRAP, ROOM, KVProtoMetadata, Settings
 
 from .harness import KV_HEADS, LAYER_NAMES, Instance, free_port, kv_params, run_until  # noqa: E402
 
-pytestmark = pytest.mark.timeout(300) if hasattr(pytest.mark, "timeout") else []
+pytestmark = pytest.mark.timeout(300)
 
 
 def pair(p_tp: int = 1, d_tp: int = 1, *, p_block: int = 16, d_block: int = 16, p_layout: str = "LBNHC",
          d_layout: str = "LBNHC", d_blocks: int = 96, timeouts: dict[str, float] | None = None,
          batch_tokens: int = 256, heartbeat: float = 5.0,
-         decode_timeouts: dict[str, float] | None = None, policy: str = "fail") -> tuple[Instance, Instance]:
+         decode_timeouts: dict[str, float] | None = None, policy: str = "fail",
+         layerwise: bool = True) -> tuple[Instance, Instance]:
     port = free_port()
     prefill = Instance("kv_producer", tp=p_tp, block=p_block, layout=p_layout, batch_tokens=batch_tokens,
                        extra={"bootstrap_port": port, "timeouts": dict(timeouts or {}),
-                              "heartbeat_timeout_s": heartbeat}, seed=1)
+                              "heartbeat_timeout_s": heartbeat, "layerwise": layerwise}, seed=1)
     decode = Instance("kv_consumer", tp=d_tp, block=d_block, layout=d_layout, blocks=d_blocks,
                       extra={"heartbeat_timeout_s": heartbeat, "timeouts": dict(decode_timeouts or {})}, seed=2,
                       policy=policy)
@@ -87,6 +89,7 @@ CASES = {
     "tp2-to-1": dict(p_tp=2),
     "block16-to-32": dict(d_block=32),
     "tp2-to-1-block32-to-16-hnd": dict(p_tp=2, p_block=32, p_layout="LBHNC"),
+    "tp1-to-2-whole-chunks": dict(d_tp=2, layerwise=False),
 }
 
 
@@ -156,6 +159,11 @@ def test_prefill_dies_the_decode_request_ends_through_vllms_load_failure_path(po
         assert_all_freed(decode)
     finally:
         decode.close()
+        for w in prefill.workers:  # bring the silent loops back, only to close them cleanly
+            engine_loop = w._worker.loop
+            engine_loop._thread = threading.Thread(target=engine_loop._run, daemon=True)
+            engine_loop._thread.start()
+        prefill.close()
 
 
 def test_prefill_abort_mid_prompt_frees_its_blocks() -> None:
@@ -233,3 +241,38 @@ def test_unknown_extra_config_key_is_refused_at_start() -> None:
 
 def test_metadata_is_kvproto_metadata() -> None:
     assert isinstance(KVProtoMetadata(), vllm.distributed.kv_transfer.kv_connector.v1.base.KVConnectorMetadata)
+
+
+def test_a_layout_without_a_dense_region_per_layer_is_refused_at_start() -> None:
+    """A block-outermost cache layout (every layer's page of a block side by side) has no dense
+    region per layer: register_kv_caches refuses it, naming the setting that fixes it."""
+    with pytest.raises(ValueError, match="VLLM_KV_CACHE_LAYOUT to LBHNC or LBNHC"):
+        Instance("kv_consumer", layout="BLNHC", extra={}, seed=5)
+
+
+def test_layerwise_sends_each_layer_as_its_forward_ends_and_whole_chunks_at_once(monkeypatch: Any) -> None:
+    """With ``layerwise`` (the default) the connector gives kvproto each layer of a chunk from
+    ``save_kv_layer``, one span per layer in order; without it, the chunk's layers in one span at
+    ``wait_for_save``. Bytes are exact either way (the parametrized test above)."""
+    from kvproto.sync import KVSender
+
+    spans: list[tuple[int, int]] = []
+    original = KVSender.send
+
+    def send(self: Any, pages: Any, end_token: Any = None, *, layers: Any = None, ready: Any = None) -> None:
+        spans.append((layers.start, layers.stop))
+        original(self, pages, end_token, layers=layers, ready=ready)
+
+    monkeypatch.setattr(KVSender, "send", send)
+    got = {}
+    for layerwise in (True, False):
+        spans.clear()
+        prefill, decode = pair(layerwise=layerwise)
+        try:
+            disaggregated(prefill, decode, {"w": list(range(1, 40))})
+        finally:
+            prefill.close()
+            decode.close()
+        got[layerwise] = list(spans)
+    assert got[True] == [(layer, layer + 1) for layer in range(len(LAYER_NAMES))]
+    assert got[False] == [(0, len(LAYER_NAMES))]
