@@ -61,6 +61,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvproto.aio import EndpointConfig, KVCache
 from kvproto.core import RoomState, Timeouts
 from kvproto.geometry import Layout
+from kvproto.transport import MemKind
 from kvproto.sync import EngineLoop, KVReceiver, KVSender, SyncDecode, SyncPrefill
 
 if TYPE_CHECKING:
@@ -269,6 +270,16 @@ class KVProtoConnector(KVConnectorBase_V1):
         else:
             self._worker = _Worker(self, vllm_config)
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        return False  # the registered cache is not re-registered after a remap
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise sends run between a layer's attention and the next (``save_kv_layer``); under
+        full CUDA graphs they would not run, and every layer would go at ``wait_for_save``."""
+        return bool((extra_config or {}).get("layerwise", True))
+
     # scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         return self._scheduler.matched(request, num_computed_tokens)
@@ -338,7 +349,7 @@ class _Scheduler:
         """Decode: request id -> room, from its blocks' allocation until its room has ended."""
         self.next = KVProtoMetadata()
 
-    # -- prefill (producer) --
+    # -- both roles: vLLM's scheduler calls, in the order it makes them --
     def matched(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params or {}
         if self.c.producer or not params.get("do_remote_prefill") or ROOM not in params:
@@ -361,7 +372,7 @@ class _Scheduler:
         if num_external_tokens <= 0:  # all of it a local hit: release the prefill's blocks now
             self.next.aborts.append(Abort(rid, room, bootstrap))
             return
-        pages = list(blocks.get_block_ids()[0])
+        pages = list(blocks.get_block_ids()[0])[: -(-request.num_prompt_tokens // self.c.block_size)]
         self.recving[rid] = room
         self.next.recvs.append(Recv(rid, room, bootstrap, pages, request.num_prompt_tokens,
                                     request.num_prompt_tokens - num_external_tokens))  # the rest: a local hit
@@ -465,6 +476,7 @@ class _Worker:
         """Prefill: request -> final state of its room, until vLLM has finished the request."""
         self.finished: set[str] = set()
         self.begun: KVProtoMetadata | None = None
+        self.on_gpu = False
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         mc = self.vllm_config.model_config
@@ -472,6 +484,7 @@ class _Worker:
                                 num_kv_heads=mc.get_total_num_kv_heads(), head_size=mc.get_head_size(),
                                 tp_size=self.tp_size, tp_rank=self.tp_rank, mla=mc.use_mla)
         self.layers = {name: i for i, name in enumerate(kv_caches)}
+        self.on_gpu = kv.mem_kind is MemKind.VRAM
         s = self.c.settings
         self.loop = EngineLoop(name=f"kvproto-{self.c.engine_id}-{self.tp_rank}")
         if self.c.producer:
@@ -520,7 +533,8 @@ class _Worker:
             rx.abort()
 
     def _event(self) -> Any:
-        if torch.cuda.is_available() and self.endpoint is not None and self.endpoint._endpoint.kv.mem_kind.name == "VRAM":
+        """A CUDA event after the work queued so far on the current stream (None for CPU caches)."""
+        if self.on_gpu:
             event = torch.cuda.Event()
             event.record()
             return event
