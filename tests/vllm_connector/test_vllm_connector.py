@@ -276,3 +276,41 @@ def test_layerwise_sends_each_layer_as_its_forward_ends_and_whole_chunks_at_once
         got[layerwise] = list(spans)
     assert got[True] == [(layer, layer + 1) for layer in range(len(LAYER_NAMES))]
     assert got[False] == [(0, len(LAYER_NAMES))]
+
+
+@pytest.mark.parametrize("case", ["tp2-to-1", "tp1-to-2"])
+def test_many_requests_interleaved_like_a_proxy(case: str) -> None:
+    """Forty requests of random lengths (1 to 300 tokens) arrive over time; each goes to the
+    decode as soon as its prefill has finished, both engines stepping all along with chunked
+    prefill on a small token budget. Every request's bytes are exact (checked as it finishes on the
+    decode, before vLLM gives its blocks to the next request); all blocks are free at the end."""
+    prefill, decode = pair(**CASES[case], batch_tokens=64)
+    try:
+        rng = random.Random(case)
+        prompts = {f"q{i}": [rng.randrange(1, 999) for _ in range(rng.randrange(1, 300))] for i in range(40)}
+        pending = list(prompts)
+        forwarded: set[str] = set()
+        checked: set[str] = set()
+
+        def progress() -> bool:
+            for rid in list(decode.finished):
+                if rid not in checked:
+                    checked.add(rid)
+                    check_bytes(prefill, decode, int(kv_params(prefill, rid)[ROOM]), len(prompts[rid]))
+            if pending and rng.random() < 0.5:
+                rid = pending.pop(0)
+                prefill.add(rid, prompts[rid], 1, {"do_remote_decode": True})
+            for rid in list(prefill.finished):
+                if rid not in forwarded:
+                    forwarded.add(rid)
+                    decode.add(rid, prompts[rid], 2, kv_params(prefill, rid))
+            return not pending and len(decode.finished) == len(prompts) and not prefill.busy() and not decode.busy()
+
+        run_until([prefill, decode], progress, timeout=120)
+        assert checked == set(prompts)
+        assert all(len(decode.outputs[rid]) == 2 for rid in prompts)
+        assert not decode.failed_recving
+        assert_all_freed(prefill, decode)
+    finally:
+        prefill.close()
+        decode.close()
