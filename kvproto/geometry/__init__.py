@@ -1,5 +1,18 @@
 """KV layout math: rank geometry, TP pairing, and extent planning. Pure Python over ints."""
 
+from kvproto.geometry.groups import (
+    CacheGeometry,
+    IncompatibleGroups,
+    PagedGroup,
+    StateGroup,
+    StateRun,
+    StateTensor,
+    check_groups,
+    plan_state,
+    state_writers,
+    window_pages,
+    window_tokens,
+)
 from kvproto.geometry.model import DType, GeometryError, KVGeometry, Layout, pages_for_tokens
 from kvproto.geometry.plan import (
     Extent,
@@ -21,6 +34,17 @@ from kvproto.geometry.plan import (
 )
 
 __all__ = [
+    "CacheGeometry",
+    "IncompatibleGroups",
+    "PagedGroup",
+    "StateGroup",
+    "StateRun",
+    "StateTensor",
+    "check_groups",
+    "plan_state",
+    "state_writers",
+    "window_pages",
+    "window_tokens",
     "DType",
     "Extent",
     "GeometryError",

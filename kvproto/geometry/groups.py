@@ -1,0 +1,284 @@
+"""A cache of several groups: paged KV groups and per-request state groups (hybrid models).
+
+Theory of operation
+-------------------
+The models served in 2026 keep more than one kind of cache. Linear-attention and SSM hybrids
+(Gated DeltaNet, Mamba) keep, for most layers, a fixed-size *state* per request; sparse attention
+keeps an indexer cache paged beside the MLA latent; sliding-window layers keep a pool of their
+own of which the decode needs only the last window of tokens. Here a rank's cache is a tuple of
+*groups*, each named, and everything a request needs is moved group by group, from geometry
+alone, so that both sides compute the same plan without talking:
+
+* a **paged group** is a set of layers with a page pool of its own, described by a
+  ``KVGeometry`` (heads, head size, dtype, block size, layout, MLA or fused K/V): its plans are
+  ``plan_pair``'s. ``window`` (sliding-window layers) says the decode needs only the prompt's last
+  ``window`` tokens of it (``window_tokens``);
+* a **state group** holds, for every layer, fixed-shape tensors per request *slot* (a GDN layer's
+  conv state and temporal state, say). Each tensor is either *sharded* over TP along one
+  dimension (heads, channels: SGLang's ``_send_mamba_state_slice``) or *replicated*. Its memory is
+  one region per (layer, tensor): ``num_slots`` slots of the tensor's local bytes, each slot
+  C-contiguous in the local shape.
+
+A state tensor sharded along dimension ``k`` of global size ``G`` gives TP rank ``r`` of ``T``
+the indices ``[r·G/T, (r+1)·G/T)`` (``G % T == 0`` is required). Every index a decode rank holds
+is written by exactly one prefill rank: the one holding it; a replicated tensor is written whole
+by prefill rank ``d.tp_rank % prefill.tp_size`` (MLA's rule). ``plan_state`` turns the overlap
+of the two shards into byte runs inside a slot: one run per index of the dimensions before ``k``
+(a run per outer row), merged where consecutive runs abut on both sides.
+
+*Compatibility* (``check_groups``): both sides list the same groups, by name, in the same order,
+of the same kinds; a paged group's model fields and window agree (``check_compatible``); a
+state group's layers and tensors (global shape, dtype, sharded dimension) agree. The first
+difference raises ``IncompatibleGroups`` naming the group, so a group one side lacks can never
+be skipped silently. TP size, block sizes, layouts and pool sizes may differ.
+
+Pure Python over ints, like the rest of ``kvproto.geometry``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from kvproto.geometry.model import DType, GeometryError, KVGeometry
+from kvproto.geometry.plan import IncompatibleGeometry, check_compatible
+
+
+class IncompatibleGroups(ValueError):
+    """Two caches' groups cannot exchange a request: the message names the group."""
+
+    def __init__(self, group: str, reason: str) -> None:
+        super().__init__(f"group {group!r}: {reason}")
+        self.group = group
+        self.reason = reason
+
+
+# --- state groups -------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class StateTensor:
+    """One per-layer, per-request state tensor: its global (unsharded) shape, its dtype, and the
+    dimension split over TP (None: every rank holds all of it)."""
+
+    shape: tuple[int, ...]
+    dtype: DType
+    shard_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
+        object.__setattr__(self, "dtype", DType(self.dtype))
+        if not self.shape or any(n <= 0 for n in self.shape):
+            raise GeometryError(f"state shape {self.shape} must have positive sizes")
+        if self.shard_dim is not None and not 0 <= self.shard_dim < len(self.shape):
+            raise GeometryError(f"shard_dim {self.shard_dim} outside shape {self.shape}")
+
+    def shard(self, tp_size: int, tp_rank: int) -> range:
+        """Global indices along ``shard_dim`` held by ``tp_rank`` (the whole axis if replicated)."""
+        if self.shard_dim is None:
+            return range(0, 1)
+        g = self.shape[self.shard_dim]
+        if g % tp_size:
+            raise GeometryError(f"state dimension {self.shard_dim} of size {g} does not split over TP {tp_size}")
+        n = g // tp_size
+        return range(tp_rank * n, (tp_rank + 1) * n)
+
+    def local_shape(self, tp_size: int) -> tuple[int, ...]:
+        if self.shard_dim is None:
+            return self.shape
+        shape = list(self.shape)
+        shape[self.shard_dim] = len(self.shard(tp_size, 0))
+        return tuple(shape)
+
+    def local_bytes(self, tp_size: int) -> int:
+        return math.prod(self.local_shape(tp_size)) * self.dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class StateGroup:
+    """Per-request state slots of ``num_layers`` layers, each layer holding ``tensors``."""
+
+    name: str
+    num_layers: int
+    tensors: tuple[StateTensor, ...]
+    num_slots: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tensors", tuple(self.tensors))
+        if self.num_layers <= 0 or self.num_slots <= 0 or not self.tensors:
+            raise GeometryError(f"state group {self.name!r} needs layers, slots and tensors")
+
+    def regions(self) -> int:
+        """Regions: one per (layer, tensor), layer-major."""
+        return self.num_layers * len(self.tensors)
+
+    def slot_bytes(self, tp_size: int) -> list[int]:
+        """Bytes of one slot in each tensor's region."""
+        return [t.local_bytes(tp_size) for t in self.tensors]
+
+
+@dataclass(frozen=True, slots=True)
+class PagedGroup:
+    """Layers with a page pool of their own; ``window``: the decode needs only the last ``window``
+    tokens of a prompt (sliding-window attention), None: every token."""
+
+    name: str
+    geometry: KVGeometry
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.window is not None and self.window <= 0:
+            raise GeometryError(f"paged group {self.name!r}: window must be positive, got {self.window}")
+
+
+Group = PagedGroup | StateGroup
+
+
+@dataclass(frozen=True, slots=True)
+class CacheGeometry:
+    """One rank's cache as groups. A one-group cache of a ``KVGeometry`` is today's cache."""
+
+    tp_size: int
+    tp_rank: int
+    groups: tuple[Group, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "groups", tuple(self.groups))
+        if not self.groups:
+            raise GeometryError("a cache needs at least one group")
+        names = [g.name for g in self.groups]
+        if len(set(names)) != len(names):
+            raise GeometryError(f"group names repeat: {names}")
+        for g in self.groups:
+            if isinstance(g, PagedGroup) and (g.geometry.tp_size, g.geometry.tp_rank) != (self.tp_size, self.tp_rank):
+                raise GeometryError(f"paged group {g.name!r} is for TP rank {g.geometry.tp_rank}/{g.geometry.tp_size}, "
+                                    f"the cache for {self.tp_rank}/{self.tp_size}")
+            if isinstance(g, StateGroup):
+                for t in g.tensors:
+                    t.shard(self.tp_size, self.tp_rank)  # raises where a dimension does not split
+
+    @classmethod
+    def single(cls, geometry: KVGeometry, name: str = "kv") -> CacheGeometry:
+        return cls(geometry.tp_size, geometry.tp_rank, (PagedGroup(name, geometry),))
+
+    def group(self, name: str) -> Group:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(name)
+
+
+# --- compatibility ------------------------------------------------------------------------------
+def check_groups(prefill: CacheGeometry, decode: CacheGeometry) -> None:
+    """Raise ``IncompatibleGroups`` (naming the group) unless the two caches hold the same groups
+    of the same model; TP size, block sizes, layouts and pool sizes may differ."""
+    p_names, d_names = [g.name for g in prefill.groups], [g.name for g in decode.groups]
+    for name in p_names:
+        if name not in d_names:
+            raise IncompatibleGroups(name, "the prefill has it, the decode does not")
+    for name in d_names:
+        if name not in p_names:
+            raise IncompatibleGroups(name, "the decode has it, the prefill does not")
+    if p_names != d_names:
+        raise IncompatibleGroups(p_names[0], f"groups in a different order: prefill {p_names}, decode {d_names}")
+    for p, d in zip(prefill.groups, decode.groups, strict=True):
+        if type(p) is not type(d):
+            raise IncompatibleGroups(p.name, f"a {type(p).__name__} on the prefill, a {type(d).__name__} on the decode")
+        if isinstance(p, PagedGroup):
+            assert isinstance(d, PagedGroup)
+            try:
+                check_compatible(p.geometry, d.geometry)
+            except IncompatibleGeometry as exc:
+                raise IncompatibleGroups(p.name, str(exc)) from None
+            if p.window != d.window:
+                raise IncompatibleGroups(p.name, f"window {p.window} on the prefill, {d.window} on the decode")
+        else:
+            assert isinstance(d, StateGroup)
+            if p.num_layers != d.num_layers:
+                raise IncompatibleGroups(p.name, f"{p.num_layers} layers on the prefill, {d.num_layers} on the decode")
+            if p.tensors != d.tensors:
+                raise IncompatibleGroups(p.name, f"state tensors differ: prefill {p.tensors}, decode {d.tensors}")
+
+
+# --- sliding windows -----------------------------------------------------------------------------
+def window_tokens(num_tokens: int, window: int | None) -> range:
+    """The prompt tokens a decode needs of a group with ``window`` (all of them without one)."""
+    start = 0 if window is None else max(0, num_tokens - window)
+    return range(start, num_tokens)
+
+
+def window_pages(num_tokens: int, window: int | None, block_size: int) -> range:
+    """Page indices (from the prompt's first page) holding ``window_tokens``."""
+    tokens = window_tokens(num_tokens, window)
+    if not tokens:
+        return range(0)
+    return range(tokens.start // block_size, (tokens.stop - 1) // block_size + 1)
+
+
+# --- state plans ---------------------------------------------------------------------------------
+class StateRun(NamedTuple):
+    """``length`` bytes from ``src`` (offset in the prefill slot of region ``region``) to ``dst``
+    (offset in the decode slot of the same region)."""
+
+    region: int
+    src: int
+    dst: int
+    length: int
+
+
+def state_writers(prefill_tp: int, decode: CacheGeometry, group: StateGroup) -> tuple[int, ...]:
+    """Sorted prefill ranks that write some of ``group`` into decode rank ``decode.tp_rank``."""
+    chosen: set[int] = set()
+    for t in group.tensors:
+        if t.shard_dim is None:
+            chosen.add(decode.tp_rank % prefill_tp)
+            continue
+        need = t.shard(decode.tp_size, decode.tp_rank)
+        n = len(t.shard(prefill_tp, 0))
+        chosen.update(range(need.start // n, (need.stop - 1) // n + 1))
+    return tuple(sorted(chosen))
+
+
+def plan_state(prefill: CacheGeometry, decode: CacheGeometry, group_name: str) -> list[StateRun]:
+    """The runs prefill rank ``prefill.tp_rank`` writes into decode rank ``decode.tp_rank`` for
+    one request of group ``group_name``, in region order (empty if it writes nothing there)."""
+    group = prefill.group(group_name)
+    if not isinstance(group, StateGroup):
+        raise TypeError(f"group {group_name!r} is not a state group")
+    runs: list[StateRun] = []
+    for layer in range(group.num_layers):
+        for i, t in enumerate(group.tensors):
+            region = layer * len(group.tensors) + i
+            if t.shard_dim is None:
+                if prefill.tp_rank == decode.tp_rank % prefill.tp_size:
+                    runs.append(StateRun(region, 0, 0, t.local_bytes(1)))
+                continue
+            held, need = t.shard(prefill.tp_size, prefill.tp_rank), t.shard(decode.tp_size, decode.tp_rank)
+            lo, hi = max(held.start, need.start), min(held.stop, need.stop)
+            if lo >= hi:
+                continue
+            k = t.shard_dim
+            inner = math.prod(t.shape[k + 1:]) * t.dtype.itemsize
+            outer = math.prod(t.shape[:k])
+            src_row, dst_row = len(held) * inner, len(need) * inner
+            first = len(runs)
+            for o in range(outer):
+                src = o * src_row + (lo - held.start) * inner
+                dst = o * dst_row + (lo - need.start) * inner
+                last = runs[-1] if len(runs) > first else None
+                if last is not None and last.src + last.length == src and last.dst + last.length == dst:
+                    runs[-1] = last._replace(length=last.length + (hi - lo) * inner)
+                else:
+                    runs.append(StateRun(region, src, dst, (hi - lo) * inner))
+    return runs
+
+
+def slot_runs(runs: Sequence[StateRun], src_slot: int, dst_slot: int, src_slot_bytes: Sequence[int],
+              dst_slot_bytes: Sequence[int], tensors: int) -> list[StateRun]:
+    """``runs`` placed at slot ``src_slot`` / ``dst_slot`` of their regions (offsets in the region)."""
+    out = []
+    for r in runs:
+        i = r.region % tensors
+        out.append(StateRun(r.region, src_slot * src_slot_bytes[i] + r.src, dst_slot * dst_slot_bytes[i] + r.dst,
+                            r.length))
+    return out
