@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MLAAttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
@@ -41,20 +41,32 @@ MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
          "vocab_size": 1000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
          "tie_word_embeddings": False}
 LAYER_NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+MLA_MODEL = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 128,
+             "intermediate_size": 256, "moe_intermediate_size": 64, "num_attention_heads": 4,
+             "num_key_value_heads": 4, "num_hidden_layers": LAYERS, "vocab_size": 1000,
+             "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16", "kv_lora_rank": 64,
+             "q_lora_rank": None, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32,
+             "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+             "moe_layer_freq": 1, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+             "routed_scaling_factor": 1.0, "scoring_func": "softmax", "norm_topk_prob": False,
+             "tie_word_embeddings": False}
+MLA_LATENT = 64 + 16  # kv_lora_rank + qk_rope_head_dim
 
 
 @functools.cache
-def model_dir() -> str:
-    d = Path("/tmp") / "kvproto-vllm-test-model"
+def model_dir(mla: bool = False) -> str:
+    d = Path("/tmp") / ("kvproto-vllm-test-mla" if mla else "kvproto-vllm-test-model")
     d.mkdir(exist_ok=True)
-    (d / "config.json").write_text(json.dumps(MODEL))
+    (d / "config.json").write_text(json.dumps(MLA_MODEL if mla else MODEL))
     return str(d)
 
 
 @functools.cache
-def model_config() -> ModelConfig:
-    return ModelConfig(model=model_dir(), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
-                       enforce_eager=True)
+def model_config(mla: bool = False) -> ModelConfig:
+    mc = ModelConfig(model=model_dir(mla), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
+                     enforce_eager=True)
+    assert mc.use_mla == mla
+    return mc
 
 
 def free_port() -> int:
@@ -68,8 +80,8 @@ class Instance:
 
     def __init__(self, role: str, *, tp: int = 1, block: int = 16, layout: str = "LBNHC", blocks: int = 96,
                  batch_tokens: int = 256, extra: dict[str, Any] | None = None, seed: int = 0,
-                 prefix_caching: bool = True, policy: str = "fail") -> None:
-        self.role, self.tp, self.block = role, tp, block
+                 prefix_caching: bool = True, policy: str = "fail", mla: bool = False) -> None:
+        self.role, self.tp, self.block, self.mla = role, tp, block, mla
         self.producer = role == "kv_producer"
         self.configs = []
         for rank in range(tp):
@@ -81,14 +93,17 @@ class Instance:
                                   kv_role=role, engine_id=f"{role}-{seed}", kv_connector_extra_config=dict(extra or {}),
                                   kv_load_failure_policy=policy)
             self.configs.append(VllmConfig(
-                model_config=model_config(), cache_config=cache, device_config=DeviceConfig("cpu"),
+                model_config=model_config(mla), cache_config=cache, device_config=DeviceConfig("cpu"),
                 parallel_config=ParallelConfig(tensor_parallel_size=tp, rank=rank), kv_transfer_config=kt,
                 scheduler_config=SchedulerConfig(max_num_batched_tokens=batch_tokens, max_num_seqs=16,
                                                  max_model_len=4096, is_encoder_decoder=False,
                                                  enable_chunked_prefill=True)))
         cfg = self.configs[0]
-        spec = FullAttentionSpec(block_size=block, num_kv_heads=max(1, KV_HEADS // tp), head_size=HEAD,
-                                 dtype=torch.bfloat16)
+        if mla:
+            spec = MLAAttentionSpec(block_size=block, num_kv_heads=1, head_size=MLA_LATENT, dtype=torch.bfloat16)
+        else:
+            spec = FullAttentionSpec(block_size=block, num_kv_heads=max(1, KV_HEADS // tp), head_size=HEAD,
+                                     dtype=torch.bfloat16)
         self.kv_cache_config = get_kv_cache_config_from_groups(cfg, [KVCacheGroupSpec(LAYER_NAMES, spec)], 1 << 40)
         self.scheduler = Scheduler(vllm_config=cfg, kv_cache_config=self.kv_cache_config,
                                    structured_output_manager=StructuredOutputManager(cfg), block_size=block,

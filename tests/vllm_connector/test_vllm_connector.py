@@ -25,14 +25,14 @@ def pair(p_tp: int = 1, d_tp: int = 1, *, p_block: int = 16, d_block: int = 16, 
          d_layout: str = "LBNHC", d_blocks: int = 96, timeouts: dict[str, float] | None = None,
          batch_tokens: int = 256, heartbeat: float = 5.0,
          decode_timeouts: dict[str, float] | None = None, policy: str = "fail",
-         layerwise: bool = True) -> tuple[Instance, Instance]:
+         layerwise: bool = True, mla: bool = False) -> tuple[Instance, Instance]:
     port = free_port()
     prefill = Instance("kv_producer", tp=p_tp, block=p_block, layout=p_layout, batch_tokens=batch_tokens,
                        extra={"bootstrap_port": port, "timeouts": dict(timeouts or {}),
-                              "heartbeat_timeout_s": heartbeat, "layerwise": layerwise}, seed=1)
+                              "heartbeat_timeout_s": heartbeat, "layerwise": layerwise}, seed=1, mla=mla)
     decode = Instance("kv_consumer", tp=d_tp, block=d_block, layout=d_layout, blocks=d_blocks,
                       extra={"heartbeat_timeout_s": heartbeat, "timeouts": dict(decode_timeouts or {})}, seed=2,
-                      policy=policy)
+                      policy=policy, mla=mla)
     return prefill, decode
 
 
@@ -50,8 +50,16 @@ def check_bytes(prefill: Instance, decode: Instance, room: int, num_tokens: int)
     """Every moved token's K|V of every head of every layer equals the prefill's; returns bytes checked."""
     src, r = sends(prefill, room), recv(decode, room)
     t = torch.arange(r.prefix_tokens, num_tokens)
-    ph, dh = KV_HEADS // prefill.tp, KV_HEADS // decode.tp
     checked = 0
+    if prefill.mla:  # one latent on every rank: decode rank d is written by prefill rank d % prefill TP
+        for name in LAYER_NAMES:
+            for d in range(decode.tp):
+                pv = prefill.caches[d % prefill.tp][name][torch.tensor(src)[t // prefill.block], 0, t % prefill.block]
+                dv = decode.caches[d][name][torch.tensor(r.pages)[t // decode.block], 0, t % decode.block]
+                assert torch.equal(pv.view(torch.int16), dv.view(torch.int16)), f"{name} decode rank {d} differs"
+                checked += dv.numel() * dv.element_size()
+        return checked
+    ph, dh = KV_HEADS // prefill.tp, KV_HEADS // decode.tp
     for name in LAYER_NAMES:
         for head in range(KV_HEADS):
             pv = prefill.caches[head // ph][name][torch.tensor(src)[t // prefill.block], head % ph, t % prefill.block]
@@ -90,6 +98,8 @@ CASES = {
     "block16-to-32": dict(d_block=32),
     "tp2-to-1-block32-to-16-hnd": dict(p_tp=2, p_block=32, p_layout="LBHNC"),
     "tp1-to-2-whole-chunks": dict(d_tp=2, layerwise=False),
+    "mla-tp2-to-1-block16-to-32": dict(p_tp=2, d_block=32, mla=True),
+    "mla-tp1-to-2-hnd-to-nhd": dict(d_tp=2, p_layout="LBHNC", mla=True),
 }
 
 
