@@ -143,14 +143,14 @@ def test_decode_prefix_hit_moves_only_the_rest() -> None:
         decode.close()
 
 
-@pytest.mark.parametrize("policy", ["fail", "recompute"])
-def test_prefill_dies_the_decode_request_ends_through_vllms_load_failure_path(policy: str) -> None:
+@pytest.mark.parametrize("policy,d_tp", [("fail", 1), ("recompute", 1), ("recompute", 2)])
+def test_prefill_dies_the_decode_request_ends_through_vllms_load_failure_path(policy: str, d_tp: int) -> None:
     """The prefill instance goes silent (its endpoints' loop stops, as in a crash) before the decode
     opens the room: the decode's room cannot bootstrap and fails after its bootstrap timeout (3 s
     here); vLLM takes it as a failed receive and follows its ``kv_load_failure_policy``: ``fail``
     ends the request with an error, ``recompute`` computes the prompt itself. Nothing hangs and
-    every decode block is free."""
-    prefill, decode = pair(heartbeat=1.0, decode_timeouts={"bootstrap": 3.0}, policy=policy)
+    every decode block is free (with decode TP 2, vLLM's aggregator sees both ranks' failure)."""
+    prefill, decode = pair(d_tp=d_tp, heartbeat=1.0, decode_timeouts={"bootstrap": 3.0}, policy=policy)
     try:
         prefill.add("x", list(range(1, 90)), 1, {"do_remote_decode": True})
         run_until([prefill], lambda: "x" in prefill.finished)
