@@ -11,6 +11,13 @@ on the engine thread (``perf_counter`` around the call), and every step's overhe
 sleep is recorded: its p50/p99/max is the jitter kvproto adds to the engine's loop. Last, the
 facade sits idle for a second with its endpoint started and the process's CPU time over that
 second is reported (an idle facade should cost next to nothing).
+
+Then an *engine-shaped loop* (``run_engine``): the same thread runs steps of a model step of
+``--engine-step-ms`` (many small launches and a synchronize on a GPU; CPU matrix products
+otherwise) plus that step's facade calls, in three phases: no kvproto, the facade idle, and
+``--engine-rooms`` rooms moving at ``--window`` in flight. The difference of the step's p50 and
+p99 to the bare loop is the jitter users feel; the process's CPU beyond the bare loop is what
+kvproto costs it.
 """
 
 from __future__ import annotations
@@ -94,6 +101,125 @@ def run(rooms: int, window: int, step_ms: float, blocks: int, transport: str) ->
     return result
 
 
+def _model_step(step_ms: float) -> tuple[Any, str]:
+    """A model step for the engine loop: launches then a synchronize on a GPU (about a hundred bf16
+    matrix products for 20 ms, as a decode step's kernels), a float32 matrix product on the CPU (torch releases
+    the interpreter lock while it computes, as a GPU step's launches and synchronize mostly do).
+    Returns (step function, what it is)."""
+    import torch
+
+    if torch.cuda.is_available():
+        a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)  # ~0.2 ms each on an H100
+
+        def launches(n: int) -> None:
+            for _ in range(n):
+                a @ a
+            torch.cuda.synchronize()
+
+        what = "GPU: {n} bf16 4096^2 matrix products, then synchronize"
+    else:
+        torch.set_num_threads(1)  # one core of model work, so that the CPU figures read plainly
+        a = torch.randn(256, 256)
+
+        def launches(n: int) -> None:
+            for _ in range(n):
+                a @ a
+
+        what = "CPU: {n} float32 256^2 matrix products on one thread"
+    launches(3)
+    per = float("inf")
+    for _ in range(5):  # the fastest of five: a busy machine must not shorten the step
+        t0 = time.perf_counter()
+        launches(20)
+        per = min(per, (time.perf_counter() - t0) / 20)
+    n = max(1, round(step_ms / 1e3 / per))
+    return (lambda: launches(n)), what.format(n=n)
+
+
+def run_engine(rooms: int, window: int, step_ms: float, steps: int, blocks: int, transport: str) -> dict[str, Any]:
+    """An engine-shaped loop: a scheduler thread whose step is a model step of ``step_ms`` plus the
+    facade calls of that step. Four phases of ``steps`` steps each (rooms moving runs as long as
+    rooms move): no kvproto; the facade started and idle; rooms moving at ``window`` in flight; idle
+    again (a drift check). The step's wall time distribution of each phase, their differences to
+    the first, and the process CPU (what kvproto costs the engine's process)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        return _run_engine(rooms, window, step_ms, steps, blocks, transport)
+    finally:
+        torch.set_num_threads(threads)  # the CPU model step ran on one thread
+
+
+def _run_engine(rooms: int, window: int, step_ms: float, steps: int, blocks: int, transport: str) -> dict[str, Any]:
+    from kvproto.core import RoomState
+    from kvproto.sync import SyncDecode
+
+    model, what = _model_step(step_ms)
+    result: dict[str, Any] = {"engine_model_step": what, "engine_window": window}
+
+    def phase(name: str, body: Any, count: int, until: Any = None) -> None:
+        times: list[float] = []
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        while len(times) < count or (until is not None and not until()):
+            t0 = time.perf_counter()
+            body()
+            model()
+            times.append(time.perf_counter() - t0)
+        result[f"engine_{name}_cpu_fraction"] = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
+        result[f"engine_{name}_steps"] = len(times)
+        for q, label in ((0.5, "p50"), (0.99, "p99")):
+            result[f"engine_{name}_{label}_ms"] = _pct(times, q) * 1e3
+        result[f"engine_{name}_max_ms"] = max(times) * 1e3
+
+    warm_until = time.perf_counter() + 2.0
+    while time.perf_counter() < warm_until:  # clocks and caches settle before anything is timed
+        model()
+    phase("bare", lambda: None, steps)
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    child = ctx.Process(target=_prefill_child, args=(transport, blocks, child_conn), daemon=True)
+    child.start()
+    address = conn.recv()
+    _src, kv = _cache(2, blocks)
+    try:
+        decode = SyncDecode(kv, config=_config(transport))
+        try:
+            phase("idle", lambda: decode.get_finished(), steps)
+            conn.send((1, rooms, window))
+            live: dict[int, Any] = {}
+            state = {"next": 1, "ended": 0, "failed": 0}
+            done = {RoomState.SUCCESS, RoomState.FAILED}
+
+            def facade_calls() -> None:
+                while len(live) < window and state["next"] <= rooms:
+                    room_id = state["next"]
+                    live[room_id] = decode.receiver(room_id, address, pages=[_page(room_id, blocks)],
+                                                    num_tokens=BLOCK)
+                    state["next"] += 1
+                for room_id in list(live):
+                    s = live[room_id].poll()
+                    if s in done:
+                        state["failed"] += s is RoomState.FAILED
+                        state["ended"] += 1
+                        del live[room_id]
+                decode.get_finished()
+
+            began = time.perf_counter()
+            phase("moving", facade_calls, steps, until=lambda: state["ended"] >= rooms)
+            result["engine_rooms_per_s"] = rooms / (time.perf_counter() - began)
+            assert conn.recv() == "done"
+            phase("idle_after", lambda: decode.get_finished(), steps)  # drift check: idle again
+            if state["failed"]:
+                raise RuntimeError(f"{state['failed']} rooms failed")
+        finally:
+            decode.close()
+    finally:
+        conn.send(None)
+        child.join(timeout=10)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvproto bench sync", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rooms", type=int, default=4000)
@@ -101,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-ms", type=float, default=1.0, help="the model step the scheduler sleeps")
     ap.add_argument("--blocks", type=int, default=1024)
     ap.add_argument("--transport", default="nixl")
+    ap.add_argument("--engine-rooms", type=int, default=10000, help="rooms the engine-shaped loop moves")
+    ap.add_argument("--engine-step-ms", type=float, default=20.0, help="the engine loop's model step")
+    ap.add_argument("--engine-steps", type=int, default=100, help="steps per phase of the engine loop (0: skip it)")
     ap.add_argument("--json", help="write every figure to this file")
     args = ap.parse_args(argv)
     r = run(args.rooms, args.window, args.step_ms, args.blocks, args.transport)
@@ -113,6 +242,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"step overhead (kvproto calls per step, beyond the model step): p50 {r['step_overhead_p50_ms']:.3f} ms, "
           f"p99 {r['step_overhead_p99_ms']:.3f} ms, max {r['step_overhead_max_ms']:.3f} ms")
     print(f"idle facade (endpoint started, no rooms): {r['idle_cpu_fraction'] * 100:.1f}% of a core")
+    if args.engine_steps:
+        r.update(run_engine(args.engine_rooms, args.window, args.engine_step_ms, args.engine_steps, args.blocks,
+                            args.transport))
+        print(f"engine-shaped loop: scheduler thread, model step = {r['engine_model_step']}; "
+              f"rooms moving: {args.engine_rooms} at {args.window} in flight, {r['engine_rooms_per_s']:.0f} rooms/s")
+        print(f"{'phase':>22} {'steps':>6} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'+p50':>7} {'+p99':>7} {'CPU':>6}")
+        for name, label in (("bare", "no kvproto"), ("idle", "facade idle"), ("moving", "rooms moving"),
+                            ("idle_after", "facade idle again")):
+            dp50 = r[f"engine_{name}_p50_ms"] - r["engine_bare_p50_ms"]
+            dp99 = r[f"engine_{name}_p99_ms"] - r["engine_bare_p99_ms"]
+            print(f"{label:>22} {r[f'engine_{name}_steps']:>6} {r[f'engine_{name}_p50_ms']:>8.2f} "
+                  f"{r[f'engine_{name}_p99_ms']:>8.2f} {r[f'engine_{name}_max_ms']:>8.2f} {dp50:>+7.2f} {dp99:>+7.2f} "
+                  f"{r[f'engine_{name}_cpu_fraction'] * 100:>5.0f}%")
+        extra = r["engine_moving_cpu_fraction"] - r["engine_bare_cpu_fraction"]
+        print(f"the process's CPU beyond the bare loop while rooms move: {extra * 100:.0f}% of a core "
+              f"(kvproto's loop thread and facade calls)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bench": "sync", **r}, f, indent=1)

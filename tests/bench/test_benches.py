@@ -81,3 +81,20 @@ def test_bench_layers_on_cpu_streams_the_tail_down_to_a_layer(tmp_path: Path) ->
     assert room["tail_p50_ms"] >= 0.8 * room["room_transfer_ms"]
     assert layer["tail_p50_ms"] < layer["layer_transfer_ms"] + 5.0 < room["tail_p50_ms"]
     assert layer["throughput_gbps"] > 0.5 * room["throughput_gbps"]
+
+
+def test_bench_sync_engine_loop_reports_every_phase(tmp_path: Path) -> None:
+    """``bench sync`` times the facade's calls and runs the engine-shaped loop: no kvproto, the
+    facade idle, rooms moving (every room ends SUCCESS, else the run fails), idle again; each
+    phase has its step distribution and the process's CPU."""
+    from kvproto.bench import sync
+
+    out = tmp_path / "sync.json"
+    assert sync.main(["--rooms", "60", "--window", "16", "--blocks", "64", "--engine-rooms", "80",
+                      "--engine-steps", "5", "--engine-step-ms", "2", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["rooms_per_s"] > 0 and r["engine_rooms_per_s"] > 0
+    for name in ("bare", "idle", "moving", "idle_after"):
+        assert r[f"engine_{name}_steps"] >= 5
+        assert 0 < r[f"engine_{name}_p50_ms"] <= r[f"engine_{name}_p99_ms"] <= r[f"engine_{name}_max_ms"]
+        assert r[f"engine_{name}_cpu_fraction"] > 0
