@@ -31,9 +31,20 @@ from typing import Any
 from kvproto.bench.rooms import BLOCK, _cache, _config, _page, _pct, _prefill_child
 
 
-def run(rooms: int, window: int, step_ms: float, blocks: int, transport: str) -> dict[str, Any]:
-    from kvproto.core import RoomState
+def _facade(process: bool) -> Any:
+    """The decode facade under test: ``SyncDecode`` (endpoint on a thread of this process) or
+    ``ProcessDecode`` (endpoint in a child process)."""
+    if process:
+        from kvproto.sync_process import ProcessDecode
+
+        return ProcessDecode
     from kvproto.sync import SyncDecode
+
+    return SyncDecode
+
+
+def run(rooms: int, window: int, step_ms: float, blocks: int, transport: str, process: bool = False) -> dict[str, Any]:
+    from kvproto.core import RoomState
 
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
@@ -46,7 +57,7 @@ def run(rooms: int, window: int, step_ms: float, blocks: int, transport: str) ->
     overheads: list[float] = []
     done = {RoomState.SUCCESS, RoomState.FAILED}
     try:
-        decode = SyncDecode(kv, config=_config(transport))
+        decode = _facade(process)(kv, config=_config(transport))
         try:
             conn.send((1, rooms, window))  # the prefill opens every room and gives its page
             live: dict[int, Any] = {}
@@ -136,7 +147,8 @@ def _model_step(step_ms: float) -> tuple[Any, str]:
     return (lambda: launches(n)), what.format(n=n)
 
 
-def run_engine(rooms: int, window: int, step_ms: float, steps: int, blocks: int, transport: str) -> dict[str, Any]:
+def run_engine(rooms: int, window: int, step_ms: float, steps: int, blocks: int, transport: str,
+               process: bool = False) -> dict[str, Any]:
     """An engine-shaped loop: a scheduler thread whose step is a model step of ``step_ms`` plus the
     facade calls of that step. Four phases of ``steps`` steps each (rooms moving runs as long as
     rooms move): no kvproto; the facade started and idle; rooms moving at ``window`` in flight; idle
@@ -146,14 +158,14 @@ def run_engine(rooms: int, window: int, step_ms: float, steps: int, blocks: int,
 
     threads = torch.get_num_threads()
     try:
-        return _run_engine(rooms, window, step_ms, steps, blocks, transport)
+        return _run_engine(rooms, window, step_ms, steps, blocks, transport, process)
     finally:
         torch.set_num_threads(threads)  # the CPU model step ran on one thread
 
 
-def _run_engine(rooms: int, window: int, step_ms: float, steps: int, blocks: int, transport: str) -> dict[str, Any]:
+def _run_engine(rooms: int, window: int, step_ms: float, steps: int, blocks: int, transport: str,
+                process: bool) -> dict[str, Any]:
     from kvproto.core import RoomState
-    from kvproto.sync import SyncDecode
 
     model, what = _model_step(step_ms)
     result: dict[str, Any] = {"engine_model_step": what, "engine_window": window}
@@ -183,7 +195,7 @@ def _run_engine(rooms: int, window: int, step_ms: float, steps: int, blocks: int
     address = conn.recv()
     _src, kv = _cache(2, blocks)
     try:
-        decode = SyncDecode(kv, config=_config(transport))
+        decode = _facade(process)(kv, config=_config(transport))
         try:
             phase("idle", lambda: decode.get_finished(), steps)
             conn.send((1, rooms, window))
@@ -206,8 +218,12 @@ def _run_engine(rooms: int, window: int, step_ms: float, steps: int, blocks: int
                 decode.get_finished()
 
             began = time.perf_counter()
+            child0 = decode.child_cpu_seconds() if process else 0.0
             phase("moving", facade_calls, steps, until=lambda: state["ended"] >= rooms)
-            result["engine_rooms_per_s"] = rooms / (time.perf_counter() - began)
+            seconds = time.perf_counter() - began
+            result["engine_rooms_per_s"] = rooms / seconds
+            if process:
+                result["engine_endpoint_process_cpu_fraction"] = (decode.child_cpu_seconds() - child0) / seconds
             assert conn.recv() == "done"
             phase("idle_after", lambda: decode.get_finished(), steps)  # drift check: idle again
             if state["failed"]:
@@ -230,10 +246,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-rooms", type=int, default=10000, help="rooms the engine-shaped loop moves")
     ap.add_argument("--engine-step-ms", type=float, default=20.0, help="the engine loop's model step")
     ap.add_argument("--engine-steps", type=int, default=100, help="steps per phase of the engine loop (0: skip it)")
+    ap.add_argument("--process", action="store_true",
+                    help="the decode endpoint in a process of its own (kvproto.sync_process.ProcessDecode)")
     ap.add_argument("--json", help="write every figure to this file")
     args = ap.parse_args(argv)
-    r = run(args.rooms, args.window, args.step_ms, args.blocks, args.transport)
-    print(f"synchronous scheduler thread driving SyncDecode, prefill in another process ({args.transport}), "
+    r = run(args.rooms, args.window, args.step_ms, args.blocks, args.transport, args.process)
+    r["facade"] = "ProcessDecode" if args.process else "SyncDecode"
+    print(f"synchronous scheduler thread driving {r['facade']}, prefill in another process ({args.transport}), "
           f"{r['rooms']} 1-page rooms, {r['window']} in flight, {r['step_ms']} ms model step: "
           f"{r['rooms_per_s']:.0f} rooms/s over {r['steps']} steps")
     print(f"{'call':>14} {'p50 us':>8} {'p99 us':>8} {'max us':>8}")
@@ -244,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"idle facade (endpoint started, no rooms): {r['idle_cpu_fraction'] * 100:.1f}% of a core")
     if args.engine_steps:
         r.update(run_engine(args.engine_rooms, args.window, args.engine_step_ms, args.engine_steps, args.blocks,
-                            args.transport))
+                            args.transport, args.process))
         print(f"engine-shaped loop: scheduler thread, model step = {r['engine_model_step']}; "
               f"rooms moving: {args.engine_rooms} at {args.window} in flight, {r['engine_rooms_per_s']:.0f} rooms/s")
         print(f"{'phase':>22} {'steps':>6} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'+p50':>7} {'+p99':>7} {'CPU':>6}")
@@ -256,8 +275,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r[f'engine_{name}_p99_ms']:>8.2f} {r[f'engine_{name}_max_ms']:>8.2f} {dp50:>+7.2f} {dp99:>+7.2f} "
                   f"{r[f'engine_{name}_cpu_fraction'] * 100:>5.0f}%")
         extra = r["engine_moving_cpu_fraction"] - r["engine_bare_cpu_fraction"]
-        print(f"the process's CPU beyond the bare loop while rooms move: {extra * 100:.0f}% of a core "
-              f"(kvproto's loop thread and facade calls)")
+        print(f"the engine process's CPU beyond the bare loop while rooms move: {extra * 100:.0f}% of a core"
+              + (f"; the endpoint's own process: {r['engine_endpoint_process_cpu_fraction'] * 100:.0f}% of a core"
+                 if args.process else " (kvproto's loop thread and facade calls)"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"bench": "sync", **r}, f, indent=1)

@@ -12,7 +12,7 @@ late messages are counted as late rather than unknown.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +84,9 @@ class CoreBase:
         self._outputs: list[Output] = []
         self._tombstones: OrderedDict[int, Tombstone] = OrderedDict()
         self.closed = False
+        self.on_state: Callable[[int, RoomState], None] | None = None
+        """Called with (room id, state) whenever a live room enters a non-terminal state (its end
+        is the ``RoomEnded`` output); ``kvproto.sync_process`` forwards these to its engine."""
 
     # --- outputs -----------------------------------------------------------------------------
     def pop_outputs(self) -> list[Output]:
@@ -164,6 +167,8 @@ class CoreBase:
         if nxt.terminal:
             self._end(room, now)
             return
+        if entered and self.on_state is not None:
+            self.on_state(room.room_id, nxt)
         progress = effect in (Effect.RECORD, Effect.POST_CHUNK) and nxt is RoomState.TRANSFERRING
         if effect is Effect.ABORT_AND_DRAIN:
             self.timers.schedule(room.room_id, now + self.timeouts.drain)

@@ -1,0 +1,151 @@
+"""``ProcessDecode``: the synchronous decode facade with its endpoint in a child process. Real
+NIXL and ZMQ on loopback; the cache is the test's own tensors, shared with the child."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from kvproto.aio import EndpointConfig, KVCache, TransferFailed
+from kvproto.core import RoomState, Timeouts
+from kvproto.sync import SyncPrefill
+from kvproto.sync_process import ProcessDecode
+from kvproto.wire import ErrorCode, LocalProtocolError
+
+pytestmark = [pytest.mark.nixl, pytest.mark.slow]
+
+BLOCK, HEADS, DIM = 4, 2, 8
+ENDED = (RoomState.SUCCESS, RoomState.FAILED)
+
+
+def cache(seed: int) -> tuple[list[list[torch.Tensor]], KVCache]:
+    gen = torch.Generator().manual_seed(seed)
+    planes = [[torch.randint(0, 256, (32, BLOCK, HEADS, DIM), dtype=torch.uint8, generator=gen) for _ in range(2)]
+              for _ in range(2)]
+    return planes, KVCache.from_tensors(planes)
+
+
+def config(**timeouts: float) -> EndpointConfig:
+    t = dict(bootstrap=10.0, waiting=10.0, transfer=10.0, parked=10.0)
+    t.update(timeouts)
+    return EndpointConfig(transport="nixl", timeouts=Timeouts(**t), heartbeat_timeout=2.0, heartbeat_interval=0.5)
+
+
+def wait(room: object, timeout: float = 30.0) -> RoomState:
+    deadline = time.monotonic() + timeout
+    while (state := room.poll()) not in ENDED:  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, "the room did not end"
+        time.sleep(0.001)
+    return state
+
+
+def tokens(planes: list[list[torch.Tensor]], pages: list[int], n: int) -> list[torch.Tensor]:
+    return [t[pages].reshape(-1, HEADS, DIM)[:n] for plane in planes for t in plane]
+
+
+def test_rooms_land_byte_exact_in_the_engines_own_tensors_and_end_once() -> None:
+    """Rooms opened through the child land in the engine's tensors (shared, not copied), pass
+    through BOOTSTRAPPING before SUCCESS, and get_finished lists each once."""
+    src, skv = cache(1)
+    dst, dkv = cache(2)
+    with SyncPrefill(skv, config=config()) as prefill, ProcessDecode(dkv, config=config()) as decode:
+        plan = {10 + i: ([i, i + 8], [20 - i, 3 + i], 5 + i % 4) for i in range(6)}
+        rooms = {}
+        for rid, (s_pages, d_pages, n) in plan.items():
+            rooms[rid] = decode.receiver(rid, prefill.bootstrap_address, pages=d_pages, num_tokens=n)
+            assert rooms[rid].poll() is RoomState.BOOTSTRAPPING
+            tx = prefill.sender(rid)
+            tx.init(n)
+            tx.send(s_pages, n)
+        assert all(wait(r) is RoomState.SUCCESS for r in rooms.values())
+        finished = decode.get_finished()
+        assert sorted(f[0] for f in finished) == sorted(plan) and all(f[1] is RoomState.SUCCESS for f in finished)
+        assert decode.get_finished() == []
+    for rid, (s_pages, d_pages, n) in plan.items():
+        for a, b in zip(tokens(src, s_pages, n), tokens(dst, d_pages, n)):
+            assert torch.equal(a, b), rid
+
+
+def test_destination_given_later_waiting_for_input_is_seen() -> None:
+    src, skv = cache(3)
+    dst, dkv = cache(4)
+    with SyncPrefill(skv, config=config()) as prefill, ProcessDecode(dkv, config=config()) as decode:
+        rx = decode.receiver(7, prefill.bootstrap_address)
+        deadline = time.monotonic() + 20
+        while rx.poll() is not RoomState.WAITING_FOR_INPUT:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        rx.init([5, 6], 6)
+        tx = prefill.sender(7)
+        tx.init(6)
+        tx.send([30, 31], 6)
+        assert wait(rx) is RoomState.SUCCESS
+    assert all(torch.equal(a, b) for a, b in zip(tokens(src, [30, 31], 6), tokens(dst, [5, 6], 6)))
+
+
+def test_refusals_aborts_and_duplicates_fail_only_their_room_with_the_reason() -> None:
+    _, skv = cache(5)
+    _, dkv = cache(6)
+    with SyncPrefill(skv, config=config()) as prefill, ProcessDecode(dkv, config=config()) as decode:
+        live = decode.receiver(1, prefill.bootstrap_address)
+        dup = decode.receiver(1, prefill.bootstrap_address)
+        assert dup.poll() is RoomState.FAILED and dup.code == ErrorCode.DUPLICATE_ROOM
+        with pytest.raises(LocalProtocolError, match="already live"):
+            dup.failure_exception()
+        bad = decode.receiver(2, prefill.bootstrap_address, pages=[1, 1], num_tokens=8)  # a page twice
+        assert wait(bad) is RoomState.FAILED
+        with pytest.raises(LocalProtocolError):
+            bad.failure_exception()
+        live.abort()
+        assert wait(live) is RoomState.FAILED and live.code == ErrorCode.ABORTED
+        with pytest.raises(TransferFailed, match="ABORTED"):
+            live.failure_exception()
+        ended = {(f[0], f[1]) for f in decode.get_finished()}
+        assert ended == {(1, RoomState.FAILED), (2, RoomState.FAILED)}
+
+
+def test_close_fails_live_rooms_and_ends_the_process() -> None:
+    _, skv = cache(7)
+    _, dkv = cache(8)
+    with SyncPrefill(skv, config=config()) as prefill:
+        decode = ProcessDecode(dkv, config=config())
+        rx = decode.receiver(3, prefill.bootstrap_address)
+        decode.close()
+        assert not decode._proc.is_alive()
+        assert rx.poll() is RoomState.FAILED and rx.code == ErrorCode.ENDPOINT_CLOSED
+        with pytest.raises(LocalProtocolError, match="closed"):
+            decode.receiver(4, prefill.bootstrap_address)
+
+
+def test_a_dead_endpoint_process_fails_its_rooms_only_after_the_drain() -> None:
+    """kill -9 of the child: its live rooms report FAILED (INTERNAL_ERROR), not before
+    ``Timeouts.drain`` has passed since the death was seen (writes into the shared cache may still
+    land until the prefill drops the link)."""
+    _, skv = cache(9)
+    _, dkv = cache(10)
+    with SyncPrefill(skv, config=config()) as prefill:
+        decode = ProcessDecode(dkv, config=config(drain=1.0))
+        try:
+            rx = decode.receiver(8, prefill.bootstrap_address)
+            os.kill(decode._proc.pid, signal.SIGKILL)
+            decode._proc.join(5)
+            seen = time.monotonic()
+            assert rx.poll() is not RoomState.FAILED
+            state = wait(rx, timeout=10)
+            assert state is RoomState.FAILED and rx.code == ErrorCode.INTERNAL_ERROR
+            assert time.monotonic() - seen >= 0.9
+            with pytest.raises(TransferFailed, match="process died"):
+                rx.failure_exception()
+        finally:
+            decode.close()
+
+
+def test_a_cache_without_tensors_is_refused() -> None:
+    _, dkv = cache(11)
+    bare = KVCache(geometry=dkv.geometry, region_addresses=dkv.region_addresses)
+    with pytest.raises(LocalProtocolError, match="KVCache.from_tensors"):
+        ProcessDecode(bare)
