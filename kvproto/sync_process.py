@@ -61,19 +61,14 @@ def _code(value: int) -> ErrorCode | int | None:
         return value
 
 
-class ProcessReceiver:
-    """A decode room, shaped like SGLang's ``KVReceiver`` (as ``kvproto.sync.KVReceiver``)."""
+class _ProcessRoom:
+    """What both handles share: the state the child reported, and the calls every room has."""
 
-    def __init__(self, facade: ProcessDecode, room_id: int) -> None:
+    def __init__(self, facade: _ProcessFacade, room_id: int) -> None:
         self._facade = facade
         self.room_id = room_id
         self._state = RoomState.BOOTSTRAPPING
         self._code: ErrorCode | int | None = None
-
-    def init(self, pages: Sequence[int], num_tokens: int, *, prefix_tokens: int = 0,
-             aux_slot: int | None = None) -> None:
-        """Where the room's KV goes (see ``ReceiverRoomHandle.set_destination``)."""
-        self._facade._call(("init", self.room_id, list(pages), num_tokens, prefix_tokens, aux_slot))
 
     def poll(self) -> RoomState:
         """The room's state, without waiting (one shared-counter read when nothing changed)."""
@@ -96,11 +91,44 @@ class ProcessReceiver:
         self._facade._call(("abort", self.room_id))
 
 
-class ProcessDecode:
-    """A decode rank for a synchronous scheduler, its endpoint in a child process (see above).
+class ProcessReceiver(_ProcessRoom):
+    """A decode room, shaped like SGLang's ``KVReceiver`` (as ``kvproto.sync.KVReceiver``)."""
+
+    def init(self, pages: Sequence[int], num_tokens: int, *, prefix_tokens: int = 0,
+             aux_slot: int | None = None) -> None:
+        """Where the room's KV goes (see ``ReceiverRoomHandle.set_destination``)."""
+        self._facade._call(("init", self.room_id, list(pages), num_tokens, prefix_tokens, aux_slot))
+
+
+class ProcessSender(_ProcessRoom):
+    """A prefill room, shaped like SGLang's ``KVSender`` (as ``kvproto.sync.KVSender``)."""
+
+    def init(self, num_tokens: int, aux_slot: int | None = None) -> None:
+        self._facade._call(("init", self.room_id, num_tokens, aux_slot))
+
+    def send(self, pages: Sequence[int], end_token: int | None = None, *, layers: range | None = None,
+             ready: Any = None) -> None:
+        """As ``kvproto.sync.KVSender.send``. ``ready`` must be a CUDA event made with
+        ``torch.cuda.Event(interprocess=True)``: the endpoint's process opens it by its IPC handle."""
+        event = None
+        if ready is not None:
+            try:
+                event = (ready.device.index if ready.device.index is not None else 0, bytes(ready.ipc_handle()))
+            except (RuntimeError, AttributeError) as exc:
+                raise LocalProtocolError(f"ready must be torch.cuda.Event(interprocess=True) with the endpoint in "
+                                         f"another process ({exc})") from None
+        span = None if layers is None else (layers.start, layers.stop)
+        self._facade._call(("send", self.room_id, list(pages), end_token, span, event))
+
+
+class _ProcessFacade:
+    """A rank's endpoint in a child process, driven from the engine's threads (see above).
     ``kv`` must come from ``KVCache.from_tensors``: the child rebuilds it from those tensors."""
 
-    def __init__(self, kv: KVCache, *, config: EndpointConfig | None = None, start_timeout: float = 120.0) -> None:
+    ROLE = ""
+
+    def __init__(self, kv: KVCache, *, config: EndpointConfig | None = None, bootstrap: str | None = None,
+                 start_timeout: float = 120.0) -> None:
         import torch.multiprocessing as tmp
 
         planes, aux = kv.owner if isinstance(kv.owner, tuple) and len(kv.owner) == 2 else (None, None)
@@ -120,19 +148,20 @@ class ProcessDecode:
         self._read = 0
         self._buffer = b""
         self._proc = ctx.Process(target=_child, name="kvproto-decode",
-                                 args=(planes, aux, layout, self.config, calls_r, events_w, reasons_w, ready_w,
-                                       self._written), daemon=True)
+                                 args=(self.ROLE, planes, aux, layout, self.config, bootstrap, calls_r, events_w,
+                                       reasons_w, ready_w, self._written), daemon=True)
         self._proc.start()
         for end in (calls_r, events_w, reasons_w, ready_w):
             end.close()
         if not ready_r.poll(start_timeout):
             self._proc.kill()
-            raise LocalProtocolError("the decode endpoint's process did not start in time")
+            raise LocalProtocolError(f"the {self.ROLE} endpoint's process did not start in time")
         status = ready_r.recv()
-        if status != "ready":
+        if not isinstance(status, tuple):
             self._proc.join(5)
-            raise LocalProtocolError(f"the decode endpoint's process failed to start: {status}")
-        self._rooms: dict[int, ProcessReceiver] = {}
+            raise LocalProtocolError(f"the {self.ROLE} endpoint's process failed to start: {status}")
+        self.address, self.bootstrap_address = status
+        self._rooms: dict[int, _ProcessRoom] = {}
         self._finished: collections.deque[tuple[int, RoomState, Any]] = collections.deque()
         self._why_text: dict[int, tuple[str, str]] = {}
         self._lock = threading.Lock()
@@ -141,20 +170,15 @@ class ProcessDecode:
         self._next_alive_check = 0.0
 
     # --- the engine's calls ---------------------------------------------------------------------
-    def receiver(self, room_id: int, bootstrap: str, *, pages: Sequence[int] | None = None,
-                 num_tokens: int | None = None, prefix_tokens: int = 0, aux_slot: int | None = None) -> ProcessReceiver:
-        """Open the decode side of ``room_id`` (as ``SyncDecode.receiver``); returns at once."""
-        room = ProcessReceiver(self, room_id)
+    def _open(self, room: _ProcessRoom, message: tuple[Any, ...]) -> None:
         with self._lock:
-            if room_id in self._rooms:  # refused here, as the endpoint would: the live room goes on
+            if room.room_id in self._rooms:  # refused here, as the endpoint would: the live room goes on
                 room._state, room._code = RoomState.FAILED, ErrorCode.DUPLICATE_ROOM
-                self._why_text[room_id] = ("LocalProtocolError", f"room {room_id} is already live")
-                self._finished.append((room_id, RoomState.FAILED, ErrorCode.DUPLICATE_ROOM))
-                return room
-            self._rooms[room_id] = room
-        self._call(("open", room_id, bootstrap, None if pages is None else list(pages), num_tokens, prefix_tokens,
-                    aux_slot))
-        return room
+                self._why_text[room.room_id] = ("LocalProtocolError", f"room {room.room_id} is already live")
+                self._finished.append((room.room_id, RoomState.FAILED, ErrorCode.DUPLICATE_ROOM))
+                return
+            self._rooms[room.room_id] = room
+        self._call(message)
 
     def get_finished(self) -> list[tuple[int, RoomState, ErrorCode | int | None]]:
         """(room id, final state, code) of every room that ended since the last call, in order."""
@@ -262,7 +286,7 @@ class ProcessDecode:
                 self._why_text[room_id] = ("TransferFailed", "the decode endpoint's process died")
                 self._event(room_id, RoomState.FAILED, ErrorCode.INTERNAL_ERROR)
 
-    def _why(self, room_id: int, code: ErrorCode | int | None) -> BaseException:
+    def _why(self, room_id: int, code: ErrorCode | int | None) -> BaseException:  # noqa: D401
         while self._reasons.poll():
             try:
                 rid, kind, text = self._reasons.recv()
@@ -273,6 +297,36 @@ class ProcessDecode:
         if kind == "LocalProtocolError":
             return LocalProtocolError(text, code if isinstance(code, ErrorCode) else ErrorCode.INTERNAL_ERROR)
         return TransferFailed(room_id, code, text)
+
+
+class ProcessDecode(_ProcessFacade):
+    """A decode rank for a synchronous scheduler, its endpoint in a child process."""
+
+    ROLE = "decode"
+
+    def __init__(self, kv: KVCache, *, config: EndpointConfig | None = None, start_timeout: float = 120.0) -> None:
+        super().__init__(kv, config=config, start_timeout=start_timeout)
+
+    def receiver(self, room_id: int, bootstrap: str, *, pages: Sequence[int] | None = None,
+                 num_tokens: int | None = None, prefix_tokens: int = 0, aux_slot: int | None = None) -> ProcessReceiver:
+        """Open the decode side of ``room_id`` (as ``SyncDecode.receiver``); returns at once."""
+        room = ProcessReceiver(self, room_id)
+        self._open(room, ("open", room_id, bootstrap, None if pages is None else list(pages), num_tokens,
+                          prefix_tokens, aux_slot))
+        return room
+
+
+class ProcessPrefill(_ProcessFacade):
+    """A prefill rank for a synchronous scheduler, its endpoint in a child process
+    (``bootstrap``: prefill rank 0's address, for the other ranks)."""
+
+    ROLE = "prefill"
+
+    def sender(self, room_id: int) -> ProcessSender:
+        """Open the prefill side of ``room_id`` (as ``SyncPrefill.sender``); returns at once."""
+        room = ProcessSender(self, room_id)
+        self._open(room, ("open", room_id))
+        return room
 
 
 # --- the child --------------------------------------------------------------------------------------
@@ -350,26 +404,27 @@ class _Writer:
                 self.loop.remove_writer(self.fd)
 
 
-def _child(planes: Any, aux: Any, layout: dict[str, Any], config: EndpointConfig, calls: Any, events: Any,
-           reasons: Any, ready: Any, written: Any) -> None:
-    from kvproto.sync import SyncDecode
+def _child(role: str, planes: Any, aux: Any, layout: dict[str, Any], config: EndpointConfig, bootstrap: str | None,
+           calls: Any, events: Any, reasons: Any, ready: Any, written: Any) -> None:
+    from kvproto.sync import SyncDecode, SyncPrefill
 
     try:
         kv = KVCache.from_tensors(planes, aux=aux, **layout)
-        decode = SyncDecode(kv, config=config)
+        facade: Any = (SyncPrefill(kv, bootstrap=bootstrap, config=config) if role == "prefill"
+                       else SyncDecode(kv, config=config))
     except Exception as exc:  # noqa: BLE001 - reported to the engine, which raises it
         ready.send(f"{type(exc).__name__}: {exc}")
         return
     rooms: dict[int, Any] = {}
-    writer = _Writer(events, written, decode.loop.loop)
-    decode._finished = _Sink(writer, rooms, reasons)  # type: ignore[assignment]
-    core = decode._endpoint.core
+    writer = _Writer(events, written, facade.loop.loop)
+    facade._finished = _Sink(writer, rooms, reasons)
+    core = facade._endpoint.core
 
     def entered(room_id: int, state: RoomState) -> None:
         writer.write(room_id, state, None)
 
-    decode.loop.run(_set_hook(core, entered))
-    ready.send("ready")
+    facade.loop.run(_set_hook(core, entered))
+    ready.send((getattr(facade, "address", None), getattr(facade, "bootstrap_address", None)))
     try:
         while True:
             try:
@@ -377,28 +432,39 @@ def _child(planes: Any, aux: Any, layout: dict[str, Any], config: EndpointConfig
             except (EOFError, OSError):
                 break  # the engine has gone: close
             kind = message[0]
-            if kind == "open":
-                _, room_id, bootstrap, pages, num_tokens, prefix, aux_slot = message
-                rooms[room_id] = decode.receiver(room_id, bootstrap, pages=pages, num_tokens=num_tokens,
-                                                 prefix_tokens=prefix, aux_slot=aux_slot)
-            elif kind == "init":
-                _, room_id, pages, num_tokens, prefix, aux_slot = message
-                room = rooms.get(room_id)
-                if room is not None:
-                    room.init(pages, num_tokens, prefix_tokens=prefix, aux_slot=aux_slot)
-            elif kind == "abort":
-                room = rooms.get(message[1])
-                if room is not None:
-                    room.abort()
-            elif kind == "close":
+            if kind == "close":
                 break
+            room = rooms.get(message[1])
+            if kind == "open" and role == "decode":
+                _, room_id, peer, pages, num_tokens, prefix, aux_slot = message
+                rooms[room_id] = facade.receiver(room_id, peer, pages=pages, num_tokens=num_tokens,
+                                                 prefix_tokens=prefix, aux_slot=aux_slot)
+            elif kind == "open":
+                rooms[message[1]] = facade.sender(message[1])
+            elif room is None:
+                continue  # the room has ended (or was refused): later calls are moot
+            elif kind == "abort":
+                room.abort()
+            elif kind == "init" and role == "decode":
+                _, _, pages, num_tokens, prefix, aux_slot = message
+                room.init(pages, num_tokens, prefix_tokens=prefix, aux_slot=aux_slot)
+            elif kind == "init":
+                room.init(message[2], message[3])
+            elif kind == "send":
+                _, _, pages, end_token, span, event = message
+                ready_event = None
+                if event is not None:
+                    import torch
+
+                    ready_event = torch.cuda.Event.from_ipc_handle(torch.device("cuda", event[0]), event[1])
+                room.send(pages, end_token, layers=None if span is None else range(*span), ready=ready_event)
     finally:
-        decode.close()
+        facade.close()
 
 
 async def _set_hook(core: Any, entered: Any) -> None:
     core.on_state = entered
 
 
-__all__ = ["ProcessDecode", "ProcessReceiver"]
+__all__ = ["ProcessDecode", "ProcessPrefill", "ProcessReceiver", "ProcessSender"]
 _ = pickle  # the calls pipe pickles (multiprocessing.Connection.send)

@@ -118,3 +118,4 @@ async def test_gpu_layerwise_send_never_waits_for_the_engine_stream(transport: s
     for r in range(4):
         want = token_heads(src[r], src_pages, n, Layout.NHD)
         assert torch.equal(want, token_heads(dst[r], dst_pages, n, Layout.NHD).to(want.device))
+

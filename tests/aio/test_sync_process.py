@@ -13,7 +13,7 @@ import torch
 from kvproto.aio import EndpointConfig, KVCache, TransferFailed
 from kvproto.core import RoomState, Timeouts
 from kvproto.sync import SyncPrefill
-from kvproto.sync_process import ProcessDecode
+from kvproto.sync_process import ProcessDecode, ProcessPrefill
 from kvproto.wire import ErrorCode, LocalProtocolError
 
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
@@ -149,3 +149,27 @@ def test_a_cache_without_tensors_is_refused() -> None:
     bare = KVCache(geometry=dkv.geometry, region_addresses=dkv.region_addresses)
     with pytest.raises(LocalProtocolError, match="KVCache.from_tensors"):
         ProcessDecode(bare)
+
+
+def test_both_sides_in_processes_chunks_and_layers_land_byte_exact() -> None:
+    """ProcessPrefill and ProcessDecode: a room in two chunks, the second streamed layer by
+    layer, lands byte-exact; a ``ready`` that is no interprocess CUDA event is refused at once."""
+    src, skv = cache(12)
+    dst, dkv = cache(13)
+    with ProcessPrefill(skv, config=config()) as prefill, ProcessDecode(dkv, config=config()) as decode:
+        assert prefill.bootstrap_address.startswith("tcp://")
+        rx = decode.receiver(21, prefill.bootstrap_address, pages=[9, 2, 17], num_tokens=11)
+        tx = prefill.sender(21)
+        tx.init(11)
+        tx.send([4, 5], 8)
+        with pytest.raises(LocalProtocolError, match="interprocess"):
+            tx.send([6], 11, layers=range(0, 1), ready=object())
+        tx.send([6], 11, layers=range(0, 1))
+        tx.send([], 11, layers=range(1, 2))
+        assert wait(rx) is RoomState.SUCCESS and wait(tx) is RoomState.SUCCESS
+        assert {f[0] for f in prefill.get_finished()} == {21}
+        other = prefill.sender(22)
+        rx2 = decode.receiver(22, prefill.bootstrap_address, pages=[1], num_tokens=3)
+        other.abort()
+        assert wait(rx2) is RoomState.FAILED and rx2.code == ErrorCode.ABORTED
+    assert all(torch.equal(a, b) for a, b in zip(tokens(src, [4, 5, 6], 11), tokens(dst, [9, 2, 17], 11)))
