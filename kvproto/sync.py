@@ -22,6 +22,10 @@ only allowed on that loop's thread. This module joins the two with one mechanism
 Calls from one engine thread are performed in the order they were made. The handles'
 ``init``/``send``/``poll``/``failure_exception`` mirror SGLang's ``KVSender`` and
 ``KVReceiver``; ``examples/README.md`` maps every engine call to kvproto's.
+
+The endpoint's thread shares the interpreter lock with the engine's: an engine whose step is
+Python (launching kernels) waits for it while rooms move. ``kvproto.sync_process`` has the same
+facade with the endpoint in a child process, for engines that cannot afford that.
 """
 
 from __future__ import annotations

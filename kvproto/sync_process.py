@@ -7,12 +7,15 @@ then share one interpreter lock: while rooms move, the endpoint's Python (protoc
 garbage) takes the lock from the engine's scheduler thread, and an engine whose step is Python
 launching kernels feels it in every step (``kvproto bench sync``'s engine loop: +5 ms at p50 and
 +10 to +20 ms at p99 on a 23 ms step with 512 rooms in flight, on an H100 host). ``ProcessDecode``
-has the same calls and handles, and runs the endpoint in a child process instead, so that the
-engine's thread never waits for the endpoint's work. One mechanism joins the two processes:
+(and ``ProcessPrefill`` for ``SyncPrefill``) has the same calls and handles, and runs the
+endpoint in a child process instead, so that the engine's thread never waits for the endpoint's
+work. One mechanism joins the two processes:
 
-* **calls go down a pipe.** ``receiver``, ``init`` and ``abort`` write one small pickled tuple
-  to the child and return; the child's main thread reads them in order and makes the same calls
-  on a ``SyncDecode`` of its own (refusals behave exactly as there);
+* **calls go down a pipe.** ``receiver``/``sender``, ``init``, ``send`` and ``abort`` write one
+  small pickled tuple to the child and return; the child's main thread reads them in order and
+  makes the same calls on a ``SyncDecode``/``SyncPrefill`` of its own (refusals behave exactly as
+  there). A layer's ``ready`` event crosses as a CUDA IPC event handle
+  (``torch.cuda.Event(interprocess=True)``);
 * **room events come up a pipe, raw.** The child writes every state a room enters and every
   end (room id, state, code) as 17-byte records, never blocking (what the pipe cannot take now
   waits in the child until it can), and counts the bytes in a shared counter. The engine reads
@@ -128,7 +131,8 @@ class _ProcessFacade:
     ROLE = ""
 
     def __init__(self, kv: KVCache, *, config: EndpointConfig | None = None, bootstrap: str | None = None,
-                 start_timeout: float = 120.0) -> None:
+                 loop_factory: Any = None, start_timeout: float = 120.0) -> None:
+        """``loop_factory`` makes the child's event loop (e.g. ``uvloop.new_event_loop``; picklable)."""
         import torch.multiprocessing as tmp
 
         planes, aux = kv.owner if isinstance(kv.owner, tuple) and len(kv.owner) == 2 else (None, None)
@@ -148,8 +152,8 @@ class _ProcessFacade:
         self._read = 0
         self._buffer = b""
         self._proc = ctx.Process(target=_child, name="kvproto-decode",
-                                 args=(self.ROLE, planes, aux, layout, self.config, bootstrap, calls_r, events_w,
-                                       reasons_w, ready_w, self._written), daemon=True)
+                                 args=(self.ROLE, planes, aux, layout, self.config, bootstrap, loop_factory, calls_r,
+                                       events_w, reasons_w, ready_w, self._written), daemon=True)
         self._proc.start()
         for end in (calls_r, events_w, reasons_w, ready_w):
             end.close()
@@ -304,8 +308,9 @@ class ProcessDecode(_ProcessFacade):
 
     ROLE = "decode"
 
-    def __init__(self, kv: KVCache, *, config: EndpointConfig | None = None, start_timeout: float = 120.0) -> None:
-        super().__init__(kv, config=config, start_timeout=start_timeout)
+    def __init__(self, kv: KVCache, *, config: EndpointConfig | None = None, loop_factory: Any = None,
+                 start_timeout: float = 120.0) -> None:
+        super().__init__(kv, config=config, loop_factory=loop_factory, start_timeout=start_timeout)
 
     def receiver(self, room_id: int, bootstrap: str, *, pages: Sequence[int] | None = None,
                  num_tokens: int | None = None, prefix_tokens: int = 0, aux_slot: int | None = None) -> ProcessReceiver:
@@ -405,13 +410,14 @@ class _Writer:
 
 
 def _child(role: str, planes: Any, aux: Any, layout: dict[str, Any], config: EndpointConfig, bootstrap: str | None,
-           calls: Any, events: Any, reasons: Any, ready: Any, written: Any) -> None:
-    from kvproto.sync import SyncDecode, SyncPrefill
+           loop_factory: Any, calls: Any, events: Any, reasons: Any, ready: Any, written: Any) -> None:
+    from kvproto.sync import EngineLoop, SyncDecode, SyncPrefill
 
     try:
         kv = KVCache.from_tensors(planes, aux=aux, **layout)
-        facade: Any = (SyncPrefill(kv, bootstrap=bootstrap, config=config) if role == "prefill"
-                       else SyncDecode(kv, config=config))
+        loop = EngineLoop(loop_factory=loop_factory)
+        facade: Any = (SyncPrefill(kv, bootstrap=bootstrap, config=config, loop=loop) if role == "prefill"
+                       else SyncDecode(kv, config=config, loop=loop))
     except Exception as exc:  # noqa: BLE001 - reported to the engine, which raises it
         ready.send(f"{type(exc).__name__}: {exc}")
         return
@@ -460,6 +466,7 @@ def _child(role: str, planes: Any, aux: Any, layout: dict[str, Any], config: End
                 room.send(pages, end_token, layers=None if span is None else range(*span), ready=ready_event)
     finally:
         facade.close()
+        loop.close()
 
 
 async def _set_hook(core: Any, entered: Any) -> None:

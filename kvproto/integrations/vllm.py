@@ -103,6 +103,9 @@ class Settings:
     prefill request holds its blocks for a decode that never comes)."""
     heartbeat_timeout_s: float = 5.0
     """A peer instance silent this long is gone: its rooms fail (``PEER_GONE``)."""
+    endpoint_process: bool = False
+    """Run each worker's kvproto endpoint in a process of its own (``kvproto.sync_process``), so
+    that its work never takes the interpreter lock from vLLM's worker thread."""
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> Settings:
@@ -486,14 +489,20 @@ class _Worker:
         self.layers = {name: i for i, name in enumerate(kv_caches)}
         self.on_gpu = kv.mem_kind is MemKind.VRAM
         s = self.c.settings
-        self.loop = EngineLoop(name=f"kvproto-{self.c.engine_id}-{self.tp_rank}")
+        bootstrap = None if self.tp_rank == 0 else s.bootstrap_address
         if self.c.producer:
             config = s.endpoint_config(instance=f"{self.c.engine_id}-prefill", rank0_prefill=self.tp_rank == 0)
-            self.endpoint = SyncPrefill(kv, bootstrap=None if self.tp_rank == 0 else s.bootstrap_address,
-                                        config=config, loop=self.loop)
         else:
             config = s.endpoint_config(instance=f"{self.c.engine_id}-decode", rank0_prefill=False)
-            self.endpoint = SyncDecode(kv, config=config, loop=self.loop)
+        if s.endpoint_process:
+            from kvproto.sync_process import ProcessDecode, ProcessPrefill
+
+            self.endpoint = (ProcessPrefill(kv, bootstrap=bootstrap, config=config) if self.c.producer
+                             else ProcessDecode(kv, config=config))
+        else:
+            self.loop = EngineLoop(name=f"kvproto-{self.c.engine_id}-{self.tp_rank}")
+            self.endpoint = (SyncPrefill(kv, bootstrap=bootstrap, config=config, loop=self.loop) if self.c.producer
+                             else SyncDecode(kv, config=config, loop=self.loop))
         log.info("kvproto connector: %s TP rank %d/%d, %s", "prefill" if self.c.producer else "decode",
                  self.tp_rank, self.tp_size, kv.geometry)
 
@@ -535,7 +544,7 @@ class _Worker:
     def _event(self) -> Any:
         """A CUDA event after the work queued so far on the current stream (None for CPU caches)."""
         if self.on_gpu:
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(interprocess=self.c.settings.endpoint_process)
             event.record()
             return event
         return None

@@ -47,12 +47,18 @@ def tokens(planes: list[list[torch.Tensor]], pages: list[int], n: int) -> list[t
     return [t[pages].reshape(-1, HEADS, DIM)[:n] for plane in planes for t in plane]
 
 
-def test_rooms_land_byte_exact_in_the_engines_own_tensors_and_end_once() -> None:
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_rooms_land_byte_exact_in_the_engines_own_tensors_and_end_once(loop: str) -> None:
     """Rooms opened through the child land in the engine's tensors (shared, not copied), pass
-    through BOOTSTRAPPING before SUCCESS, and get_finished lists each once."""
+    through BOOTSTRAPPING before SUCCESS, and get_finished lists each once; the child's event
+    loop is asyncio's or uvloop's."""
+    import uvloop
+
     src, skv = cache(1)
     dst, dkv = cache(2)
-    with SyncPrefill(skv, config=config()) as prefill, ProcessDecode(dkv, config=config()) as decode:
+    factory = uvloop.new_event_loop if loop == "uvloop" else None
+    with SyncPrefill(skv, config=config()) as prefill, \
+            ProcessDecode(dkv, config=config(), loop_factory=factory) as decode:
         plan = {10 + i: ([i, i + 8], [20 - i, 3 + i], 5 + i % 4) for i in range(6)}
         rooms = {}
         for rid, (s_pages, d_pages, n) in plan.items():

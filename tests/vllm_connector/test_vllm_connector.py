@@ -25,13 +25,15 @@ def pair(p_tp: int = 1, d_tp: int = 1, *, p_block: int = 16, d_block: int = 16, 
          d_layout: str = "LBNHC", d_blocks: int = 96, timeouts: dict[str, float] | None = None,
          batch_tokens: int = 256, heartbeat: float = 5.0,
          decode_timeouts: dict[str, float] | None = None, policy: str = "fail",
-         layerwise: bool = True, mla: bool = False) -> tuple[Instance, Instance]:
+         layerwise: bool = True, mla: bool = False, endpoint_process: bool = False) -> tuple[Instance, Instance]:
     port = free_port()
     prefill = Instance("kv_producer", tp=p_tp, block=p_block, layout=p_layout, batch_tokens=batch_tokens,
                        extra={"bootstrap_port": port, "timeouts": dict(timeouts or {}),
-                              "heartbeat_timeout_s": heartbeat, "layerwise": layerwise}, seed=1, mla=mla)
+                              "heartbeat_timeout_s": heartbeat, "layerwise": layerwise,
+                              "endpoint_process": endpoint_process}, seed=1, mla=mla)
     decode = Instance("kv_consumer", tp=d_tp, block=d_block, layout=d_layout, blocks=d_blocks,
-                      extra={"heartbeat_timeout_s": heartbeat, "timeouts": dict(decode_timeouts or {})}, seed=2,
+                      extra={"heartbeat_timeout_s": heartbeat, "timeouts": dict(decode_timeouts or {}),
+                             "endpoint_process": endpoint_process}, seed=2,
                       policy=policy, mla=mla)
     return prefill, decode
 
@@ -100,6 +102,7 @@ CASES = {
     "tp1-to-2-whole-chunks": dict(d_tp=2, layerwise=False),
     "mla-tp2-to-1-block16-to-32": dict(p_tp=2, d_block=32, mla=True),
     "mla-tp1-to-2-hnd-to-nhd": dict(d_tp=2, p_layout="LBHNC", mla=True),
+    "tp2-to-1-endpoints-in-processes": dict(p_tp=2, endpoint_process=True),
 }
 
 
