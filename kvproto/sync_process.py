@@ -11,8 +11,11 @@ launching kernels feels it in every step (``kvproto bench sync``'s engine loop: 
 endpoint in a child process instead, so that the engine's thread never waits for the endpoint's
 work. One mechanism joins the two processes:
 
-* **calls go down a pipe.** ``receiver``/``sender``, ``init``, ``send`` and ``abort`` write one
-  small pickled tuple to the child and return; the child's main thread reads them in order and
+* **calls go down a pipe.** ``receiver``/``sender``, ``init``, ``send`` and ``abort`` append one
+  small tuple to a batch and return; the batch goes down the pipe to the child as one message at
+  the engine's next ``poll`` or ``get_finished`` (every step makes one; a system call per step,
+  not per call), once it holds 64 calls, or 0.5 ms after its first call whatever the engine does
+  (a helper thread that sleeps otherwise); the child's main thread reads them in order and
   makes the same calls on a ``SyncDecode``/``SyncPrefill`` of its own (refusals behave exactly as
   there). A layer's ``ready`` event crosses as a CUDA IPC event handle
   (``torch.cuda.Event(interprocess=True)``);
@@ -53,6 +56,10 @@ from kvproto.wire import ErrorCode, LocalProtocolError
 _EVENT = struct.Struct("<QBq")
 """One room event: room id, state (``RoomState``), code (-1: none)."""
 _NO_CODE = -1
+_BATCH = 64
+_LINGER_S = 0.0005
+"""Calls wait in the engine's process until its next ``poll``/``get_finished`` (every step makes
+one), until ``_BATCH`` are pending, or ``_LINGER_S`` at most, then go down the pipe as one message."""
 
 
 def _code(value: int) -> ErrorCode | int | None:
@@ -169,9 +176,13 @@ class _ProcessFacade:
         self._finished: collections.deque[tuple[int, RoomState, Any]] = collections.deque()
         self._why_text: dict[int, tuple[str, str]] = {}
         self._lock = threading.Lock()
+        self._pending: list[tuple[Any, ...]] = []
+        self._send_lock = threading.Lock()
+        self._kick = threading.Event()
         self._closed = False
         self._dead_since: float | None = None
         self._next_alive_check = 0.0
+        threading.Thread(target=self._flush_later, name=f"kvproto-{self.ROLE}-calls", daemon=True).start()
 
     # --- the engine's calls ---------------------------------------------------------------------
     def _open(self, room: _ProcessRoom, message: tuple[Any, ...]) -> None:
@@ -197,9 +208,12 @@ class _ProcessFacade:
         Blocks until done; idempotent."""
         if self._closed:
             return
+        self._flush()
         self._closed = True
+        self._kick.set()
         try:
-            self._calls.send(("close",))
+            with self._send_lock:
+                self._calls.send([("close",)])
         except (BrokenPipeError, OSError):
             pass
         self._proc.join(timeout)
@@ -227,13 +241,39 @@ class _ProcessFacade:
     def _call(self, message: tuple[Any, ...]) -> None:
         if self._closed:
             raise LocalProtocolError("the endpoint is closed", ErrorCode.ENDPOINT_CLOSED)
-        try:
-            self._calls.send(message)
-        except (BrokenPipeError, OSError):
-            pass  # the child has died: its rooms fail through _drain
+        with self._send_lock:
+            self._pending.append(message)
+            first, full = len(self._pending) == 1, len(self._pending) >= _BATCH
+        if full:
+            self._flush()
+        elif first:
+            self._kick.set()  # nothing may wait longer than _LINGER_S, whatever the engine does next
+
+    def _flush(self) -> None:
+        """Send the calls made since the last flush, as one message (one system call)."""
+        with self._send_lock:
+            if not self._pending:
+                return
+            batch, self._pending = self._pending, []
+            try:
+                self._calls.send(batch)
+            except (BrokenPipeError, OSError):
+                pass  # the child has died: its rooms fail through _drain
+
+    def _flush_later(self) -> None:
+        """A thread that sends a batch the engine left waiting for ``_LINGER_S`` (it sleeps
+        otherwise: it runs only when a call found the batch empty)."""
+        while not self._closed:
+            self._kick.wait()
+            self._kick.clear()
+            time.sleep(_LINGER_S)
+            self._flush()
 
     def _drain(self, final: bool = False) -> None:
-        """Apply the room events the child wrote since the last drain (cheap when none)."""
+        """Send the calls waiting, then apply the room events the child wrote since the last drain
+        (cheap when none)."""
+        if self._pending:
+            self._flush()
         if self._written.value != self._read or final:
             with self._lock:
                 self._read_events(final)
@@ -434,39 +474,47 @@ def _child(role: str, planes: Any, aux: Any, layout: dict[str, Any], config: End
     try:
         while True:
             try:
-                message = calls.recv()
+                batch = calls.recv()
             except (EOFError, OSError):
                 break  # the engine has gone: close
-            kind = message[0]
-            if kind == "close":
+            if not _perform(role, facade, rooms, batch):
                 break
-            room = rooms.get(message[1])
-            if kind == "open" and role == "decode":
-                _, room_id, peer, pages, num_tokens, prefix, aux_slot = message
-                rooms[room_id] = facade.receiver(room_id, peer, pages=pages, num_tokens=num_tokens,
-                                                 prefix_tokens=prefix, aux_slot=aux_slot)
-            elif kind == "open":
-                rooms[message[1]] = facade.sender(message[1])
-            elif room is None:
-                continue  # the room has ended (or was refused): later calls are moot
-            elif kind == "abort":
-                room.abort()
-            elif kind == "init" and role == "decode":
-                _, _, pages, num_tokens, prefix, aux_slot = message
-                room.init(pages, num_tokens, prefix_tokens=prefix, aux_slot=aux_slot)
-            elif kind == "init":
-                room.init(message[2], message[3])
-            elif kind == "send":
-                _, _, pages, end_token, span, event = message
-                ready_event = None
-                if event is not None:
-                    import torch
-
-                    ready_event = torch.cuda.Event.from_ipc_handle(torch.device("cuda", event[0]), event[1])
-                room.send(pages, end_token, layers=None if span is None else range(*span), ready=ready_event)
     finally:
         facade.close()
         loop.close()
+
+
+def _perform(role: str, facade: Any, rooms: dict[int, Any], batch: list[tuple[Any, ...]]) -> bool:
+    """Make the engine's calls of one batch, in order; False once told to close."""
+    for message in batch:
+        kind = message[0]
+        if kind == "close":
+            return False
+        room = rooms.get(message[1])
+        if kind == "open" and role == "decode":
+            _, room_id, peer, pages, num_tokens, prefix, aux_slot = message
+            rooms[room_id] = facade.receiver(room_id, peer, pages=pages, num_tokens=num_tokens,
+                                             prefix_tokens=prefix, aux_slot=aux_slot)
+        elif kind == "open":
+            rooms[message[1]] = facade.sender(message[1])
+        elif room is None:
+            continue  # the room has ended (or was refused): later calls are moot
+        elif kind == "abort":
+            room.abort()
+        elif kind == "init" and role == "decode":
+            _, _, pages, num_tokens, prefix, aux_slot = message
+            room.init(pages, num_tokens, prefix_tokens=prefix, aux_slot=aux_slot)
+        elif kind == "init":
+            room.init(message[2], message[3])
+        elif kind == "send":
+            _, _, pages, end_token, span, event = message
+            ready_event = None
+            if event is not None:
+                import torch
+
+                ready_event = torch.cuda.Event.from_ipc_handle(torch.device("cuda", event[0]), event[1])
+            room.send(pages, end_token, layers=None if span is None else range(*span), ready=ready_event)
+    return True
 
 
 async def _set_hook(core: Any, entered: Any) -> None:
