@@ -76,13 +76,18 @@ def run_scheduler(decode: SyncDecode, rank: Rank, address: str, room_ids: list[i
     return results
 
 
-def test_sync_scheduler_drives_1000_rooms_over_nixl_byte_exact() -> None:
-    """One scheduler thread drives 1,000 rooms through SyncDecode (64 in flight), the prefill in
-    another process: every room succeeds with exact bytes, and get_finished reports each once."""
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_sync_scheduler_drives_1000_rooms_over_nixl_byte_exact(loop_kind: str) -> None:
+    """One scheduler thread drives 1,000 rooms through SyncDecode (64 in flight) on an engine loop
+    of asyncio or uvloop, the prefill in another process: every room succeeds with exact bytes,
+    and get_finished reports each once."""
+    import uvloop
+
     child, address = prefill_child()
     rank, config = decode_side()
+    loop = EngineLoop(loop_factory=uvloop.new_event_loop if loop_kind == "uvloop" else None)
     try:
-        with SyncDecode(rank.cache.kv, config=config) as decode:
+        with SyncDecode(rank.cache.kv, config=config, loop=loop) as decode:
             ids = list(range(1, 1001))
             results: dict[int, Any] = {}
             for first in range(0, 1000, 200):  # the prefill's pool holds 300 rooms: feed it in batches
@@ -96,6 +101,7 @@ def test_sync_scheduler_drives_1000_rooms_over_nixl_byte_exact() -> None:
             [r for r in results.items() if r[1] != (KVPoll.SUCCESS, 0)][:5]
         assert sorted(r for r, _, _ in finished) == ids
     finally:
+        loop.close()
         child.reap()
 
 
@@ -198,13 +204,16 @@ def test_sync_killed_peer_seen_through_poll_within_liveness_bound() -> None:
         child.reap()
 
 
-def test_sync_facade_prefill_and_refused_calls_report_through_poll() -> None:
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_sync_facade_prefill_and_refused_calls_report_through_poll(loop_kind: str) -> None:
     """SyncPrefill's KVSender (init, send per chunk) moves a chunked room to SyncDecode on one
-    engine loop; a refused call (a page listed twice, a live id) fails its room with the code
-    instead of raising in the engine thread, and leaves the live room alone."""
+    engine loop (asyncio's or uvloop's); a refused call (a page listed twice, a live id) fails
+    its room with the code instead of raising in the engine thread, and leaves the live room alone."""
+    import uvloop
+
     rank_p, rank_d = Rank(RankSpec("prefill", demo=DEMO)), Rank(RankSpec("decode", demo=DEMO))
     _, config = decode_side()
-    loop = EngineLoop()
+    loop = EngineLoop(loop_factory=uvloop.new_event_loop if loop_kind == "uvloop" else None)
     try:
         with SyncPrefill(rank_p.cache.kv, config=config, loop=loop) as prefill, \
                 SyncDecode(rank_d.cache.kv, config=config, loop=loop) as decode:
