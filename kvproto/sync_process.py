@@ -42,7 +42,6 @@ from __future__ import annotations
 import collections
 import errno
 import os
-import pickle
 import struct
 import threading
 import time
@@ -50,7 +49,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvproto.aio import EndpointConfig, KVCache, TransferFailed
-from kvproto.core import RoomState, Timeouts
+from kvproto.core import RoomState
 from kvproto.wire import ErrorCode, LocalProtocolError
 
 _EVENT = struct.Struct("<QBq")
@@ -144,8 +143,8 @@ class _ProcessFacade:
 
         planes, aux = kv.owner if isinstance(kv.owner, tuple) and len(kv.owner) == 2 else (None, None)
         if planes is None:
-            raise LocalProtocolError("ProcessDecode needs a cache built by KVCache.from_tensors (its tensors "
-                                     "are shared with the endpoint's process)")
+            raise LocalProtocolError(f"Process{self.ROLE.title()} needs a cache built by KVCache.from_tensors (its "
+                                     "tensors are shared with the endpoint's process)")
         g = kv.geometry
         layout = dict(tp_size=g.tp_size, tp_rank=g.tp_rank, num_kv_heads=None if g.mla else g.num_kv_heads,
                       layout=g.layout, mla=g.mla, kv_fused=g.kv_fused)
@@ -158,7 +157,7 @@ class _ProcessFacade:
         self._written = ctx.RawValue("Q", 0)
         self._read = 0
         self._buffer = b""
-        self._proc = ctx.Process(target=_child, name="kvproto-decode",
+        self._proc = ctx.Process(target=_child, name=f"kvproto-{self.ROLE}",
                                  args=(self.ROLE, planes, aux, layout, self.config, bootstrap, loop_factory, calls_r,
                                        events_w, reasons_w, ready_w, self._written), daemon=True)
         self._proc.start()
@@ -221,6 +220,11 @@ class _ProcessFacade:
             self._proc.kill()
             self._proc.join(5)
         self._drain(final=True)
+        if self._rooms:  # the child died with rooms live: they fail once writes can no longer land
+            if self._dead_since is None:
+                self._dead_since = time.monotonic()
+            time.sleep(max(0.0, self._dead_since + self.config.timeouts.drain - time.monotonic()))
+            self._fail_live()
 
     def child_cpu_seconds(self) -> float:
         """CPU seconds the endpoint's process has used (Linux ``/proc``; 0.0 where unavailable)."""
@@ -231,7 +235,7 @@ class _ProcessFacade:
         except (OSError, ValueError, IndexError):
             return 0.0
 
-    def __enter__(self) -> ProcessDecode:
+    def __enter__(self) -> Any:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -321,13 +325,15 @@ class _ProcessFacade:
             return
         if self._dead_since is None:
             self._dead_since = now
-        drain = (self.config.timeouts or Timeouts()).drain
-        if now - self._dead_since < drain:
+        if now - self._dead_since < self.config.timeouts.drain:
             return
+        self._fail_live()
+
+    def _fail_live(self) -> None:
         with self._lock:
             self._read_events(final=True)
             for room_id in list(self._rooms):
-                self._why_text[room_id] = ("TransferFailed", "the decode endpoint's process died")
+                self._why_text[room_id] = ("TransferFailed", f"the {self.ROLE} endpoint's process died")
                 self._event(room_id, RoomState.FAILED, ErrorCode.INTERNAL_ERROR)
 
     def _why(self, room_id: int, code: ErrorCode | int | None) -> BaseException:  # noqa: D401
@@ -522,4 +528,3 @@ async def _set_hook(core: Any, entered: Any) -> None:
 
 
 __all__ = ["ProcessDecode", "ProcessPrefill", "ProcessReceiver", "ProcessSender"]
-_ = pickle  # the calls pipe pickles (multiprocessing.Connection.send)
