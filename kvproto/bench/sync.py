@@ -43,48 +43,73 @@ def _facade(process: bool) -> Any:
     return SyncDecode
 
 
-def run(rooms: int, window: int, step_ms: float, blocks: int, transport: str, process: bool = False) -> dict[str, Any]:
-    from kvproto.core import RoomState
-
+def _spawn_prefill(transport: str, blocks: int) -> tuple[Any, Any, str]:
+    """The prefill rank in a process of its own: (its pipe, the process, its bootstrap address)."""
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
     child = ctx.Process(target=_prefill_child, args=(transport, blocks, child_conn), daemon=True)
     child.start()
-    address = conn.recv()
+    return conn, child, conn.recv()
+
+
+class _Scheduler:
+    """The scheduler's kvproto calls of one step: open rooms up to ``window`` in flight
+    (``receiver``), poll every live room, drain ``get_finished``; each call timed into ``calls``
+    when given."""
+
+    def __init__(self, decode: Any, address: str, rooms: int, window: int, blocks: int,
+                 calls: dict[str, list[float]] | None = None) -> None:
+        self.decode, self.address, self.rooms, self.window, self.blocks = decode, address, rooms, window, blocks
+        self.calls = calls
+        self.live: dict[int, Any] = {}
+        self.next_room, self.ended, self.failed = 1, 0, 0
+
+    def _timed(self, name: str, c0: float) -> None:
+        if self.calls is not None:
+            self.calls[name].append(time.perf_counter() - c0)
+
+    def step(self) -> None:
+        from kvproto.core import RoomState
+
+        while len(self.live) < self.window and self.next_room <= self.rooms:
+            c0 = time.perf_counter()
+            room_id = self.next_room
+            self.live[room_id] = self.decode.receiver(room_id, self.address, pages=[_page(room_id, self.blocks)],
+                                                      num_tokens=BLOCK)
+            self._timed("receiver", c0)
+            self.next_room += 1
+        for room_id in list(self.live):
+            c0 = time.perf_counter()
+            state = self.live[room_id].poll()
+            self._timed("poll", c0)
+            if state in (RoomState.SUCCESS, RoomState.FAILED):
+                self.failed += state is RoomState.FAILED
+                self.ended += 1
+                del self.live[room_id]
+        c0 = time.perf_counter()
+        self.decode.get_finished()
+        self._timed("get_finished", c0)
+
+
+def run(rooms: int, window: int, step_ms: float, blocks: int, transport: str, process: bool = False) -> dict[str, Any]:
+    conn, child, address = _spawn_prefill(transport, blocks)
     src, _ = _cache(1, blocks)
     dst, kv = _cache(2, blocks)
     calls: dict[str, list[float]] = {"receiver": [], "poll": [], "get_finished": []}
     overheads: list[float] = []
-    done = {RoomState.SUCCESS, RoomState.FAILED}
     try:
         decode = _facade(process)(kv, config=_config(transport))
         try:
             conn.send((1, rooms, window))  # the prefill opens every room and gives its page
-            live: dict[int, Any] = {}
-            next_room, finished, failed = 1, 0, 0
+            scheduler = _Scheduler(decode, address, rooms, window, blocks, calls)
             started = time.perf_counter()
-            while finished < rooms:
+            while scheduler.ended < rooms:
                 t0 = time.perf_counter()
-                while len(live) < window and next_room <= rooms:
-                    c0 = time.perf_counter()
-                    live[next_room] = decode.receiver(next_room, address, pages=[_page(next_room, blocks)],
-                                                      num_tokens=BLOCK)
-                    calls["receiver"].append(time.perf_counter() - c0)
-                    next_room += 1
-                for room_id in list(live):
-                    c0 = time.perf_counter()
-                    state = live[room_id].poll()
-                    calls["poll"].append(time.perf_counter() - c0)
-                    if state in done:
-                        failed += state is RoomState.FAILED
-                        finished += 1
-                        del live[room_id]
-                c0 = time.perf_counter()
-                decode.get_finished()
-                calls["get_finished"].append(time.perf_counter() - c0)
+                scheduler.step()
                 overheads.append(time.perf_counter() - t0)
                 time.sleep(step_ms / 1000)
             seconds = time.perf_counter() - started
+            failed = scheduler.failed
             assert conn.recv() == "done"
             for room_id in range(max(1, rooms - blocks + 1), rooms + 1):
                 page = _page(room_id, blocks)
@@ -165,8 +190,6 @@ def run_engine(rooms: int, window: int, step_ms: float, steps: int, blocks: int,
 
 def _run_engine(rooms: int, window: int, step_ms: float, steps: int, blocks: int, transport: str,
                 process: bool) -> dict[str, Any]:
-    from kvproto.core import RoomState
-
     model, what = _model_step(step_ms)
     result: dict[str, Any] = {"engine_model_step": what, "engine_window": window}
 
@@ -188,46 +211,25 @@ def _run_engine(rooms: int, window: int, step_ms: float, steps: int, blocks: int
     while time.perf_counter() < warm_until:  # clocks and caches settle before anything is timed
         model()
     phase("bare", lambda: None, steps)
-    ctx = mp.get_context("spawn")
-    conn, child_conn = ctx.Pipe()
-    child = ctx.Process(target=_prefill_child, args=(transport, blocks, child_conn), daemon=True)
-    child.start()
-    address = conn.recv()
+    conn, child, address = _spawn_prefill(transport, blocks)
     _src, kv = _cache(2, blocks)
     try:
         decode = _facade(process)(kv, config=_config(transport))
         try:
             phase("idle", lambda: decode.get_finished(), steps)
             conn.send((1, rooms, window))
-            live: dict[int, Any] = {}
-            state = {"next": 1, "ended": 0, "failed": 0}
-            done = {RoomState.SUCCESS, RoomState.FAILED}
-
-            def facade_calls() -> None:
-                while len(live) < window and state["next"] <= rooms:
-                    room_id = state["next"]
-                    live[room_id] = decode.receiver(room_id, address, pages=[_page(room_id, blocks)],
-                                                    num_tokens=BLOCK)
-                    state["next"] += 1
-                for room_id in list(live):
-                    s = live[room_id].poll()
-                    if s in done:
-                        state["failed"] += s is RoomState.FAILED
-                        state["ended"] += 1
-                        del live[room_id]
-                decode.get_finished()
-
+            scheduler = _Scheduler(decode, address, rooms, window, blocks)
             began = time.perf_counter()
             child0 = decode.child_cpu_seconds() if process else 0.0
-            phase("moving", facade_calls, steps, until=lambda: state["ended"] >= rooms)
+            phase("moving", scheduler.step, steps, until=lambda: scheduler.ended >= rooms)
             seconds = time.perf_counter() - began
             result["engine_rooms_per_s"] = rooms / seconds
             if process:
                 result["engine_endpoint_process_cpu_fraction"] = (decode.child_cpu_seconds() - child0) / seconds
             assert conn.recv() == "done"
             phase("idle_after", lambda: decode.get_finished(), steps)  # drift check: idle again
-            if state["failed"]:
-                raise RuntimeError(f"{state['failed']} rooms failed")
+            if scheduler.failed:
+                raise RuntimeError(f"{scheduler.failed} rooms failed")
         finally:
             decode.close()
     finally:

@@ -330,22 +330,29 @@ class KVProtoConnector(KVConnectorBase_V1):
             self._worker.close()
 
 
+@dataclass
+class _Prefilling:
+    """A prefill request's room as the scheduler tracks it."""
+
+    room: int
+    prompt: int
+    blocks: list[int] = field(default_factory=list)
+    given: int = 0
+    """Pages already given to the workers."""
+    opened: bool = False
+    done: bool = False
+    """Its last chunk has been given (or its room aborted)."""
+    cancelled: bool = False
+    """Aborted because vLLM preempted the request (its blocks were freed)."""
+
+
 class _Scheduler:
     """The scheduler role: decides rooms, tells workers each step, frees blocks when told."""
 
     def __init__(self, c: KVProtoConnector) -> None:
         self.c = c
-        self.rooms: dict[str, int] = {}
-        """Prefill: request id -> room, from its first schedule until it has finished."""
-        self.given: dict[str, int] = {}
-        """Prefill: request id -> pages already given to the workers."""
-        self.blocks: dict[str, list[int]] = {}
-        self.prompt: dict[str, int] = {}
-        self.opened: set[str] = set()
-        self.cancelled: set[str] = set()
-        """Prefill: rooms aborted because vLLM preempted the request (its blocks were freed)."""
-        self.done: set[str] = set()
-        """Prefill: requests whose last chunk has been given (or whose room was aborted)."""
+        self.prefilling: dict[str, _Prefilling] = {}
+        """Prefill: request id -> its room, from its first schedule until it has finished."""
         self.held: set[str] = set()
         """Prefill: finished requests whose blocks wait for their room to end (finished_sending)."""
         self.recving: dict[str, int] = {}
@@ -364,9 +371,8 @@ class _Scheduler:
         params = request.kv_transfer_params or {}
         rid = request.request_id
         if self.c.producer:
-            if params.get("do_remote_decode") and rid not in self.rooms:
-                self.rooms[rid] = secrets.randbits(63) or 1
-                self.prompt[rid] = request.num_prompt_tokens
+            if params.get("do_remote_decode") and rid not in self.prefilling:
+                self.prefilling[rid] = _Prefilling(secrets.randbits(63) or 1, request.num_prompt_tokens)
             return
         if not params.get("do_remote_prefill") or ROOM not in params:
             return
@@ -393,30 +399,26 @@ class _Scheduler:
             steps.append((rid, cached.num_computed_tokens[i], [] if ids is None else list(ids[0]),
                           rid in cached.resumed_req_ids))
         for rid, computed, ids, resumed in steps:
-            room = self.rooms.get(rid)
-            if room is None or rid in self.done:
+            p = self.prefilling.get(rid)
+            if p is None or p.done:
                 continue  # not a disaggregated request, or its prompt has gone (it decodes now)
             if resumed:  # preempted: vLLM freed the blocks already given, so the room cannot be finished
-                self.done.add(rid)
-                self.cancelled.add(rid)
-                meta.aborts.append(Abort(rid, room))
+                p.done = p.cancelled = True
+                meta.aborts.append(Abort(rid, p.room))
                 continue
-            if rid not in self.opened:
-                self.opened.add(rid)
-                meta.opens.append(Open(rid, room, self.prompt[rid]))
-            blocks = self.blocks.setdefault(rid, [])
-            blocks += ids
-            end = min(self.prompt[rid], computed + out.num_scheduled_tokens.get(rid, 0))
-            last = end >= self.prompt[rid]
+            if not p.opened:
+                p.opened = True
+                meta.opens.append(Open(rid, p.room, p.prompt))
+            p.blocks += ids
+            end = min(p.prompt, computed + out.num_scheduled_tokens.get(rid, 0))
+            last = end >= p.prompt
             upto = -(-end // self.c.block_size) if last else end // self.c.block_size
-            given = self.given.get(rid, 0)
-            if not last and upto <= given:
+            if not last and upto <= p.given:
                 continue  # no whole page completed this step
-            meta.sends.append(Send(rid, room, blocks[given:upto], end if last else upto * self.c.block_size,
-                                   self.prompt[rid]))
-            self.given[rid] = upto
-            if last:
-                self.done.add(rid)
+            meta.sends.append(Send(rid, p.room, p.blocks[p.given:upto], end if last else upto * self.c.block_size,
+                                   p.prompt))
+            p.given = upto
+            p.done = last
         return meta
 
     def finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -430,25 +432,17 @@ class _Scheduler:
             elif params.get("do_remote_prefill") and ROOM in params:  # never scheduled: release the prefill
                 self.next.aborts.append(Abort(rid, int(params[ROOM]), str(params[BOOTSTRAP])))
             return False, None
-        room = self.rooms.pop(rid, None)
-        if room is None:
-            return False, None
-        opened, cancelled = rid in self.opened, rid in self.cancelled
-        sent_all = rid in self.done and not cancelled
+        p = self.prefilling.pop(rid, None)
+        if p is None or not p.opened:
+            return False, None  # not disaggregated, or finished before its first step: no room opened
         ok = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
-        for table in (self.blocks, self.given, self.prompt):
-            table.pop(rid, None)
-        for group in (self.done, self.opened, self.cancelled):
-            group.discard(rid)
-        if not opened:
-            return False, None  # finished before its first step: no room was opened
         self.held.add(rid)  # the workers' room may still read these blocks: freed once it has ended
-        if not (ok and sent_all):
-            if not cancelled:
-                self.next.aborts.append(Abort(rid, room))
+        if not (ok and p.done and not p.cancelled):
+            if not p.cancelled:
+                self.next.aborts.append(Abort(rid, p.room))
             return True, None
         return True, {"do_remote_prefill": True, "do_remote_decode": False,
-                      BOOTSTRAP: self.c.settings.bootstrap_address, ROOM: room,
+                      BOOTSTRAP: self.c.settings.bootstrap_address, ROOM: p.room,
                       "remote_engine_id": self.c.engine_id}
 
     def output(self, out: KVConnectorOutput) -> None:

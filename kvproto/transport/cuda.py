@@ -166,24 +166,6 @@ class Uploads:
         return start
 
 
-class _Pointer:
-    """An int64 array at ``address`` as a kernel argument (what Triton reads of a tensor)."""
-
-    __slots__ = ("address",)
-
-    def __init__(self, address: int) -> None:
-        self.address = address
-
-    def data_ptr(self) -> int:
-        return self.address
-
-    @property
-    def dtype(self) -> Any:
-        import torch
-
-        return torch.int64
-
-
 class Pointer:
     """An int64 array at ``address`` as a kernel argument (what Triton reads of a tensor)."""
 

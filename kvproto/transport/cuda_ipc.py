@@ -284,10 +284,10 @@ class CudaIpcTransport:
         order = sorted(range(len(regions)), key=lambda i: regions[i][0])
         table = np.array([regions[i] for i in order], dtype=np.int64).reshape(-1, 3)
         if doc.get("pid") == os.getpid():
-            usable = self._cpu_kernels or (driver().available() and all(k == MemKind.VRAM for _a, _n, k in regions))
-            if not usable:
+            gpu = driver().available() and all(k == MemKind.VRAM for _a, _n, k in regions)
+            if not (gpu or self._cpu_kernels):
                 return None, "kernels need GPU memory (or cpu_kernels)"
-            if driver().available() and all(k == MemKind.VRAM for _a, _n, k in regions):
+            if gpu:
                 here = self._device_ordinal()
                 try:  # the peer's regions on another GPU of this process: kernels here need peer access
                     for other in sorted({int(r.get("device", here)) for r in doc["regions"]} - {here}):
