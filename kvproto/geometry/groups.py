@@ -22,9 +22,19 @@ alone, so that both sides compute the same plan without talking:
 A state tensor sharded along dimension ``k`` of global size ``G`` gives TP rank ``r`` of ``T``
 the indices ``[r·G/T, (r+1)·G/T)`` (``G % T == 0`` is required). Every index a decode rank holds
 is written by exactly one prefill rank: the one holding it; a replicated tensor is written whole
-by prefill rank ``d.tp_rank % prefill.tp_size`` (MLA's rule). ``plan_state`` turns the overlap
+by prefill rank ``floor(d.tp_rank · prefill.tp_size / decode.tp_size)``: the prefill rank whose
+shard holds the start of the decode rank's, which always pairs with it (below). ``plan_state``
+turns the overlap
 of the two shards into byte runs inside a slot: one run per index of the dimensions before ``k``
 (a run per outer row), merged where consecutive runs abut on both sides.
+
+*Pairing* (``link_roles``): prefill rank ``p`` pairs with decode rank ``d`` (``d`` sends it its
+TRANSFER_REQUESTs) when it pairs for some group: a paged group by ``plan.paired``, a state group
+when ``p`` writes some of it into ``d``; it *writes* group ``g`` into ``d`` by ``plan.writers``
+(paged) or ``state_writers`` (state). The state writers always pair with ``d`` under the first
+group's head split too, but groups of fewer heads can pair ranks the first group does not (two
+prefill ranks, four decode ranks, a one-head group beside eight heads), hence the union. Both
+sides compute it from geometry alone.
 
 *Compatibility* (``check_groups``): both sides list the same groups, by name, in the same order,
 of the same kinds; a paged group's model fields and window agree (``check_compatible``); a
@@ -39,11 +49,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from kvproto.geometry.model import DType, GeometryError, KVGeometry
-from kvproto.geometry.plan import IncompatibleGeometry, check_compatible
+from kvproto.geometry.plan import IncompatibleGeometry, check_compatible, paired, writers
 
 
 class IncompatibleGroups(ValueError):
@@ -146,6 +156,8 @@ class CacheGeometry:
         object.__setattr__(self, "groups", tuple(self.groups))
         if not self.groups:
             raise GeometryError("a cache needs at least one group")
+        if not isinstance(self.groups[0], PagedGroup) or self.groups[0].window is not None:
+            raise GeometryError("a cache's first group is paged and keeps every token (no window)")
         names = [g.name for g in self.groups]
         if len(set(names)) != len(names):
             raise GeometryError(f"group names repeat: {names}")
@@ -160,6 +172,24 @@ class CacheGeometry:
     @classmethod
     def single(cls, geometry: KVGeometry, name: str = "kv") -> CacheGeometry:
         return cls(geometry.tp_size, geometry.tp_rank, (PagedGroup(name, geometry),))
+
+    def with_rank(self, tp_rank: int) -> CacheGeometry:
+        """The same instance's cache seen from another rank."""
+        return self.with_tp(self.tp_size, tp_rank)
+
+    def with_tp(self, tp_size: int, tp_rank: int) -> CacheGeometry:
+        """The same model's cache on rank ``tp_rank`` of an instance of TP ``tp_size`` (pool sizes,
+        block sizes and layouts as this one's: enough for pairing, which reads none of them)."""
+        groups = tuple(replace(g, geometry=replace(g.geometry, tp_size=tp_size, tp_rank=tp_rank))
+                       if isinstance(g, PagedGroup) else g for g in self.groups)
+        return CacheGeometry(tp_size, tp_rank, groups)
+
+    @property
+    def primary(self) -> KVGeometry:
+        """The first group's geometry (the cache of a one-group model)."""
+        first = self.groups[0]
+        assert isinstance(first, PagedGroup)
+        return first.geometry
 
     def group(self, name: str) -> Group:
         for g in self.groups:
@@ -226,12 +256,18 @@ class StateRun(NamedTuple):
     length: int
 
 
+def replica_writer(prefill_tp: int, decode: CacheGeometry) -> int:
+    """The prefill rank that writes a replicated state tensor into ``decode.tp_rank``: the one whose
+    share of the TP group holds the start of the decode rank's."""
+    return decode.tp_rank * prefill_tp // decode.tp_size
+
+
 def state_writers(prefill_tp: int, decode: CacheGeometry, group: StateGroup) -> tuple[int, ...]:
     """Sorted prefill ranks that write some of ``group`` into decode rank ``decode.tp_rank``."""
     chosen: set[int] = set()
     for t in group.tensors:
         if t.shard_dim is None:
-            chosen.add(decode.tp_rank % prefill_tp)
+            chosen.add(replica_writer(prefill_tp, decode))
             continue
         need = t.shard(decode.tp_size, decode.tp_rank)
         n = len(t.shard(prefill_tp, 0))
@@ -250,7 +286,7 @@ def plan_state(prefill: CacheGeometry, decode: CacheGeometry, group_name: str) -
         for i, t in enumerate(group.tensors):
             region = layer * len(group.tensors) + i
             if t.shard_dim is None:
-                if prefill.tp_rank == decode.tp_rank % prefill.tp_size:
+                if prefill.tp_rank == replica_writer(prefill.tp_size, decode):
                     runs.append(StateRun(region, 0, 0, t.local_bytes(1)))
                 continue
             held, need = t.shard(prefill.tp_size, prefill.tp_rank), t.shard(decode.tp_size, decode.tp_rank)
@@ -282,3 +318,53 @@ def slot_runs(runs: Sequence[StateRun], src_slot: int, dst_slot: int, src_slot_b
         out.append(StateRun(r.region, src_slot * src_slot_bytes[i] + r.src, dst_slot * dst_slot_bytes[i] + r.dst,
                             r.length))
     return out
+
+
+# --- pairing ------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class LinkRoles:
+    """What prefill rank ``p`` does for decode rank ``d`` (see "Pairing" above)."""
+
+    paired: bool
+    """``d`` sends ``p`` its requests (``p`` pairs with ``d`` for some group)."""
+    writes: tuple[bool, ...]
+    """Per group, in cache order: ``p`` writes some of it into ``d``."""
+
+    @property
+    def writer(self) -> bool:
+        """``p`` writes some group into ``d``: ``d`` expects its TRANSFER_DONE."""
+        return any(self.writes)
+
+
+def link_roles(prefill: CacheGeometry, decode: CacheGeometry) -> LinkRoles:
+    """The roles of prefill rank ``prefill.tp_rank`` towards decode rank ``decode.tp_rank``."""
+    check_groups(prefill, decode)
+    pairs, writes = False, []
+    for p, d in zip(prefill.groups, decode.groups, strict=True):
+        if isinstance(p, PagedGroup):
+            assert isinstance(d, PagedGroup)
+            writes.append(p.geometry.tp_rank in writers(p.geometry, d.geometry))
+            pairs = pairs or paired(p.geometry, d.geometry)
+        else:
+            assert isinstance(p, StateGroup)
+            writes.append(prefill.tp_rank in state_writers(prefill.tp_size, decode, p))
+            pairs = pairs or writes[-1]
+    return LinkRoles(pairs, tuple(writes))
+
+
+def paired_ranks_of_decode_cache(prefill: CacheGeometry, decode: CacheGeometry) -> tuple[int, ...]:
+    """Prefill ranks paired with decode rank ``decode.tp_rank``; ``prefill.tp_rank`` is ignored."""
+    return tuple(r for r in range(prefill.tp_size) if link_roles(prefill.with_rank(r), decode).paired)
+
+
+def paired_ranks_of_prefill_cache(prefill: CacheGeometry, decode: CacheGeometry) -> tuple[int, ...]:
+    """Decode ranks paired with prefill rank ``prefill.tp_rank``; ``decode.tp_rank`` is ignored."""
+    return tuple(r for r in range(decode.tp_size) if link_roles(prefill, decode.with_rank(r)).paired)
+
+
+def destination_pages(num_tokens: int, group: PagedGroup, block_size: int) -> range:
+    """The page indices (from the prompt's first page) a decode rank names for ``group``: those
+    holding the tokens it needs (the last ``window`` for a sliding-window group)."""
+    if group.window is None:
+        return range(-(-num_tokens // block_size))
+    return window_pages(num_tokens, group.window, block_size)

@@ -77,7 +77,7 @@ def test_state_plans_move_every_decode_shard_exactly_once(case: tuple[StateGroup
     # the global state of one request: per (layer, tensor), bytes viewed with the tensor's shape
     glob = [rng.integers(0, 256, size=(*t.shape, t.dtype.itemsize), dtype=np.uint8)
             for _layer in range(group.num_layers) for t in group.tensors]
-    prefill = [CacheGeometry(p_tp, r, (group,)) for r in range(p_tp)]
+    prefill = [with_state(p_tp, r, group) for r in range(p_tp)]
     src_bytes = group.slot_bytes(p_tp)
     dst_bytes = group.slot_bytes(d_tp)
     src_mem = []
@@ -91,7 +91,7 @@ def test_state_plans_move_every_decode_shard_exactly_once(case: tuple[StateGroup
             regions.append(buf)
         src_mem.append(regions)
     for d in range(d_tp):
-        decode = CacheGeometry(d_tp, d, (group,))
+        decode = with_state(d_tp, d, group)
         dst = [np.zeros(group.num_slots * dst_bytes[i % n_t], dtype=np.uint8) for i in range(len(glob))]
         hits = [np.zeros_like(b, dtype=np.int32) for b in dst]
         writers = []
@@ -116,17 +116,68 @@ def test_state_runs_merge_whole_rows() -> None:
     t0 = StateGroup("a", 1, (StateTensor((8, 4), DType.BFLOAT16, 0),), 1)
     t1 = StateGroup("b", 1, (StateTensor((4, 8), DType.BFLOAT16, 1),), 1)
     for group, want in ((t0, 1), (t1, 4)):
-        runs = plan_state(CacheGeometry(2, 1, (group,)), CacheGeometry(1, 0, (group,)), group.name)
+        runs = plan_state(with_state(2, 1, group), with_state(1, 0, group), group.name)
         assert len(runs) == want
 
 
 def test_replicated_state_is_written_once_per_decode_rank_spread_over_prefill_ranks() -> None:
+    """A replicated tensor goes to decode rank d of 4 from prefill rank floor(d * 2 / 4) of 2."""
     group = StateGroup("r", 2, (StateTensor((3, 5), DType.FLOAT32, None),), 2)
     for d in range(4):
-        decode = CacheGeometry(4, d, (group,))
-        assert state_writers(2, decode, group) == (d % 2,)
-        writes = [p for p in range(2) if plan_state(CacheGeometry(2, p, (group,)), decode, "r")]
-        assert writes == [d % 2]
+        decode = with_state(4, d, group)
+        assert state_writers(2, decode, group) == (d // 2,)
+        writes = [p for p in range(2) if plan_state(with_state(2, p, group), decode, "r")]
+        assert writes == [d // 2]
+
+
+def with_state(tp: int, rank: int, group: StateGroup, heads: int = 8) -> CacheGeometry:
+    return CacheGeometry(tp, rank, (PagedGroup("kv", kv(tp, rank, heads=heads)), group))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 4, 8]),
+       st.sampled_from([1, 2, 4, 8]), st.booleans())
+def test_link_roles_every_writer_pairs_and_state_writers_pair_under_the_first_group(
+        p_tp: int, d_tp: int, heads: int, other_heads: int, mla: bool) -> None:
+    """For every TP pair and two paged groups of different head counts beside a sharded and a
+    replicated state tensor: each group of each decode rank is written by its writers, every writer
+    pairs, and state writers pair under the first group alone (the union is needed only for paged
+    groups of fewer heads)."""
+    state = StateGroup("s", 1, (StateTensor((8, 2), DType.BFLOAT16, 0), StateTensor((3,), DType.FLOAT32, None)), 2)
+
+    def cache(tp: int, rank: int) -> CacheGeometry:
+        return CacheGeometry(tp, rank, (PagedGroup("kv", kv(tp, rank, heads=heads, mla=mla)),
+                                        PagedGroup("idx", kv(tp, rank, heads=other_heads)), state))
+
+    from kvproto.geometry import paired as kv_paired
+    from kvproto.geometry.groups import link_roles, paired_ranks_of_decode_cache, paired_ranks_of_prefill_cache
+
+    for d in range(d_tp):
+        decode = cache(d_tp, d)
+        roles = [link_roles(cache(p_tp, p), decode) for p in range(p_tp)]
+        for g in range(3):
+            assert any(r.writes[g] for r in roles), (g, d)
+        for p, r in enumerate(roles):
+            assert r.paired or not r.writer
+            if r.writes[2]:
+                assert kv_paired(cache(p_tp, p).primary, decode.primary)
+        assert paired_ranks_of_decode_cache(cache(p_tp, 0), decode) == tuple(p for p, r in enumerate(roles) if r.paired)
+    for p in range(p_tp):
+        assert paired_ranks_of_prefill_cache(cache(p_tp, p), cache(d_tp, 0)) == tuple(
+            d for d in range(d_tp) if link_roles(cache(p_tp, p), cache(d_tp, d)).paired)
+
+
+def test_a_group_of_fewer_heads_pairs_ranks_the_first_group_does_not() -> None:
+    """Prefill TP 2, decode TP 4: with 8 heads decode rank 1 pairs only with prefill rank 0, but a
+    one-head group beside them is written into it by prefill rank 1 (replica rule), which therefore
+    pairs too."""
+    from kvproto.geometry.groups import link_roles
+
+    def cache(tp: int, rank: int) -> CacheGeometry:
+        return CacheGeometry(tp, rank, (PagedGroup("kv", kv(tp, rank, heads=8)), PagedGroup("one", kv(tp, rank, heads=1))))
+
+    roles = link_roles(cache(2, 1), cache(4, 1))
+    assert roles.paired and roles.writes == (False, True)
 
 
 def test_window_tokens_and_pages() -> None:
@@ -150,9 +201,13 @@ def test_groups_must_match_by_name_kind_and_shape() -> None:
     changed = CacheGeometry(1, 0, (PagedGroup("full", kv(1, 0, layers=1)), other))
     with pytest.raises(IncompatibleGroups, match="group 'gdn': state tensors differ"):
         check_groups(gdn_state(1, 0), changed)
-    swa = CacheGeometry(1, 0, (PagedGroup("full", kv(1, 0, layers=1), window=128), gdn_state(1, 0).groups[1]))
-    with pytest.raises(IncompatibleGroups, match="group 'full': window None on the prefill, 128"):
-        check_groups(gdn_state(1, 0), swa)
+    def with_swa(window: int | None) -> CacheGeometry:
+        return CacheGeometry(1, 0, (*gdn_state(1, 0).groups, PagedGroup("swa", kv(1, 0, layers=1), window=window)))
+
+    with pytest.raises(IncompatibleGroups, match="group 'swa': window 64 on the prefill, 128"):
+        check_groups(with_swa(64), with_swa(128))
+    with pytest.raises(GeometryError, match="first group is paged and keeps every token"):
+        CacheGeometry(1, 0, (PagedGroup("full", kv(1, 0, layers=1), window=128),))
     mla = CacheGeometry(1, 0, (PagedGroup("full", kv(1, 0, layers=1, mla=True)), gdn_state(1, 0).groups[1]))
     with pytest.raises(IncompatibleGroups, match="group 'full': .*mla"):
         check_groups(gdn_state(1, 0), mla)
@@ -160,4 +215,4 @@ def test_groups_must_match_by_name_kind_and_shape() -> None:
 
 def test_a_state_dimension_that_does_not_split_is_refused() -> None:
     with pytest.raises(GeometryError, match="does not split over TP 4"):
-        CacheGeometry(4, 1, (StateGroup("s", 1, (StateTensor((6, 2), DType.BFLOAT16, 0),), 1),))
+        with_state(4, 1, StateGroup("s", 1, (StateTensor((6, 2), DType.BFLOAT16, 0),), 1))
