@@ -7,7 +7,7 @@ Every control frame is a 24-byte little-endian header followed by a body::
     offset size field
     0      2    magic        b"KV"
     2      1    major        1
-    3      1    minor        0..255 (additions only; this build speaks 1)
+    3      1    minor        0..255 (additions only; this build speaks 2)
     4      1    msg_type     MsgType
     5      1    flags        bit set; unknown bits are ignored
     6      2    reserved     sent as 0, ignored on receipt
@@ -19,7 +19,9 @@ A body is a sequence of fields, each of a fixed kind (``u8 u16 u32 u64 str bytes
 Strings carry a u16 byte length then UTF-8; byte strings a u32 length; arrays a u32 count.
 A decoder reads the fields it knows in order. Fields appended by a later minor version are
 *optional*: a body that ends before one decodes it as its default, and bytes after the last
-known field are ignored. That is the whole compatibility rule for minor versions.
+known field are ignored. That is the whole compatibility rule for minor versions. An encoder
+leaves out trailing optional fields that hold their defaults (an empty list), so a message that
+uses no addition encodes exactly as the minor before it did.
 
 Invariant: every input either decodes or raises a ``RemoteProtocolError`` subclass
 (``MalformedFrame``, ``UnsupportedVersion``, ``FrameTooLarge``); nothing else escapes.
@@ -36,7 +38,7 @@ from kvproto.wire.errors import FrameTooLarge, MalformedFrame, UnsupportedVersio
 
 MAGIC = b"KV"
 MAJOR = 1
-MINOR = 1
+MINOR = 2
 HEADER = struct.Struct("<2sBBBBHQII")
 HEADER_SIZE = HEADER.size  # 24
 MAX_FRAME = 16 * 1024 * 1024
@@ -91,8 +93,19 @@ class Body:
     FIELDS: ClassVar[tuple[tuple[str, Any], ...]] = ()
     OPTIONAL_FROM: ClassVar[int | None] = None
 
+    def sent_fields(self) -> tuple[tuple[str, Any], ...]:
+        """The fields this body puts on the wire: ``FIELDS`` without the trailing optional ones
+        that hold their defaults."""
+        fields = self.FIELDS
+        if self.OPTIONAL_FROM is not None:
+            n = len(fields)
+            while n > self.OPTIONAL_FROM and _is_default(getattr(self, fields[n - 1][0])):
+                n -= 1  # a trailing addition left at its default is not sent
+            fields = fields[:n]
+        return fields
+
     def encode_into(self, out: bytearray) -> None:
-        for name, kind in self.FIELDS:
+        for name, kind in self.sent_fields():
             _encode_field(out, kind, getattr(self, name), f"{type(self).__name__}.{name}")
 
     @classmethod
@@ -106,6 +119,11 @@ class Body:
             return cls(**values)
         except (TypeError, ValueError) as exc:
             raise MalformedFrame(f"invalid {cls.__name__}: {exc}") from None
+
+
+def _is_default(value: Any) -> bool:
+    """Optional fields default to empty: an empty list, string or byte string, or 0."""
+    return value == 0 if isinstance(value, int) else len(value) == 0
 
 
 def _encode_field(out: bytearray, kind: Any, value: Any, what: str) -> None:

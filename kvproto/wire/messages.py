@@ -33,12 +33,25 @@ class MsgType(enum.IntEnum):
     STAGING_REQUEST = 11
     STAGING_GRANT = 12
     STAGING_WATERMARK = 13
+    # minor 2: caches of several groups
+    CACHE_GROUPS = 14
 
 
 class RegionKind(enum.IntEnum):
     KV = 0
     AUX = 1
     STAGING = 2
+    GROUP = 3
+    """(minor 2) a region of a group beyond the first: ``index`` = group << 24 | region."""
+
+
+class GroupKind(enum.IntEnum):
+    PAGED = 0
+    STATE = 1
+
+
+NO_SHARD = 0xFF
+"""``WireStateTensor.shard_dim`` value meaning "replicated on every TP rank"."""
 
 
 # --- records nested in messages -------------------------------------------------------------
@@ -101,6 +114,54 @@ class RankAddress(Body):
     boot_id: int
 
     FIELDS: ClassVar = (("tp_rank", "u16"), ("endpoint", "str"), ("boot_id", "u64"))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WireStateTensor(Body):
+    """(minor 2) One per-layer, per-request state tensor of a state group: its global shape."""
+
+    shape: tuple[int, ...]
+    dtype: int
+    shard_dim: int
+
+    FIELDS: ClassVar = (("shape", "u32[]"), ("dtype", "u8"), ("shard_dim", "u8"))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WireGroup(Body):
+    """(minor 2) One cache group beyond the first (see ``kvproto.geometry.groups``). A PAGED group
+    has ``geometry`` and ``window`` (0: every token); a STATE group ``num_layers``, ``num_slots``
+    and ``tensors``. The fields of the other kind are zero or empty."""
+
+    name: str
+    kind: int
+    geometry: WireGeometry
+    window: int
+    num_layers: int
+    num_slots: int
+    tensors: tuple[WireStateTensor, ...]
+
+    FIELDS: ClassVar = (
+        ("name", "str"),
+        ("kind", "u8"),
+        ("geometry", WireGeometry),
+        ("window", "u32"),
+        ("num_layers", "u32"),
+        ("num_slots", "u32"),
+        ("tensors", [WireStateTensor]),
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GroupDestination(Body):
+    """(minor 2) Where one group beyond the first goes on the decode rank: a PAGED group's pages,
+    ``pages[i]`` holding the prompt's page ``first_page + i``, or a STATE group's ``slot``."""
+
+    first_page: int
+    pages: tuple[int, ...]
+    slot: int
+
+    FIELDS: ClassVar = (("first_page", "u32"), ("pages", "u32[]"), ("slot", "u32"))
 
 
 # --- messages ----------------------------------------------------------------------------------
@@ -217,13 +278,17 @@ class TransferRequest(Message):
     aux_slot: int
     expected_writers: int
     dst_pages: tuple[int, ...] = field(default=())
+    groups: tuple[GroupDestination, ...] = field(default=())
+    """(minor 2) one destination per group beyond the first, in group order; optional."""
     FIELDS: ClassVar = (
         ("num_tokens", "u32"),
         ("prefix_tokens", "u32"),
         ("aux_slot", "u32"),
         ("expected_writers", "u16"),
         ("dst_pages", "u32[]"),
+        ("groups", [GroupDestination]),
     )
+    OPTIONAL_FROM: ClassVar = 5
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -292,6 +357,17 @@ class StagingWatermark(Message):
     FIELDS: ClassVar = (("seq", "u32"), ("watermark", "u64"))
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CacheGroups(Message):
+    """(minor 2) either side, just before its REGISTER / REGISTER_ACCEPT of link ``link_id``: the
+    groups of its cache beyond the first (sent only when there are some)."""
+
+    MSG_TYPE: ClassVar = MsgType.CACHE_GROUPS
+    link_id: int
+    groups: tuple[WireGroup, ...]
+    FIELDS: ClassVar = (("link_id", "u32"), ("groups", [WireGroup]))
+
+
 MESSAGE_TYPES: dict[int, type[Message]] = {
     cls.MSG_TYPE: cls
     for cls in (
@@ -308,6 +384,7 @@ MESSAGE_TYPES: dict[int, type[Message]] = {
         StagingRequest,
         StagingGrant,
         StagingWatermark,
+        CacheGroups,
     )
 }
 

@@ -19,12 +19,16 @@ from kvproto.wire import (
     MESSAGE_TYPES,
     MINOR,
     NO_SLOT,
+    GroupDestination,
+    GroupKind,
     RankAddress,
     RegionKind,
     StagingGrant,
     TransferRequest,
     WireGeometry,
+    WireGroup,
     WireRegion,
+    WireStateTensor,
     decode,
     encode,
 )
@@ -32,7 +36,8 @@ from kvproto.wire.codec import HEADER
 from kvproto.wire.tags import TAG, TagKind
 
 SPEC = Path(__file__).resolve().parents[2] / "spec" / "v1"
-RECORDS = {cls.__name__: cls for cls in (WireGeometry, WireRegion, RankAddress)}
+RECORDS = {cls.__name__: cls for cls in (WireGeometry, WireRegion, RankAddress, WireStateTensor, WireGroup,
+                                         GroupDestination)}
 KIND_SIZE = {"u8": 1, "u16": 2, "u32": 4, "u64": 8}
 
 
@@ -219,7 +224,7 @@ def test_spec_messages_field_tables_name_only_known_sections() -> None:
     assert set(field_tables()) == known
 
 
-@pytest.mark.parametrize("enum_cls", [RegionKind, MemKind, DType, Layout], ids=lambda e: e.__name__)
+@pytest.mark.parametrize("enum_cls", [RegionKind, MemKind, DType, Layout, GroupKind], ids=lambda e: e.__name__)
 def test_spec_messages_enumeration_tables_match(enum_cls: Any) -> None:
     """messages.md's enumeration tables list exactly the enum's values and names."""
     (table,) = [t for t in md_tables(SPEC / "messages.md") if t[0] == enum_cls.__name__]

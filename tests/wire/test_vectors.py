@@ -39,8 +39,12 @@ def read_vector(name: str) -> bytes:
 def from_json(cls: type[Body], fields: dict[str, Any], **header: int) -> Any:
     """Build a body of ``cls`` from its JSON form (records: objects, bytes: hex, arrays: lists)."""
     kwargs: dict[str, Any] = dict(header)
-    assert set(fields) == {name for name, _ in cls.FIELDS}, f"{cls.__name__}: fields {sorted(fields)}"
+    names = [name for name, _ in cls.FIELDS]
+    required = set(names[:cls.OPTIONAL_FROM]) if cls.OPTIONAL_FROM is not None else set(names)
+    assert required <= set(fields) <= set(names), f"{cls.__name__}: fields {sorted(fields)}"
     for name, kind in cls.FIELDS:
+        if name not in fields:
+            continue  # an optional addition absent from the frame: its default
         value = fields[name]
         if kind == "bytes":
             kwargs[name] = bytes.fromhex(value)
@@ -141,7 +145,19 @@ def test_vectors_cover_the_edge_cases() -> None:
     assert any(e["msg_type"] == MsgType.STAGING_GRANT and e["header"]["minor"] > MINOR and e.get("twin")
                for e in FRAMES_DECODE), "a STAGING_GRANT of a newer minor with trailing bytes"
     assert any(e["header"]["minor"] == MINOR for e in FRAMES_BOTH), "frames of this build's minor"
+    # minor 2 (cache groups)
+    assert any(getattr(m, "groups", None) and m.MSG_TYPE == MsgType.TRANSFER_REQUEST for m in both), "group destinations"
+    assert any(any(r.kind == wire.RegionKind.GROUP for r in getattr(m, "regions", ())) for m in both), "GROUP regions"
+    assert any(t.shard_dim == wire.NO_SHARD or t.shard_dim == 0 for m in both for g in getattr(m, "groups", ())
+               if isinstance(g, wire.WireGroup) for t in g.tensors), "state tensors"
     assert any(e["header"]["minor"] == 0 for e in FRAMES_BOTH), "version 1.0 frames"
+
+
+def test_vectors_an_absent_optional_field_leaves_the_body_unchanged() -> None:
+    """A minor-2 TRANSFER_REQUEST with no groups is byte for byte the 1.0 body: the optional field is
+    left out, not sent empty (README.md: versioning)."""
+    a, b = read_vector("transfer_request.hex"), read_vector("transfer_request_no_groups_minor2.hex")
+    assert a[24:] == b[24:] and (a[3], b[3]) == (0, 2)
 
 
 def test_vectors_unknown_type_vectors_carry_their_minor() -> None:

@@ -25,7 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from kvproto.wire import (
+    NO_SHARD,
     NO_SLOT,
+    CacheGroups,
+    GroupDestination,
+    GroupKind,
+    RegionKind,
+    WireGroup,
+    WireStateTensor,
     Abort,
     BootstrapInfo,
     BootstrapQuery,
@@ -68,7 +75,7 @@ class Vector:
 def body_json(body: Body) -> dict[str, Any]:
     """A body's fields as JSON: records as objects, arrays as lists, bytes as hex strings."""
     out: dict[str, Any] = {}
-    for name, kind in body.FIELDS:
+    for name, kind in body.sent_fields():  # optional additions left at their defaults are not sent
         out[name] = _value_json(kind, getattr(body, name))
     return out
 
@@ -225,6 +232,46 @@ TRANSFER_REQUEST_DUPLICATE_PAGES = TransferRequest(
     room_id=0x00C0FFEE, generation=1_000_001, num_tokens=100, prefix_tokens=32, aux_slot=5,
     expected_writers=2, dst_pages=(17, 18, 19, 41, 40, 41, 43))
 """transfer_request.hex with page 41 listed twice (tokens [48, 64) and [80, 96))."""
+
+
+# Version 1.2 (minor 2): caches of several groups. The decode rank of REGISTER (TP 2, rank 1) also
+# keeps "swa", sliding-window layers with a pool of their own (1 layer, K and V, window 128), and
+# "gdn", Gated DeltaNet state (3 layers of a conv state sharded over its 8,192 channels and a
+# recurrent state sharded over its 32 heads, 64 slots). Its GROUP regions: swa's 2 (g = 1), then
+# gdn's 6 (g = 2), one per (layer, tensor).
+GEOMETRY_SWA = WireGeometry(
+    tp_size=2, tp_rank=1, num_layers=1, num_kv_heads=8, head_dim=128, dtype=2, block_size=16,
+    layout=0, mla=0, num_blocks=256,
+)
+ZERO_GEOMETRY = WireGeometry(tp_size=0, tp_rank=0, num_layers=0, num_kv_heads=0, head_dim=0, dtype=0, block_size=0,
+                             layout=0, mla=0, num_blocks=0)
+GROUPS = (
+    WireGroup(name="swa", kind=GroupKind.PAGED, geometry=GEOMETRY_SWA, window=128, num_layers=0, num_slots=0,
+              tensors=()),
+    WireGroup(name="gdn", kind=GroupKind.STATE, geometry=ZERO_GEOMETRY, window=0, num_layers=3, num_slots=64,
+              tensors=(WireStateTensor(shape=(8192, 4), dtype=2, shard_dim=0),
+                       WireStateTensor(shape=(32, 128, 128), dtype=3, shard_dim=0))),
+)
+CACHE_GROUPS = CacheGroups(link_id=7, groups=GROUPS)
+SWA_REGION = 256 * 16 * 4 * 128 * 2
+GDN_SLOT = (4096 * 4 * 2, 16 * 128 * 128 * 4)
+REGISTER_GROUPS = Register(**{
+    **{name: getattr(REGISTER, name) for name, _ in Register.FIELDS},
+    "regions": REGISTER.regions + tuple(
+        WireRegion(kind=RegionKind.GROUP, index=1 << 24 | r, address=0x7F3B00000000 + r * SWA_REGION,
+                   length=SWA_REGION, device_id=1, mem_kind=1) for r in range(2)
+    ) + tuple(
+        WireRegion(kind=RegionKind.GROUP, index=2 << 24 | r, address=0x7F3C00000000 + r * (1 << 28),
+                   length=64 * GDN_SLOT[r % 2], device_id=1, mem_kind=1) for r in range(6)
+    ),
+})
+TRANSFER_REQUEST_GROUPS = TransferRequest(
+    room_id=0x00C0FFEE, generation=1_000_001, num_tokens=300, prefix_tokens=32, aux_slot=5,
+    expected_writers=2, dst_pages=tuple(range(17, 36)),
+    groups=(GroupDestination(first_page=10, pages=(200, 201, 202, 203, 204, 205, 206, 207, 208), slot=NO_SLOT),
+            GroupDestination(first_page=0, pages=(), slot=9)))
+"""A 300-token room: 19 pages of the first group; swa's window of 128 tokens is tokens [172, 300),
+pages 10 to 18 of block 16 (9 pages); gdn's state goes to slot 9."""
 
 
 def _vectors() -> list[Vector]:
@@ -419,8 +466,41 @@ def _vectors() -> list[Vector]:
                                                          "would share it"),
               "minor 1: the prefill rank's answer to transfer_request_duplicate_pages.hex", minor=1),
     ]
+    groups = [
+        frame("cache_groups.hex", CACHE_GROUPS,
+              "minor 2: decode rank 1 of TP 2 lists its groups beyond the first before its REGISTER on link 7: "
+              "sliding-window layers with a pool of their own and a window of 128 tokens, and Gated DeltaNet "
+              "state (3 layers; a conv state sharded over channels, a recurrent state over heads; 64 slots)",
+              minor=2),
+        frame("register_groups.hex", REGISTER_GROUPS,
+              "minor 2: register.hex's REGISTER with the GROUP regions of cache_groups.hex's groups: swa's 2 "
+              "(index 1 << 24 | r), then gdn's 6 (index 2 << 24 | r), each 64 slots of its tensor's local bytes",
+              minor=2),
+        frame("transfer_request_groups.hex", TRANSFER_REQUEST_GROUPS,
+              "minor 2: a 300-token room with one destination per group beyond the first: swa's window (tokens "
+              "[172, 300)) in its pages 10-18, gdn's state in slot 9", minor=2),
+        frame("transfer_request_no_groups_minor2.hex", TransferRequest(
+            room_id=0x00C0FFEE, generation=1_000_001, num_tokens=100, prefix_tokens=32, aux_slot=5,
+            expected_writers=2, dst_pages=(17, 18, 19, 40, 41, 42, 43)),
+              "minor 2: a one-group room leaves out the optional groups field: its body is transfer_request.hex's",
+              minor=2),
+        reject("reject_transfer_request_groups_truncated.hex",
+               with_trailing(encode(TRANSFER_REQUEST_GROUPS, minor=2)[:24],
+                             encode(TRANSFER_REQUEST_GROUPS, minor=2)[24:-2]),
+               "MalformedFrame", ErrorCode.MALFORMED_FRAME,
+               "minor 2: the groups field is optional, but once its count is sent its records must all be there"),
+        decode_only("staging_grant_minor3_trailing.hex",
+                    with_trailing(encode(STAGING_GRANT, minor=3), bytes.fromhex("0000000001020304"), minor=3),
+                    STAGING_GRANT,
+                    "minor 3: a STAGING_GRANT with 8 bytes of fields this decoder does not know: they are ignored",
+                    twin="staging_grant.hex", minor=3),
+        reject("reject_unknown_type_minor3.hex", patched(encode(HEARTBEAT, minor=3), 4, "<B", 201),
+               "UnknownMessage", ErrorCode.MALFORMED_FRAME,
+               "message type 201 at minor 3: decoders raise UnknownMessage; a receiver of minor 2 or lower ignores "
+               "it (newer minor)"),
+    ]
     # The MAX_FRAME bound is tested in tests/wire/test_fuzz.py rather than with 16 MiB files.
-    return good + tail + rejects + tags + tag_rejects + staging + duplicates
+    return good + tail + rejects + tags + tag_rejects + staging + duplicates + groups
 
 
 VECTORS = _vectors()
