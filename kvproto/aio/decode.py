@@ -18,13 +18,18 @@ Each link has a reader task (the pump of that socket). Heartbeats go out every
 new boot id, is dropped: its rooms fail with PEER_GONE and its address bootstraps again on
 the next room. Notifications from the transport go straight to the core, which checks them
 against the link that the tag names.
+
+A cache of several groups (hybrid models) sends CACHE_GROUPS before each REGISTER and checks the
+prefill rank's, which precede its accept: the same groups, or the bootstrap fails naming the group
+(a version 1.1 prefill rank sends none). Pairing and writers are decided over every group
+(``kvproto.geometry.groups.link_roles``); rooms name each group's pages or slot.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +39,7 @@ import zmq.utils.monitor
 
 from kvproto.aio.channel import Channel
 from kvproto.aio.endpoint import EndpointBase, EndpointConfig
-from kvproto.aio.memory import KVCache, geometry_from_wire, geometry_to_wire
+from kvproto.aio.memory import KVCache, geometry_from_wire, geometry_to_wire, groups_from_wire
 from kvproto.aio import trace
 from kvproto.aio.room import ReceiverRoomHandle
 from kvproto import kernels
@@ -44,18 +49,18 @@ from kvproto.core.staging import StagingRing
 from kvproto.transport import TransportError
 from kvproto.geometry import (
     IncompatibleGeometry,
-    KVGeometry,
     check_compatible,
-    paired_ranks_of_decode,
     plan_pair,
     writers,
 )
+from kvproto.geometry.groups import IncompatibleGroups, PagedGroup, check_groups, link_roles, paired_ranks_of_decode_cache
 from kvproto.wire import (
     MINOR,
     LocalProtocolError,
     Abort,
     BootstrapInfo,
     BootstrapQuery,
+    CacheGroups,
     ErrorCode,
     Heartbeat,
     Message,
@@ -88,6 +93,8 @@ class _Link:
     last_beat: float = 0.0
     boot_id: int = 0
     peer_minor: int = 0
+    peer_groups: CacheGroups | None = None
+    """The prefill rank's CACHE_GROUPS, received before its accept."""
     registered: bool = False
     beats: int = 0
     watcher: asyncio.Task[None] | None = None
@@ -121,7 +128,9 @@ class DecodeEndpoint(EndpointBase):
             block_size=g.block_size, num_blocks=g.num_blocks, aux_slots=kv.aux.slots if kv.aux else 0,
             timeouts=self.config.timeouts,
             staging=StagingRing(self._staging.capacity) if self._staging is not None else None,
+            groups=kv.group_specs(),
         )
+        self._cache = kv.cache_geometry
         self._pieces: dict[int, tuple[PieceShape, int]] = {}
         """link_id -> (piece shape, decode-side head offset) of each writer that may stage."""
         self._links: dict[int, _Link] = {}
@@ -138,10 +147,15 @@ class DecodeEndpoint(EndpointBase):
         num_tokens: int | None = None,
         prefix_tokens: int = 0,
         aux_slot: int | None = None,
+        group_pages: Mapping[str, Sequence[int]] | None = None,
+        state_slots: Mapping[str, int] | None = None,
     ) -> ReceiverRoomHandle:
         """Start the decode side of room ``room_id``, fed by the prefill instance at ``bootstrap``.
 
-        Give ``pages`` and ``num_tokens`` now, or later with ``room.set_destination``.
+        Give ``pages`` and ``num_tokens`` now, or later with ``room.set_destination``. A cache of
+        several groups also names, by group, the pages of each paged group beyond the first
+        (``group_pages``: those holding the tokens needed, a sliding window's last tokens only)
+        and the slot of each state group (``state_slots``).
         """
         self._check_open()
         trace.mark("open", room_id, 0)
@@ -150,8 +164,9 @@ class DecodeEndpoint(EndpointBase):
         if pages is not None:
             if num_tokens is None:
                 raise LocalProtocolError("num_tokens is required with pages")
+            by_group, slots = self.kv.group_args(group_pages, state_slots, need_slots=True)
             destination = self.core.check_destination(pages, num_tokens, prefix_tokens=prefix_tokens,
-                                                      aux_slot=aux_slot)
+                                                      aux_slot=aux_slot, group_pages=by_group, state_slots=slots or ())
         self.core.check_new_room(room_id)
         # Every check that can refuse has passed: only now may the call change anything (start a
         # bootstrap, open the room, record its handle), so a refused call leaves all as it was.
@@ -166,11 +181,12 @@ class DecodeEndpoint(EndpointBase):
         return handle
 
     def _set_destination(self, room_id: int, pages: Sequence[int], num_tokens: int, prefix_tokens: int,
-                         aux_slot: int | None) -> None:
+                         aux_slot: int | None, group_pages: Any = None, state_slots: Any = None) -> None:
         self._check_open()
+        by_group, slots = self.kv.group_args(group_pages, state_slots, need_slots=True)
         try:
             self.core.set_destination(room_id, pages, num_tokens, self._now(), prefix_tokens=prefix_tokens,
-                                      aux_slot=aux_slot)
+                                      aux_slot=aux_slot, group_pages=by_group, state_slots=slots or ())
         finally:
             self._flush()
             self._kick()
@@ -306,9 +322,12 @@ class DecodeEndpoint(EndpointBase):
                 self._drop_link(link, code, f"prefill closed the link: {msg.reason}")
             else:
                 link.inbox.put_nowait(msg)
-        elif isinstance(msg, (BootstrapInfo, RegisterAccept, RegisterReject)):
+        elif isinstance(msg, (BootstrapInfo, RegisterAccept, RegisterReject, CacheGroups)):
             if link.registered:
                 self.core.stats.peer_violations += 1  # handshake replies after the handshake: dropped
+                return
+            if isinstance(msg, CacheGroups):
+                link.peer_groups = msg if msg.link_id == link.link_id else None
                 return
             if isinstance(msg, RegisterAccept):
                 link.peer_minor = header.minor
@@ -376,13 +395,8 @@ class DecodeEndpoint(EndpointBase):
         links.append(first)
         info = await self._query(first)
         g = self.kv.geometry
-        prefill_template = KVGeometry(
-            tp_size=info.tp_size, tp_rank=0, num_layers=g.num_layers, num_kv_heads=g.num_kv_heads,
-            head_dim=g.head_dim, dtype=g.dtype, block_size=g.block_size, layout=g.layout, mla=g.mla,
-            num_blocks=g.num_blocks, kv_fused=g.kv_fused,
-        )
         by_rank = {r.tp_rank: r for r in info.ranks}
-        paired = paired_ranks_of_decode(prefill_template, g)
+        paired = paired_ranks_of_decode_cache(self._cache.with_tp(info.tp_size, 0), self._cache)
         targets: dict[int, _Link] = {}
         for rank in paired:
             if rank == 0:
@@ -392,14 +406,24 @@ class DecodeEndpoint(EndpointBase):
                 links.append(link)
                 targets[rank] = link
         for link in targets.values():
+            if self.kv.groups:
+                self._send_frame(link.channel, [encode(CacheGroups(link_id=link.link_id, groups=self.kv.wire_groups()))])
             self._send_frame(link.channel, [encode(self._register_message(link))])
         accepts = await asyncio.gather(*(self._await_accept(link) for link in targets.values()))
         result = []
         prefill_g = None
+        roles = {}
         for link, accept in zip(targets.values(), accepts):
             try:
                 prefill_g = geometry_from_wire(accept.geometry)
                 check_compatible(prefill_g, g)
+                prefill_cache = groups_from_wire(PagedGroup(self.kv.name, prefill_g),
+                                                 link.peer_groups.groups if link.peer_groups is not None else ())
+                check_groups(prefill_cache, self._cache)
+            except IncompatibleGroups as exc:
+                older = f" (it speaks version 1.{link.peer_minor}, before cache groups)" if link.peer_minor < 2 else ""
+                raise _BootstrapFailed(ErrorCode.INCOMPATIBLE_GEOMETRY,
+                                       f"prefill rank {link.prefill_rank}{older}: {exc}") from None
             except (ValueError, IncompatibleGeometry) as exc:
                 raise _BootstrapFailed(ErrorCode.INCOMPATIBLE_GEOMETRY, f"prefill rank {link.prefill_rank}: {exc}") from None
             if prefill_g.tp_size != info.tp_size or prefill_g.tp_rank != link.prefill_rank:
@@ -410,6 +434,7 @@ class DecodeEndpoint(EndpointBase):
                                        f"aux slots of {accept.aux_slot_bytes} bytes, decode uses {self.kv.aux.slot_bytes}")
             link.boot_id = accept.boot_id
             result.append((link, accept))
+            roles[link.link_id] = link_roles(prefill_cache, self._cache)
         assert prefill_g is not None
         chosen = writers(prefill_g, g)
         for link, _accept in result:
@@ -423,7 +448,7 @@ class DecodeEndpoint(EndpointBase):
             links.remove(link)
         return [
             ReceiverLink(key=link.link_id, link_id=link.link_id, cluster=cluster, prefill_rank=link.prefill_rank,
-                         agent=accept.agent_name, writer=link.prefill_rank in chosen,
+                         agent=accept.agent_name, writer=roles[link.link_id].writer,
                          aux_owner=link.prefill_rank == chosen[0],
                          stage_unit=self._pieces[link.link_id][0].unit if link.link_id in self._pieces else 0)
             for link, accept in result

@@ -4,17 +4,25 @@ A ``KVCache`` names the geometry and the base address of every region (region
 ``r = layer * planes + plane``); ``from_tensors`` builds one from the per-layer torch tensors
 a serving engine already owns (the tensors are kept alive by the cache object). An optional
 ``AuxBuffer`` holds fixed-size slots for per-request metadata (first output token, ...).
+
+Hybrid models keep more than one cache (``kvproto.geometry.groups``): ``kv.with_groups(...)``
+adds, after the first group (``kv`` itself), further paged groups (``KVCache.from_tensors(...,
+name=, window=)``: sliding-window layers, an indexer cache) and state groups
+(``StateCache.from_tensors``: per-request slots of linear-attention or SSM state). Each group
+may say which model layers its layers are (``model_layers=``), which layer-wise chunks use.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvproto.geometry import DType, KVGeometry, Layout
+from kvproto.core.groups import GroupSpec
+from kvproto.geometry import DType, GeometryError, KVGeometry, Layout
+from kvproto.geometry.groups import CacheGeometry, PagedGroup, StateGroup, StateTensor
 from kvproto.transport.base import MemKind, MemoryRegion
-from kvproto.wire import RegionKind, WireGeometry, WireRegion
+from kvproto.wire import NO_SHARD, NO_SLOT, GroupKind, LocalProtocolError, RegionKind, WireGeometry, WireGroup, WireRegion, WireStateTensor
 
 _TORCH_DTYPES = {
     "torch.float16": DType.FLOAT16,
@@ -43,6 +51,79 @@ class AuxBuffer:
         return cls(tensor.data_ptr(), tensor.numel() * tensor.element_size() // slots, slots, tensor)
 
 
+def _torch_dtype(dtype: Any) -> DType:
+    try:
+        return _TORCH_DTYPES[str(dtype)]
+    except KeyError:
+        raise ValueError(f"unsupported cache dtype {dtype}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class StateCache:
+    """A state group's memory on one rank: one region per (layer, tensor), layer-major, each
+    ``num_slots`` slots of the tensor's local bytes (one request's state per slot)."""
+
+    group: StateGroup
+    tp_size: int
+    tp_rank: int
+    region_addresses: tuple[int, ...]
+    mem_kind: MemKind = MemKind.DRAM
+    device_id: int = 0
+    layers: tuple[int, ...] | None = None
+    """The model layer of each of the group's layers (None: after the groups before it)."""
+    owner: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.group.name
+
+    @classmethod
+    def from_tensors(cls, name: str, layers: Sequence[Sequence[Any]], *, shard_dims: Sequence[int | None],
+                     tp_size: int = 1, tp_rank: int = 0, model_layers: Sequence[int] | None = None) -> StateCache:
+        """Describe a state group: ``layers[l][t]`` is tensor ``t`` of layer ``l``, shaped ``(slots,
+        *local_shape)`` and contiguous; ``shard_dims[t]`` is the dimension of the per-slot shape
+        split over TP (None: replicated); ``model_layers``: the model layer of each layer."""
+        if not layers or not layers[0]:
+            raise ValueError(f"state group {name!r}: no tensors given")
+        first = layers[0]
+        if len(shard_dims) != len(first):
+            raise ValueError(f"state group {name!r}: {len(shard_dims)} shard dims for {len(first)} tensors per layer")
+        tensors = []
+        for t, dim in zip(first, shard_dims):
+            shape = list(t.shape[1:])
+            if dim is not None:
+                shape[dim] *= tp_size
+            tensors.append(StateTensor(tuple(shape), _torch_dtype(t.dtype), dim))
+        slots = first[0].shape[0]
+        addresses = []
+        for index, layer in enumerate(layers):
+            if len(layer) != len(first):
+                raise ValueError(f"state group {name!r}: layer {index} has {len(layer)} tensors, layer 0 {len(first)}")
+            for t, ref in zip(layer, first):
+                if t.shape != ref.shape or t.dtype != ref.dtype or t.device != ref.device or not t.is_contiguous():
+                    raise ValueError(f"state group {name!r}: layer {index}'s tensors differ from layer 0's or are "
+                                     f"not contiguous")
+                if t.shape[0] != slots:
+                    raise ValueError(f"state group {name!r}: every tensor holds the same number of slots")
+                addresses.append(t.data_ptr())
+        device = first[0].device
+        is_cuda = device.type == "cuda"
+        group = StateGroup(name, len(layers), tuple(tensors), slots)
+        for t in group.tensors:
+            t.shard(tp_size, tp_rank)  # raises where a dimension does not split
+        return cls(group, tp_size, tp_rank, tuple(addresses), MemKind.VRAM if is_cuda else MemKind.DRAM,
+                   (device.index or 0) if is_cuda else 0, None if model_layers is None else tuple(model_layers),
+                   owner=layers)
+
+    def region_lengths(self) -> list[int]:
+        sizes = [self.group.num_slots * b for b in self.group.slot_bytes(self.tp_size)]
+        return [sizes[i % len(sizes)] for i in range(len(self.region_addresses))]
+
+    def memory_regions(self) -> list[MemoryRegion]:
+        return [MemoryRegion(a, n, self.device_id, self.mem_kind)
+                for a, n in zip(self.region_addresses, self.region_lengths())]
+
+
 @dataclass(frozen=True, slots=True)
 class KVCache:
     geometry: KVGeometry
@@ -53,12 +134,107 @@ class KVCache:
     owner: Any = field(default=None, compare=False, repr=False)
     tensors: tuple[Any, ...] = field(default=(), compare=False, repr=False)
     """Region tensors, 4-D in the geometry's layout (needed by the staged path's kernels)."""
+    name: str = "kv"
+    """The group's name (a one-group cache never needs one)."""
+    window: int | None = None
+    """A paged group beyond the first: the decode needs only the prompt's last ``window`` tokens."""
+    layers: tuple[int, ...] | None = None
+    """The model layer of each of this group's layers (None: the first group's are ``0..n-1``,
+    a later group's follow the groups before it)."""
+    groups: tuple[KVCache | StateCache, ...] = ()
+    """The cache's groups beyond this first one (``with_groups``)."""
 
     def __post_init__(self) -> None:
         if len(self.region_addresses) != self.geometry.num_regions:
             raise ValueError(
                 f"{len(self.region_addresses)} region addresses for {self.geometry.num_regions} regions"
             )
+
+    # --- groups -------------------------------------------------------------------------------
+    def with_groups(self, *groups: KVCache | StateCache) -> KVCache:
+        """This cache as the first group of a cache of several (a hybrid model's), with ``groups``
+        after it; names, TP, windows and layer maps are checked here."""
+        for g in groups:
+            if isinstance(g, KVCache) and (g.groups or g.aux is not None):
+                raise ValueError(f"group {g.name!r}: a group beyond the first has no groups or aux buffer of its own")
+        cache = replace(self, groups=tuple(groups))
+        cache.cache_geometry  # noqa: B018 - raises GeometryError for an inconsistent cache
+        cache.layer_map()
+        return cache
+
+    @property
+    def cache_geometry(self) -> CacheGeometry:
+        """The cache as groups (``kvproto.geometry.groups``); one group for a plain cache."""
+        g = self.geometry
+        out: list[PagedGroup | StateGroup] = [PagedGroup(self.name, g, self.window)]
+        for extra in self.groups:
+            if isinstance(extra, StateCache):
+                if (extra.tp_size, extra.tp_rank) != (g.tp_size, g.tp_rank):
+                    raise GeometryError(f"state group {extra.name!r} is for TP rank {extra.tp_rank}/{extra.tp_size}, "
+                                        f"the cache for {g.tp_rank}/{g.tp_size}")
+                out.append(extra.group)
+            else:
+                out.append(PagedGroup(extra.name, extra.geometry, extra.window))
+        return CacheGeometry(g.tp_size, g.tp_rank, tuple(out))
+
+    def layer_map(self) -> tuple[tuple[int, ...], ...]:
+        """The model layer of every layer of every group (the first group's first); together they
+        cover the model's layers ``0..L-1``, each group's ascending."""
+        maps: list[tuple[int, ...]] = []
+        nxt = 0
+        for group in (self, *self.groups):
+            count = group.group.num_layers if isinstance(group, StateCache) else group.geometry.num_layers
+            ids = group.layers if group.layers is not None else tuple(range(nxt, nxt + count))
+            if len(ids) != count or list(ids) != sorted(set(ids)) or ids[0] < 0:
+                raise ValueError(f"group {group.name!r}: layers {ids} are not {count} distinct ascending model layers")
+            maps.append(tuple(ids))
+            nxt = max(nxt, ids[-1] + 1)
+        covered = set().union(*maps)
+        if covered != set(range(len(covered))):
+            raise ValueError(f"the groups' layers {sorted(covered)} do not cover the model's layers "
+                             f"0..{max(covered)} once each")
+        return tuple(maps)
+
+    @property
+    def model_layers(self) -> int:
+        """The model's layers: what layer-wise chunks count."""
+        return 1 + max(ids[-1] for ids in self.layer_map())
+
+    def group_specs(self) -> tuple[GroupSpec, ...]:
+        """The groups beyond the first, as the cores see them."""
+        maps = self.layer_map()
+        specs = []
+        for extra, layers in zip(self.groups, maps[1:]):
+            if isinstance(extra, StateCache):
+                specs.append(GroupSpec(extra.name, True, extra.group.num_slots, layers=layers))
+            else:
+                g = extra.geometry
+                specs.append(GroupSpec(extra.name, False, g.num_blocks, g.block_size, extra.window, layers))
+        return tuple(specs)
+
+    def group_args(self, group_pages: Mapping[str, Sequence[int]] | None, state_slots: Mapping[str, int] | None,
+                   *, need_slots: bool = False) -> tuple[list[list[int]], list[int] | None]:
+        """A room's per-group arguments by group name, as the cores take them (in group order): the
+        pages of each paged group and, if given (or ``need_slots``), the slot of each state group."""
+        names = [g.name for g in self.groups]
+        unknown = sorted((set(group_pages or ()) | set(state_slots or ())) - set(names))
+        if unknown:
+            raise LocalProtocolError(f"the cache has no group {unknown[0]!r} beyond its first "
+                                     f"(it has {', '.join(map(repr, names)) or 'none'})")
+        pages = [[int(p) for p in (group_pages or {}).get(n, ())] for n in names]
+        if state_slots is None and not need_slots:
+            return pages, None
+        slots = []
+        for extra in self.groups:
+            slot = (state_slots or {}).get(extra.name)
+            if isinstance(extra, StateCache) and slot is None:
+                raise LocalProtocolError(f"state group {extra.name!r} needs a slot: state_slots={{{extra.name!r}: ...}}")
+            slots.append(NO_SLOT if slot is None else int(slot))
+        return pages, slots
+
+    def wire_groups(self) -> tuple[WireGroup, ...]:
+        """The groups beyond the first, as ``CACHE_GROUPS`` lists them."""
+        return tuple(group_to_wire(g) for g in self.cache_geometry.groups[1:])
 
     @classmethod
     def from_tensors(
@@ -72,6 +248,9 @@ class KVCache:
         mla: bool = False,
         kv_fused: bool = False,
         aux: Any = None,
+        name: str = "kv",
+        window: int | None = None,
+        model_layers: Sequence[int] | None = None,
     ) -> KVCache:
         """Describe per-layer cache tensors.
 
@@ -80,7 +259,8 @@ class KVCache:
         ``(num_blocks, heads, block_size, head_dim)`` for HND, and must be contiguous.
         ``num_kv_heads`` is the model's total (defaults to local heads x tp_size).
         ``kv_fused``: one plane ``[layers]`` whose ``head_dim`` holds each head's K then V (vLLM's
-        layout since 0.33).
+        layout since 0.33). ``name``, ``window``, ``model_layers``: for a group of a hybrid cache
+        (``with_groups``).
         """
         layout = Layout[layout.upper()] if isinstance(layout, str) else Layout(layout)
         if not planes or not planes[0]:
@@ -101,10 +281,7 @@ class KVCache:
                 raise ValueError(f"cache tensors must be 4-D, got shape {tuple(first.shape)}")
             nb, a, b, hd = first.shape
             bs, heads = (a, b) if layout is Layout.NHD else (b, a)
-        try:
-            dtype = _TORCH_DTYPES[str(first.dtype)]
-        except KeyError:
-            raise ValueError(f"unsupported cache dtype {first.dtype}") from None
+        dtype = _torch_dtype(first.dtype)
         addresses = []
         tensors = []
         for layer in range(num_layers):
@@ -140,6 +317,9 @@ class KVCache:
             aux=AuxBuffer.from_tensor(aux) if aux is not None else None,
             owner=(planes, aux),
             tensors=tuple(tensors),
+            name=name,
+            window=window,
+            layers=None if model_layers is None else tuple(model_layers),
         )
 
     # --- what gets registered and advertised ------------------------------------------------
@@ -148,6 +328,8 @@ class KVCache:
         regions = [MemoryRegion(a, size, self.device_id, self.mem_kind) for a in self.region_addresses]
         if self.aux is not None:
             regions.append(MemoryRegion(self.aux.address, self.aux.slot_bytes * self.aux.slots, 0, MemKind.DRAM))
+        for extra in self.groups:
+            regions += extra.memory_regions()
         return regions
 
     @property
@@ -165,6 +347,10 @@ class KVCache:
             rows.append(WireRegion(kind=RegionKind.AUX, index=0, address=self.aux.address,
                                    length=self.aux.slot_bytes * self.aux.slots, device_id=0,
                                    mem_kind=MemKind.DRAM))
+        for number, extra in enumerate(self.groups, start=1):
+            for r, region in enumerate(extra.memory_regions()):
+                rows.append(WireRegion(kind=RegionKind.GROUP, index=number << 24 | r, address=region.address,
+                                       length=region.length, device_id=region.device_id, mem_kind=region.kind))
         return tuple(rows)
 
 
@@ -183,3 +369,36 @@ def geometry_from_wire(w: WireGeometry) -> KVGeometry:
         head_dim=w.head_dim, dtype=DType(w.dtype), block_size=w.block_size, layout=Layout(w.layout),
         mla=w.mla == 1 or w.mla > 2, num_blocks=w.num_blocks, kv_fused=w.mla == 2,
     )
+
+
+def group_to_wire(group: PagedGroup | StateGroup) -> WireGroup:
+    if isinstance(group, PagedGroup):
+        return WireGroup(name=group.name, kind=GroupKind.PAGED, geometry=geometry_to_wire(group.geometry),
+                         window=group.window or 0, num_layers=0, num_slots=0, tensors=())
+    zero = WireGeometry(tp_size=0, tp_rank=0, num_layers=0, num_kv_heads=0, head_dim=0, dtype=0, block_size=0,
+                        layout=0, mla=0, num_blocks=0)
+    return WireGroup(name=group.name, kind=GroupKind.STATE, geometry=zero, window=0, num_layers=group.num_layers,
+                     num_slots=group.num_slots, tensors=tuple(
+                         WireStateTensor(shape=t.shape, dtype=int(t.dtype),
+                                         shard_dim=NO_SHARD if t.shard_dim is None else t.shard_dim)
+                         for t in group.tensors))
+
+
+def groups_from_wire(first: PagedGroup, groups: Sequence[WireGroup]) -> CacheGeometry:
+    """A peer's cache: its first group (``first``: named as ours, since only the groups beyond it
+    are listed) and its ``CACHE_GROUPS``. Raises ``GeometryError`` (a ValueError) for groups that
+    describe no real cache."""
+    out: list[PagedGroup | StateGroup] = [first]
+    for w in groups:
+        if w.kind == GroupKind.PAGED:
+            out.append(PagedGroup(w.name, geometry_from_wire(w.geometry), w.window or None))
+        elif w.kind == GroupKind.STATE:
+            try:
+                tensors = tuple(StateTensor(t.shape, DType(t.dtype), None if t.shard_dim == NO_SHARD else t.shard_dim)
+                                for t in w.tensors)
+            except ValueError as exc:
+                raise GeometryError(f"group {w.name!r}: {exc}") from None
+            out.append(StateGroup(w.name, w.num_layers, tensors, w.num_slots))
+        else:
+            raise GeometryError(f"group {w.name!r} is of unknown kind {w.kind}")
+    return CacheGeometry(first.geometry.tp_size, first.geometry.tp_rank, tuple(out))

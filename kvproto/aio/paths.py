@@ -16,7 +16,10 @@ every region (layer, plane) and posts it as one write:
   sliced writes go to the adapter as the pattern itself (extents relative to a region's base,
   applied to every region), which it moves in one launch: nothing is expanded into rows here.
 
-The aux slot moves through prepared one-slot-per-row lists. Nothing here decides anything
+The aux slot moves through prepared one-slot-per-row lists. A paged group beyond the first
+(hybrid caches) has a ``LinkPath`` of its own, over its own regions; a state group's slot moves
+through a ``StatePath``: the byte runs ``plan_state`` gives inside one slot, placed at the two
+slots in every region (layer x tensor) and posted as one write. Nothing here decides anything
 about rooms; errors surface as ``TransportError`` to the caller.
 """
 
@@ -27,8 +30,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvproto.aio.memory import KVCache
+from kvproto.aio.memory import KVCache, StateCache
 from kvproto.geometry import KVGeometry, PairPlan
+from kvproto.geometry.groups import StateRun
 from kvproto.kernels.pattern import pair_extents
 from kvproto.transport.base import DescList, MemKind, Route, Transport, Xfer
 
@@ -231,3 +235,50 @@ class LinkPath:
             if dlist is not None:
                 self.transport.release_prepared(dlist)
         self._remote_pages = self._remote_aux = None
+
+
+class StatePath:
+    """One state group's slot from this prefill rank to one decode rank (``plan_state``'s runs)."""
+
+    def __init__(self, *, transport: Transport, peer: str, local: StateCache, runs: Sequence[StateRun],
+                 remote_bases: Sequence[int], remote_kind: MemKind, remote_device: int,
+                 remote_slot_bytes: Sequence[int]) -> None:
+        self.transport = transport
+        self.peer = peer
+        self.local = local
+        self.remote_kind = remote_kind
+        self.remote_device = remote_device
+        tensors = len(local.group.tensors)
+        runs_arr = np.asarray([tuple(r) for r in runs], dtype=np.int64).reshape(-1, 4)  # region, src, dst, length
+        self._region = runs_arr[:, 0]
+        self._layer = self._region // tensors
+        self._src = np.asarray(local.region_addresses, dtype=np.int64)[self._region] + runs_arr[:, 1]
+        self._dst = np.asarray(remote_bases, dtype=np.int64)[self._region] + runs_arr[:, 2]
+        self._length = runs_arr[:, 3]
+        self._src_slot = np.asarray(local.group.slot_bytes(local.tp_size), dtype=np.int64)[self._region % tensors]
+        self._dst_slot = np.asarray(remote_slot_bytes, dtype=np.int64)[self._region % tensors]
+        self.kind = "state" if len(runs_arr) else "none"
+
+    @property
+    def label(self) -> str:
+        return "state"
+
+    def post(self, tag: bytes, src_slot: int, dst_slot: int, layers: tuple[int, int] | None = None) -> Posted:
+        """One write of slot ``src_slot`` into the decode rank's ``dst_slot``, of the group's
+        ``layers`` (``(first, end)``, its own) or of all of them."""
+        pick = slice(None) if layers is None else (self._layer >= layers[0]) & (self._layer < layers[1])
+        length = self._length[pick]
+        if not len(length):
+            raise ValueError("the state write moves no bytes")
+        local_rows = np.empty((len(length), 3), dtype=np.int64)
+        remote_rows = np.empty_like(local_rows)
+        local_rows[:, 0] = self._src[pick] + src_slot * self._src_slot[pick]
+        remote_rows[:, 0] = self._dst[pick] + dst_slot * self._dst_slot[pick]
+        local_rows[:, 1] = remote_rows[:, 1] = length
+        local_rows[:, 2] = self.local.device_id
+        remote_rows[:, 2] = self.remote_device
+        xfer = self.transport.post_descs(self.peer, local_rows, self.local.mem_kind, remote_rows, self.remote_kind, tag)
+        return Posted(xfer, int(length.sum()), len(length))
+
+    def release(self) -> None:
+        pass

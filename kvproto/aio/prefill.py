@@ -13,6 +13,11 @@ Room messages go to the ``SenderCore``; its ``PostWrite``/``PostAux`` outputs ar
 against the link's geometry (``LinkPath``) and posted on the transport; the progress task polls
 them to DONE and reports back. A decode link silent for ``heartbeat_timeout`` is dropped and its
 rooms fail with PEER_GONE.
+
+A cache of several groups (hybrid models): the decode rank's CACHE_GROUPS, kept per socket until
+its REGISTER comes, is checked with it (the same groups, or the registration is refused naming the
+group); the link gets one path per group beyond the first (a ``LinkPath`` of the group's own
+geometry, or a ``StatePath``), and the accept is preceded by this rank's own CACHE_GROUPS.
 """
 
 from __future__ import annotations
@@ -30,8 +35,8 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 
 from kvproto.aio.channel import Channel
 from kvproto.aio.endpoint import EndpointBase, EndpointConfig
-from kvproto.aio.memory import KVCache, geometry_from_wire, geometry_to_wire
-from kvproto.aio.paths import LinkPath, LocalLists, Posted
+from kvproto.aio.memory import KVCache, StateCache, geometry_from_wire, geometry_to_wire, groups_from_wire
+from kvproto.aio.paths import LinkPath, LocalLists, Posted, StatePath
 from kvproto.aio import trace
 from kvproto.aio.room import SenderRoomHandle
 from kvproto import kernels
@@ -44,14 +49,35 @@ from kvproto.aio.staging import (
     gather_piece,
     warm_kernels,
 )
-from kvproto.core import DEVICE_COST, HOST_COST, PostAux, PostStaged, PostWrite, RoomState, SenderCore, SenderLink
+from kvproto.core import (
+    DEVICE_COST,
+    HOST_COST,
+    LinkGroup,
+    PostAux,
+    PostStaged,
+    PostState,
+    PostWrite,
+    RoomState,
+    SenderCore,
+    SenderLink,
+)
 from kvproto.geometry import (
+    GeometryError,
     IncompatibleGeometry,
     KVGeometry,
     check_compatible,
-    paired_ranks_of_prefill,
     plan_pair,
     writers,
+)
+from kvproto.geometry.groups import (
+    CacheGeometry,
+    IncompatibleGroups,
+    PagedGroup,
+    StateGroup,
+    check_groups,
+    link_roles,
+    paired_ranks_of_prefill_cache,
+    plan_state,
 )
 from kvproto.transport import MemKind, TransportError, XferState
 from kvproto.transport.base import Route, route_of
@@ -60,6 +86,7 @@ from kvproto.wire import (
     Abort,
     BootstrapInfo,
     BootstrapQuery,
+    CacheGroups,
     ErrorCode,
     Heartbeat,
     Message,
@@ -92,6 +119,8 @@ _MAX_ADDRESS = 2**63
 MAX_PAGES = 1 << 26
 """Most pages (regions x pages per region) a decode rank may register: bounds descriptor lists."""
 MAX_AUX_SLOTS = 1 << 20
+MAX_PENDING_GROUPS = 1024
+"""Most sockets whose CACHE_GROUPS waits for their REGISTER (the oldest are forgotten first)."""
 
 
 _WILDCARDS = frozenset({"0.0.0.0", "*", "::", "[::]", ""})
@@ -110,6 +139,13 @@ class _DecodeLink:
     boot_id: int
     path: LinkPath
     last_seen: float
+    groups: tuple[LinkPath | StatePath, ...] = ()
+    """One path per group beyond the first."""
+
+    def release(self) -> None:
+        self.path.release()
+        for path in self.groups:
+            path.release()
 
 
 @dataclass(slots=True)
@@ -138,10 +174,15 @@ class PrefillEndpoint(EndpointBase):
                              "EndpointConfig.advertise_host to the address decode ranks can reach")
         self._bootstrap_target = bootstrap
         aux = kv.aux
+        self._cache = kv.cache_geometry
+        layer_map = kv.layer_map()
         self.core = SenderCore(
             block_size=g.block_size, num_blocks=g.num_blocks, aux_slots=aux.slots if aux else 0,
-            timeouts=self.config.timeouts, num_layers=g.num_layers,
+            timeouts=self.config.timeouts, num_layers=kv.model_layers, groups=kv.group_specs(), layers=layer_map[0],
         )
+        self._pending_groups: dict[bytes, CacheGroups] = {}
+        """CACHE_GROUPS of sockets whose REGISTER has not come yet (insertion order: oldest first)."""
+        self._group_locals: list[LocalLists | None] = []
         self._router: Channel | None = None
         self._announcer: Channel | None = None
         self.address = ""
@@ -179,11 +220,13 @@ class PrefillEndpoint(EndpointBase):
         return handle
 
     def _submit_chunk(self, room_id: int, pages: Sequence[int], end_token: int, last: bool, aux_slot: int | None,
-                      layers: tuple[int, int] | None = None, ready: Any = None) -> None:
+                      layers: tuple[int, int] | None = None, ready: Any = None,
+                      group_pages: Any = None, state_slots: Any = None) -> None:
         self._check_open()
+        pages_by_group, slots = self.kv.group_args(group_pages, state_slots)
         try:
             self.core.submit_chunk(room_id, list(pages), end_token, self._now(), last=last, aux_slot=aux_slot,
-                                   layers=layers, ready=ready)
+                                   layers=layers, ready=ready, group_pages=pages_by_group, state_slots=slots)
         finally:
             self._flush()
             self._kick()
@@ -193,6 +236,8 @@ class PrefillEndpoint(EndpointBase):
         assert self._ctx is not None and self.transport is not None
         self._local = LocalLists(self.transport, self.kv)
         self._local.pages()  # prepared now, not by the first room
+        self._group_locals = [LocalLists(self.transport, extra) if isinstance(extra, KVCache) else None
+                              for extra in self.kv.groups]
         if self._staging is not None:
             self._staging_registration = self.transport.register([self._staging.region()])
             warming = warm_kernels(self.kv, self._regions, gather=True, host=self._staging.where == "host")
@@ -236,6 +281,9 @@ class PrefillEndpoint(EndpointBase):
             self._auth.stop()
         if self._local is not None:
             self._local.release()
+        for local in self._group_locals:
+            if local is not None:
+                local.release()
 
     async def _announce_loop(self) -> None:
         g = self.kv.geometry
@@ -272,6 +320,11 @@ class PrefillEndpoint(EndpointBase):
             self.core.on_message(ident, msg, now)
         elif isinstance(msg, Register):
             self._on_register(ident, header.minor, msg)
+        elif isinstance(msg, CacheGroups):
+            self._pending_groups.pop(ident, None)
+            self._pending_groups[ident] = msg  # applied to this socket's next REGISTER of the same link id
+            while len(self._pending_groups) > MAX_PENDING_GROUPS:
+                del self._pending_groups[next(iter(self._pending_groups))]
         elif isinstance(msg, Heartbeat):
             if link is None:
                 self._send(ident, Abort(code=ErrorCode.NOT_REGISTERED, reason="heartbeat from an unregistered link"))
@@ -323,8 +376,10 @@ class PrefillEndpoint(EndpointBase):
 
     # --- registration ---------------------------------------------------------------------------
     def _on_register(self, ident: bytes, minor: int, msg: Register) -> None:
+        groups = self._pending_groups.pop(ident, None)
         try:
-            remote = self._check_register(msg)
+            remote = self._check_register(msg, groups.groups if groups is not None and groups.link_id == msg.link_id
+                                          else ())
         except _Reject as rej:
             log.warning("rejected registration from %s: %s", msg.agent_name, rej.reason)
             self._send(ident, RegisterReject(link_id=msg.link_id, code=rej.code, reason=rej.reason))
@@ -376,10 +431,11 @@ class PrefillEndpoint(EndpointBase):
         staged = kind == "staged" or by_cost
         assert piece is not None or not staged
         capacity = min(self._staging.capacity, remote.staging[1]) if staged and self._staging and remote.staging else 0
+        group_paths, link_groups = self._group_paths(agent, remote, route)
         link = SenderLink(
             key=ident, link_id=msg.link_id, instance=msg.instance, decode_rank=decode_g.tp_rank,
             num_blocks=decode_g.num_blocks, block_size=decode_g.block_size, aux_slots=msg.aux_slots,
-            paired_ranks=frozenset(paired_ranks_of_prefill(g, decode_g)), writer=is_writer,
+            paired_ranks=frozenset(paired_ranks_of_prefill_cache(self._cache, remote.cache)), writer=is_writer,
             aux_owner=is_writer and chosen[0] == g.tp_rank,
             stage_unit=piece.unit if staged and piece else 0,
             stage_capacity=remote.staging[1] if staged and remote.staging else 0,
@@ -387,17 +443,54 @@ class PrefillEndpoint(EndpointBase):
             cost=(self.config.path_cost or (DEVICE_COST if self.kv.mem_kind is MemKind.VRAM else HOST_COST))
             if by_cost else None,
             regions=g.num_regions,
+            groups=link_groups,
         )
         if kind == "direct" and not (route is not None and route.pattern):
             path.prepare()  # the peer's page list, before the first request needs it
         if piece is not None:
             self._pieces[ident] = (piece, plan.src_head_offset)  # type: ignore[union-attr]
-        self._links[ident] = _DecodeLink(ident, link, agent, msg.boot_id, path, now)
+        self._links[ident] = _DecodeLink(ident, link, agent, msg.boot_id, path, now, group_paths)
         self.core.add_link(link)
         log.info("registered decode %s rank %d (%s path, minor %d)", msg.instance, decode_g.tp_rank, path.label, minor)
+        if self.kv.groups:
+            self._send(ident, CacheGroups(link_id=msg.link_id, groups=self.kv.wire_groups()))
         self._send(ident, RegisterAccept(
             boot_id=self.boot_id, link_id=msg.link_id, agent_name=self.agent_name,
             geometry=geometry_to_wire(g), aux_slot_bytes=self.kv.aux.slot_bytes if self.kv.aux else 0))
+
+    def _group_paths(self, agent: str, remote: _Remote, route: Route | None
+                     ) -> tuple[tuple[LinkPath | StatePath, ...], tuple[LinkGroup, ...]]:
+        """A path per group beyond the first into the decode rank of ``remote``, and what the core
+        needs of each (whether this rank writes it there, the decode rank's pool)."""
+        assert self.transport is not None
+        roles = link_roles(self._cache, remote.cache)
+        paths: list[LinkPath | StatePath] = []
+        groups: list[LinkGroup] = []
+        for i, (extra, mine, theirs, bases) in enumerate(zip(
+                self.kv.groups, self._cache.groups[1:], remote.cache.groups[1:], remote.group_bases, strict=True)):
+            writes = roles.writes[i + 1]
+            if isinstance(mine, PagedGroup):
+                assert isinstance(theirs, PagedGroup) and isinstance(extra, KVCache)
+                plan = plan_pair(mine.geometry, theirs.geometry) if writes else None
+                kind = "none" if plan is None else (
+                    "direct" if plan.direct and self.config.path != "sliced" else "sliced")
+                local = self._group_locals[i]
+                assert local is not None
+                path = LinkPath(transport=self.transport, local=local, peer=agent, plan=plan, remote=theirs.geometry,
+                                remote_bases=bases, remote_kind=remote.kind, remote_device=remote.device,
+                                remote_aux=None, kind=kind, route=route)
+                if kind == "direct" and not (route is not None and route.pattern):
+                    path.prepare()
+                paths.append(path)
+                groups.append(LinkGroup(writes, theirs.geometry.num_blocks, theirs.geometry.block_size))
+            else:
+                assert isinstance(theirs, StateGroup) and isinstance(extra, StateCache)
+                runs = plan_state(self._cache, remote.cache, mine.name) if writes else []
+                paths.append(StatePath(transport=self.transport, peer=agent, local=extra, runs=runs, remote_bases=bases,
+                                       remote_kind=remote.kind, remote_device=remote.device,
+                                       remote_slot_bytes=theirs.slot_bytes(remote.cache.tp_size)))
+                groups.append(LinkGroup(writes, theirs.num_slots))
+        return tuple(paths), tuple(groups)
 
     def _choose_path(self, plan: Any, piece: PieceShape | None, remote: _Remote, minor: int,
                      route: Route | None) -> tuple[str, bool]:
@@ -423,7 +516,7 @@ class PrefillEndpoint(EndpointBase):
             return "direct", can_stage
         return ("staged" if can_stage else "sliced"), can_stage
 
-    def _check_register(self, msg: Register) -> _Remote:
+    def _check_register(self, msg: Register, wire_groups: Sequence[Any] = ()) -> _Remote:
         cfg = self.config
         if msg.transport != cfg.transport:
             raise _Reject(ErrorCode.TRANSPORT_ERROR, f"decode uses transport {msg.transport!r}, prefill {cfg.transport!r}")
@@ -440,6 +533,13 @@ class PrefillEndpoint(EndpointBase):
             check_compatible(self.kv.geometry, decode_g)
         except IncompatibleGeometry as exc:
             raise _Reject(ErrorCode.INCOMPATIBLE_GEOMETRY, str(exc)) from None
+        try:  # groups beyond the first (messages.md, REGISTER check 5a)
+            decode_cache = groups_from_wire(PagedGroup(self.kv.name, decode_g), wire_groups)
+            check_groups(self._cache, decode_cache)
+        except IncompatibleGroups as exc:
+            raise _Reject(ErrorCode.INCOMPATIBLE_GEOMETRY, str(exc)) from None
+        except ValueError as exc:  # GeometryError: a group that describes no real cache
+            raise _Reject(ErrorCode.INCOMPATIBLE_GEOMETRY, f"invalid decode group: {exc}") from None
         too_far = [r for r in msg.regions if r.address + r.length > _MAX_ADDRESS]
         if too_far:
             raise _Reject(ErrorCode.INDEX_OUT_OF_RANGE,
@@ -474,6 +574,7 @@ class PrefillEndpoint(EndpointBase):
                 raise _Reject(ErrorCode.INCOMPATIBLE_GEOMETRY,
                               f"aux slots of {msg.aux_slot_bytes} bytes, prefill uses {local_aux.slot_bytes}")
             remote_aux = (aux_rows[0].address, msg.aux_slot_bytes, msg.aux_slots)
+        group_bases = self._check_group_regions(msg, decode_cache, remote_kind)
         staging_rows = [r for r in msg.regions if r.kind == RegionKind.STAGING]
         staging = None
         if staging_rows:
@@ -481,14 +582,44 @@ class PrefillEndpoint(EndpointBase):
             if len(staging_rows) > 1 or row.length == 0 or row.mem_kind not in (MemKind.DRAM, MemKind.VRAM):
                 raise _Reject(ErrorCode.INDEX_OUT_OF_RANGE, "the memory table's staging region is invalid")
             staging = (row.address, row.length, MemKind(row.mem_kind), row.device_id)
-        return _Remote(decode_g, [r.address for r in kv_rows], remote_kind, kv_rows[0].device_id, remote_aux, staging)
+        return _Remote(decode_g, [r.address for r in kv_rows], remote_kind, kv_rows[0].device_id, remote_aux, staging,
+                       decode_cache, group_bases)
+
+    @staticmethod
+    def _check_group_regions(msg: Register, cache: CacheGeometry, kind: MemKind) -> tuple[list[int], ...]:
+        """The bases of each group's regions (messages.md, REGISTER check 5b)."""
+        rows = [r for r in msg.regions if r.kind == RegionKind.GROUP]
+        stray = sorted({r.index >> 24 for r in rows} - set(range(1, len(cache.groups))))
+        if stray:
+            raise _Reject(ErrorCode.INDEX_OUT_OF_RANGE, f"GROUP regions of group {stray[0]}, which CACHE_GROUPS did not list")
+        out = []
+        for number, group in enumerate(cache.groups[1:], start=1):
+            if isinstance(group, PagedGroup):
+                g = group.geometry
+                if g.num_regions * g.num_blocks > MAX_PAGES:
+                    raise _Reject(ErrorCode.INDEX_OUT_OF_RANGE, f"group {group.name!r}: {g.num_regions} regions of "
+                                                                f"{g.num_blocks} pages exceed {MAX_PAGES} pages")
+                need = [g.region_bytes] * g.num_regions
+            else:
+                sizes = [group.num_slots * b for b in group.slot_bytes(cache.tp_size)]
+                need = [sizes[i % len(sizes)] for i in range(group.regions())]
+            mine = sorted((r for r in rows if r.index >> 24 == number), key=lambda r: r.index)
+            if [r.index & 0xFFFFFF for r in mine] != list(range(len(need))):
+                raise _Reject(ErrorCode.INDEX_OUT_OF_RANGE, f"group {group.name!r}: the memory table lists regions "
+                                                            f"{[r.index & 0xFFFFFF for r in mine]}, expected 0..{len(need) - 1}")
+            for r, n in zip(mine, need):
+                if r.length < n or r.mem_kind != kind:
+                    raise _Reject(ErrorCode.INDEX_OUT_OF_RANGE, f"group {group.name!r}: region {r.index & 0xFFFFFF} "
+                                                                f"is shorter than {n} bytes or not in {kind.name}")
+            out.append([r.address for r in mine])
+        return tuple(out)
 
     def _drop_link(self, link: _DecodeLink, code: ErrorCode | int, reason: str) -> None:
         if self._links.get(link.ident) is not link:
             return
         del self._links[link.ident]
         self.core.remove_link(link.ident, self._now(), code=code, reason=reason)  # type: ignore[arg-type]
-        link.path.release()
+        link.release()
         assert self.transport is not None
         if not any(other.agent == link.agent for other in self._links.values()):
             try:
@@ -499,7 +630,7 @@ class PrefillEndpoint(EndpointBase):
 
     # --- writes --------------------------------------------------------------------------------------
     def _perform(self, out: Any) -> None:
-        if not isinstance(out, (PostWrite, PostAux, PostStaged)):
+        if not isinstance(out, (PostWrite, PostAux, PostStaged, PostState)):
             raise TypeError(f"unexpected output {out!r}")
         if getattr(out, "ready", ()) and not _fired(out.ready):
             self._held.append(out)  # its layers are not written yet: posted once the events fire
@@ -532,17 +663,20 @@ class PrefillEndpoint(EndpointBase):
             self._stage(out, link)
             return
         trace.mark("post", out.room_id, out.seq)
+        path = link.path if isinstance(out, (PostAux, PostStaged)) or not out.group else link.groups[out.group - 1]
         try:
             if isinstance(out, PostWrite):
-                posted = link.path.post_kv(out.tag, out.src_pages, out.dst_pages, out.start_token, out.end_token,
-                                           out.layers)
+                posted = path.post_kv(out.tag, out.src_pages, out.dst_pages, out.start_token,  # type: ignore[union-attr]
+                                      out.end_token, out.layers)
+            elif isinstance(out, PostState):
+                posted = path.post(out.tag, out.src_slot, out.dst_slot, out.layers)  # type: ignore[union-attr]
             else:
                 posted = link.path.post_aux(out.tag, out.src_slot, out.dst_slot)
         except (TransportError, ValueError) as exc:
             self.core.write_failed(out.room_id, out.link, out.seq, str(exc), self._now(), tag=out.tag)
             return
         trace.mark("posted", out.room_id, out.seq)
-        self._posted(out, link, posted, "aux" if isinstance(out, PostAux) else link.path.label)
+        self._posted(out, link, posted, "aux" if isinstance(out, PostAux) else path.label)
 
     def _posted(self, out: Any, link: _DecodeLink, posted: Posted, kind: str, local_key: Any = None) -> None:
         self._pending[posted.xfer] = _Pending(out.room_id, link.ident, out.seq, out.tag, posted, local_key)
@@ -715,6 +849,10 @@ class _Remote:
     device: int
     aux: tuple[int, int, int] | None
     staging: tuple[int, int, MemKind, int] | None
+    cache: CacheGeometry
+    """The decode rank's cache as groups (one group unless it sent CACHE_GROUPS)."""
+    group_bases: tuple[list[int], ...] = ()
+    """The region bases of each group beyond the first."""
 
 
 class _KeyAuthenticator(AsyncioAuthenticator):

@@ -8,7 +8,7 @@ so cancelling the caller leaves the room running; ``room.abort()`` is the way to
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -94,7 +94,9 @@ class SenderRoomHandle(_Handle):
         return self._final if self._final is not None else self._endpoint._room_state(self.room_id)
 
     def send(self, pages: Sequence[int], end_token: int, *, last: bool = True, aux_slot: int | None = None,
-             layers: range | tuple[int, int] | None = None, ready: Any = None) -> None:
+             layers: range | tuple[int, int] | None = None, ready: Any = None,
+             group_pages: Mapping[str, Sequence[int]] | None = None,
+             state_slots: Mapping[str, int] | None = None) -> None:
         """The KV of tokens up to ``end_token`` is ready in ``pages`` (this chunk's new pages).
 
         Call once per prefill chunk; ``last=True`` on the final one, whose ``end_token`` must
@@ -109,13 +111,20 @@ class SenderRoomHandle(_Handle):
         ``l + 1``. A token range's layers come in order from layer 0, each once: the first call
         gives the range's new pages, the following ones repeat ``end_token`` and ``last`` with
         ``pages=[]``; the aux slot goes with the last range's last layer.
+
+        A cache of several groups (``KVCache.with_groups``): ``group_pages`` gives, by group name,
+        the chunk's new pages of each paged group beyond the first (every page of the prompt, as
+        ``pages`` does); ``state_slots`` gives this rank's slot of each state group, once, with the
+        first call whose ``last`` is set. ``layers`` then counts the model's layers, each group
+        moving those of its layers that lie in the range.
         """
         span = None
         if layers is not None:
             span = (layers.start, layers.stop) if isinstance(layers, range) else (int(layers[0]), int(layers[1]))
             if isinstance(layers, range) and layers.step != 1:
                 raise LocalProtocolError(f"layers {layers} must be consecutive")
-        self._endpoint._submit_chunk(self.room_id, pages, end_token, last, aux_slot, span, ready)
+        self._endpoint._submit_chunk(self.room_id, pages, end_token, last, aux_slot, span, ready, group_pages,
+                                     state_slots)
 
     def abort(self) -> None:
         self._endpoint._abort(self.room_id)
@@ -132,11 +141,14 @@ class ReceiverRoomHandle(_Handle):
         return self._final if self._final is not None else self._endpoint._room_state(self.room_id)
 
     def set_destination(
-        self, pages: Sequence[int], num_tokens: int, *, prefix_tokens: int = 0, aux_slot: int | None = None
+        self, pages: Sequence[int], num_tokens: int, *, prefix_tokens: int = 0, aux_slot: int | None = None,
+        group_pages: Mapping[str, Sequence[int]] | None = None, state_slots: Mapping[str, int] | None = None,
     ) -> None:
         """Where the room's KV goes: decode pages for tokens from 0, of which the first
-        ``prefix_tokens`` are already held here (a prefix hit) and are not moved."""
-        self._endpoint._set_destination(self.room_id, pages, num_tokens, prefix_tokens, aux_slot)
+        ``prefix_tokens`` are already held here (a prefix hit) and are not moved; for a cache of
+        several groups, the pages or slot of each group beyond the first (``DecodeEndpoint.open_room``)."""
+        self._endpoint._set_destination(self.room_id, pages, num_tokens, prefix_tokens, aux_slot, group_pages,
+                                        state_slots)
 
     def abort(self) -> None:
         self._endpoint._abort(self.room_id)

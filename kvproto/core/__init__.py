@@ -10,6 +10,7 @@ from kvproto.core.events import (
     Output,
     PostAux,
     PostStaged,
+    PostState,
     PostWrite,
     Scatter,
     RoomEnded,
@@ -17,6 +18,7 @@ from kvproto.core.events import (
     Timeouts,
 )
 from kvproto.core.cost import DEVICE_COST, HOST_COST, PathCost
+from kvproto.core.groups import GroupSpec, LinkGroup
 from kvproto.core.receiver import Destination, ReceiverCore, ReceiverLink, ReceiverRoom
 from kvproto.core.sender import SenderCore, SenderLink, SenderRoom
 from kvproto.core.state import TABLE, Effect, Input, Role, RoomState, transition

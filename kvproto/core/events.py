@@ -44,7 +44,8 @@ class PostWrite:
 
     ``src_pages`` are the prefill pages of the room from token 0; ``dst_pages`` the decode
     pages from token 0. The I/O layer plans extents for the link's geometry and posts them as
-    one write tagged ``tag``; it reports back with ``write_done`` / ``write_failed``.
+    one write tagged ``tag``; it reports back with ``write_done`` / ``write_failed``. ``group``
+    names the cache group (0: the first; its pages and layers are that group's own).
     """
 
     room_id: int
@@ -59,6 +60,23 @@ class PostWrite:
     """``(first, end)``: only these layers (all when None)."""
     ready: tuple[object, ...] = ()
     """The application's readiness handles (CUDA events) the write must wait for (opaque here)."""
+    group: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PostState:
+    """Sender: write slot ``src_slot`` of state group ``group`` (of ``layers``, the group's own,
+    or all of them) into the decode rank's slot ``dst_slot``."""
+
+    room_id: int
+    link: LinkKey
+    seq: int
+    tag: bytes
+    group: int
+    src_slot: int
+    dst_slot: int
+    layers: tuple[int, int] | None = None
+    ready: tuple[object, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -128,7 +146,7 @@ class RoomEnded:
     reports on decode)."""
 
 
-Output = Send | PostWrite | PostAux | PostStaged | Scatter | DropLink | RoomEnded
+Output = Send | PostWrite | PostState | PostAux | PostStaged | Scatter | DropLink | RoomEnded
 
 
 @dataclass(slots=True)

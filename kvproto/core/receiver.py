@@ -11,6 +11,12 @@ A room waits in BOOTSTRAPPING for its cluster, in WAITING_FOR_INPUT for the appl
 destination (pages, token count, prefix, aux slot), then sends one TRANSFER_REQUEST to every
 paired prefill rank under a fresh *generation* and waits in TRANSFERRING.
 
+Groups beyond the first (``kvproto.core.groups``): the destination names each group's pages (only
+those holding the tokens this rank needs: a sliding window's) or state slot, checked here before
+anything is sent, and the request carries them (``TransferRequest.groups``). A *writer* link is
+one whose prefill rank writes some group into this rank; the rest is counting as before, since
+every group's writes share the writer's ``seq`` numbering.
+
 Completion is counted per writer identity, never by arrival count: writer ``w`` is complete
 when its TRANSFER_DONE said ``writes = n`` and tags with every ``seq`` in ``[0, n)`` arrived for
 the room's current generation, on the link whose agent name the transport reports as the
@@ -53,11 +59,13 @@ from dataclasses import dataclass, field
 
 from kvproto.core.base import CoreBase, RoomBase, Tombstone, duplicate_page
 from kvproto.core.events import DropLink, LinkKey, Scatter, Timeouts
+from kvproto.core.groups import GroupSpec, check_destinations
 from kvproto.core.staging import StagingRing
 from kvproto.core.state import Effect, Input, Role, RoomState
 from kvproto.wire import (
     NO_SLOT,
     Abort,
+    GroupDestination,
     ErrorCode,
     LocalProtocolError,
     MalformedTag,
@@ -88,6 +96,7 @@ class ReceiverLink:
     prefill_rank: int
     agent: str
     writer: bool
+    """The prefill rank writes some group into this rank (it sends TRANSFER_DONE)."""
     aux_owner: bool
     stage_unit: int = 0
     """Bytes per token of this writer's staged pieces (0: it cannot stage into this rank)."""
@@ -99,6 +108,8 @@ class Destination:
     num_tokens: int
     prefix_tokens: int
     aux_slot: int | None
+    groups: tuple[GroupDestination, ...] = ()
+    """One per group beyond the first: its pages (from ``first_page``) or its state slot."""
 
 
 @dataclass(slots=True)
@@ -151,8 +162,10 @@ class ReceiverCore(CoreBase):
         timeouts: Timeouts | None = None,
         seed: int | None = None,
         staging: StagingRing | None = None,
+        groups: Sequence[GroupSpec] = (),
     ) -> None:
         super().__init__(timeouts=timeouts)
+        self.groups = tuple(groups)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.aux_slots = aux_slots
@@ -255,6 +268,8 @@ class ReceiverCore(CoreBase):
         *,
         prefix_tokens: int = 0,
         aux_slot: int | None = None,
+        group_pages: Sequence[Sequence[int]] = (),
+        state_slots: Sequence[int] = (),
     ) -> None:
         room: ReceiverRoom | None = self.rooms.get(room_id)
         if room is None:
@@ -264,14 +279,18 @@ class ReceiverCore(CoreBase):
             raise LocalProtocolError(f"room {room_id} was never opened", ErrorCode.UNKNOWN_ROOM)
         if room.destination is not None:
             raise LocalProtocolError(f"room {room_id} already has its destination")
-        dest = self.check_destination(pages, num_tokens, prefix_tokens=prefix_tokens, aux_slot=aux_slot)
+        dest = self.check_destination(pages, num_tokens, prefix_tokens=prefix_tokens, aux_slot=aux_slot,
+                                      group_pages=group_pages, state_slots=state_slots)
         if room.state is RoomState.BOOTSTRAPPING or room.state is RoomState.WAITING_FOR_INPUT:
             room.destination = dest
         self.apply(room, Input.DESTINATION, now)
 
     def check_destination(self, pages: Sequence[int], num_tokens: int, *, prefix_tokens: int = 0,
-                          aux_slot: int | None = None) -> Destination:
-        """The destination, validated against this rank's cache; ``LocalProtocolError`` if unusable."""
+                          aux_slot: int | None = None, group_pages: Sequence[Sequence[int]] = (),
+                          state_slots: Sequence[int] = ()) -> Destination:
+        """The destination, validated against this rank's cache; ``LocalProtocolError`` if unusable.
+        ``group_pages`` / ``state_slots``: per group beyond the first, its pages (those holding the
+        tokens needed: ``GroupSpec.needed_pages``) or its slot; the other kind's entry is ignored."""
         need = -(-num_tokens // self.block_size)
         if not 0 < num_tokens < 2**32:
             raise LocalProtocolError(f"token count {num_tokens} outside [1, 2**32)", ErrorCode.TOKEN_COUNT_MISMATCH)
@@ -289,7 +308,21 @@ class ReceiverCore(CoreBase):
             raise LocalProtocolError(f"prefix of {prefix_tokens} tokens must be whole blocks within {num_tokens}")
         if aux_slot is not None and not 0 <= aux_slot < self.aux_slots:
             raise LocalProtocolError(f"aux slot {aux_slot} outside [0, {self.aux_slots})", ErrorCode.INDEX_OUT_OF_RANGE)
-        return Destination(pages=tuple(pages), num_tokens=num_tokens, prefix_tokens=prefix_tokens, aux_slot=aux_slot)
+        groups: tuple[GroupDestination, ...] = ()
+        if self.groups or group_pages or state_slots:
+            if len(group_pages) != len(self.groups) or len(state_slots) != len(self.groups):
+                raise LocalProtocolError(f"the cache has {len(self.groups)} groups beyond the first: give pages or a "
+                                         f"slot for each ({', '.join(repr(g.name) for g in self.groups) or 'none'})")
+            groups = tuple(
+                GroupDestination(first_page=0, pages=(), slot=int(slot)) if spec.state else
+                GroupDestination(first_page=spec.needed_pages(num_tokens).start, pages=tuple(group), slot=NO_SLOT)
+                for spec, group, slot in zip(self.groups, group_pages, state_slots))
+            problem = check_destinations(self.groups, [(g.pool, g.block_size) for g in self.groups], groups,
+                                         num_tokens, prefix_tokens)
+            if problem is not None:
+                raise LocalProtocolError(problem[1], problem[0])
+        return Destination(pages=tuple(pages), num_tokens=num_tokens, prefix_tokens=prefix_tokens, aux_slot=aux_slot,
+                           groups=groups)
 
     # --- control plane ---------------------------------------------------------------------------
     def on_message(self, key: LinkKey, msg: Message, now: float) -> None:
@@ -539,7 +572,7 @@ class ReceiverCore(CoreBase):
                     room_id=room.room_id, generation=room.generation, num_tokens=dest.num_tokens,
                     prefix_tokens=dest.prefix_tokens,
                     aux_slot=NO_SLOT if dest.aux_slot is None else dest.aux_slot,
-                    expected_writers=len(writers), dst_pages=dest.pages))
+                    expected_writers=len(writers), dst_pages=dest.pages, groups=dest.groups))
         elif effect in (Effect.ABORT_PEERS, Effect.ABORT_AND_DRAIN):
             abort = self._abort_message(room.room_id, room.generation, room.code, room.reason)
             for link in room.links:

@@ -22,6 +22,12 @@ link gets TRANSFER_DONE with its write count and the room succeeds. A DONE or fa
 counts only for a write still in flight in this room (matched by ``seq`` and, when the I/O layer
 passes it, the write's tag): a late report of an earlier room with the same id is stale.
 
+Groups beyond the first (hybrid caches: ``kvproto.core.groups``): each chunk gives its new pages
+of every paged group too, and the first chunk with ``last`` gives the request's slot of every
+state group; a writer link gets, per chunk, one more write per paged group it writes (tokens
+clipped to the group's window) and, with the last token range, one write per state group. They
+share the link's ``seq`` numbering, so TRANSFER_DONE counts them and the decode needs nothing new.
+
 Invariants: the sides' token counts must agree exactly (never shifted): a chunk past the
 request's ``num_tokens`` or a last chunk short of it fails with TOKEN_COUNT_MISMATCH. A
 failure is reported once, sends ABORT to every other link of the room, and frees the room.
@@ -34,7 +40,8 @@ from dataclasses import dataclass, field, replace
 
 from kvproto.core.base import CoreBase, RoomBase, Tombstone, duplicate_page
 from kvproto.core.cost import PathCost, page_runs
-from kvproto.core.events import LinkKey, PostAux, PostStaged, PostWrite, Timeouts
+from kvproto.core.events import LinkKey, PostAux, PostStaged, PostState, PostWrite, Timeouts
+from kvproto.core.groups import GroupSpec, LinkGroup, check_chunk_pages, check_destinations, local_span
 from kvproto.core.state import Effect, Input, Role, RoomState
 from kvproto.wire import (
     NO_SLOT,
@@ -84,6 +91,13 @@ class SenderLink:
     one path (staged when ``stage_unit``, else direct or sliced)."""
     regions: int = 0
     """Regions (layers x planes) a direct write covers, for ``cost``."""
+    groups: tuple[LinkGroup, ...] = ()
+    """The groups beyond the first as the decode rank registered them (``writer`` is the first's)."""
+
+    @property
+    def writes_any(self) -> bool:
+        """This prefill rank writes some group into the decode rank: it sends TRANSFER_DONE."""
+        return self.writer or any(g.writes for g in self.groups)
 
 
 @dataclass(slots=True)
@@ -148,6 +162,10 @@ class SenderRoom(RoomBase):
 
     layer_next: int = 0
     """Layer-wise chunks: the next layer of the token range being streamed (0: none open)."""
+    group_pages: list[list[int]] = field(default_factory=list)
+    """Pages of each paged group beyond the first, from token 0 (state groups: empty)."""
+    state_slots: tuple[int, ...] | None = None
+    """This rank's slot of each state group (paged groups: NO_SLOT), given with the first last chunk."""
 
     @property
     def end_token(self) -> int:
@@ -170,11 +188,17 @@ class SenderCore(CoreBase):
         timeouts: Timeouts | None = None,
         max_parked: int = MAX_PARKED,
         num_layers: int = 0,
+        groups: Sequence[GroupSpec] = (),
+        layers: Sequence[int] | None = None,
     ) -> None:
-        """``num_layers``: the cache's layers, for layer-wise chunks (0: only whole chunks)."""
+        """``num_layers``: the model's layers, for layer-wise chunks (0: only whole chunks);
+        ``groups``: the cache's groups beyond the first; ``layers``: the model layer of each of the
+        first group's layers (default: the first ``num_layers``)."""
         super().__init__(timeouts=timeouts)
         self.block_size = block_size
         self.num_layers = num_layers
+        self.groups = tuple(groups)
+        self.layers = tuple(range(num_layers) if layers is None else layers)
         self.num_blocks = num_blocks
         self.aux_slots = aux_slots
         self.max_parked = max_parked
@@ -238,7 +262,7 @@ class SenderCore(CoreBase):
         ended = self._tombstones.get(room_id)
         self._new_room_check(room_id)
         room = SenderRoom(room_id=room_id, created=now, stale_generations=frozenset() if ended is None else
-                          ended.generations | ended.answered)
+                          ended.generations | ended.answered, group_pages=[[] for _ in self.groups])
         self._add_room(room)
         self.timers.schedule(room_id, self._deadline(RoomState.BOOTSTRAPPING, now))
         preaborted = self._preaborted.pop(room_id, None)
@@ -267,8 +291,14 @@ class SenderCore(CoreBase):
         aux_slot: int | None = None,
         layers: tuple[int, int] | None = None,
         ready: object | None = None,
+        group_pages: Sequence[Sequence[int]] = (),
+        state_slots: Sequence[int] | None = None,
     ) -> None:
         """The KV of tokens up to ``end_token`` is ready in ``pages`` (this chunk's new pages).
+
+        ``group_pages``: the chunk's new pages of each group beyond the first (a state group's
+        entry empty); ``state_slots``: this rank's slot of each such group (a paged group's entry
+        ignored), given once, with the first chunk whose ``last`` is set.
 
         Layer-wise (``layers=(first, end)``): only those layers of the tokens are ready (once
         ``ready``, an opaque handle the I/O layer waits for, has completed). A token range's
@@ -284,7 +314,10 @@ class SenderCore(CoreBase):
         if room.last_given:
             raise LocalProtocolError(f"room {room_id} already received its last chunk")
         span = self._layer_span(room, layers)
+        slots = self._state_slots(room, last, state_slots)
         if room.layer_next:  # a token range is being streamed: this chunk continues it
+            if any(group_pages):
+                raise LocalProtocolError(f"room {room_id} streams layers: its next layers come with no new pages")
             self._continue_layers(room, pages, end_token, last, aux_slot, span, ready, now)
             return
         start = room.end_token
@@ -308,6 +341,12 @@ class SenderCore(CoreBase):
                                      ErrorCode.INDEX_OUT_OF_RANGE)
         if aux_slot is not None and (not last or not 0 <= aux_slot < self.aux_slots):
             raise LocalProtocolError(f"aux slot {aux_slot} needs the last chunk and a slot in [0, {self.aux_slots})")
+        if self.groups:
+            problem = check_chunk_pages(self.groups, room.group_pages, group_pages, end_token, last)
+            if problem is not None:
+                raise LocalProtocolError(problem[1], problem[0])
+        elif any(group_pages):
+            raise LocalProtocolError("the cache has no group beyond the first: no group pages")
         if span is not None and span[0] != 0:
             raise LocalProtocolError(f"tokens [{start}, {end_token}) of room {room_id} must start at layer 0, "
                                      f"got layers [{span[0]}, {span[1]})")
@@ -315,6 +354,9 @@ class SenderCore(CoreBase):
         if aux_slot is not None and not completes:
             raise LocalProtocolError("the aux slot goes with the chunk that gives the last layer")
         room.src_pages.extend(pages)
+        for held, new in zip(room.group_pages, group_pages):
+            held.extend(new)
+        room.state_slots = slots
         room.chunks.append(_Chunk(start, end_token, last, aux_slot, span, ready, completes))
         room.layer_next = 0 if completes else span[1]  # type: ignore[index]
         mismatch = self._token_mismatch(room)
@@ -322,6 +364,27 @@ class SenderCore(CoreBase):
             self.apply(room, Input.PEER_VIOLATION, now, code=ErrorCode.TOKEN_COUNT_MISMATCH, reason=mismatch)
             return
         self.apply(room, Input.CHUNK, now)
+
+    def _state_slots(self, room: SenderRoom, last: bool, slots: Sequence[int] | None) -> tuple[int, ...] | None:
+        """The room's state slots once this chunk is taken (checked; nothing is changed here)."""
+        states = [g.name for g in self.groups if g.state]
+        if slots is not None:
+            if not states:
+                raise LocalProtocolError("the cache has no state group: no state slots")
+            if room.state_slots is not None or not last:
+                raise LocalProtocolError(f"room {room.room_id}: state slots are given once, with the first chunk "
+                                         f"whose last flag is set")
+            if len(slots) != len(self.groups):
+                raise LocalProtocolError(f"{len(slots)} state slots for {len(self.groups)} groups beyond the first")
+            for spec, slot in zip(self.groups, slots):
+                if spec.state and not 0 <= slot < spec.pool:
+                    raise LocalProtocolError(f"slot {slot} of group {spec.name!r} outside [0, {spec.pool})",
+                                             ErrorCode.INDEX_OUT_OF_RANGE)
+            return tuple(slot if spec.state else NO_SLOT for spec, slot in zip(self.groups, slots))
+        if last and states and room.state_slots is None:
+            raise LocalProtocolError(f"room {room.room_id}: the first chunk whose last flag is set gives the slot of "
+                                     f"every state group ({', '.join(map(repr, states))})")
+        return room.state_slots
 
     def _layer_span(self, room: SenderRoom, layers: tuple[int, int] | None) -> tuple[int, int] | None:
         """``layers`` checked against the cache; None for a whole chunk (every layer)."""
@@ -445,6 +508,9 @@ class SenderCore(CoreBase):
             return ErrorCode.INDEX_OUT_OF_RANGE, f"aux slot {msg.aux_slot} outside the {link.aux_slots} registered slots"
         if msg.generation == 0:
             return ErrorCode.PEER_PROTOCOL_ERROR, "transfer request without a generation"
+        if self.groups or msg.groups:
+            return check_destinations(self.groups, [(g.pool, g.block_size) for g in link.groups], msg.groups,
+                                      msg.num_tokens, msg.prefix_tokens)
         return None
 
     def _token_mismatch(self, room: SenderRoom) -> str | None:
@@ -682,7 +748,7 @@ class SenderCore(CoreBase):
                 return Input.ALL_WRITES_DONE  # nothing to wait for: no bytes, or a replica rank
         elif effect is Effect.SEND_DONE:
             for peer in room.peers.values():
-                if peer.link.writer:
+                if peer.link.writes_any:
                     self.send(peer.link.key, TransferDone(
                         room_id=room.room_id, generation=peer.request.generation,
                         writes=peer.posted, nbytes=peer.nbytes))
@@ -704,33 +770,52 @@ class SenderCore(CoreBase):
         while room.posted_chunks < len(room.chunks):
             chunk = room.chunks[room.posted_chunks]
             room.posted_chunks += 1
+            ready = () if chunk.ready is None else (chunk.ready,)
             for peer in room.peers.values():
                 link, req = peer.link, peer.request
-                if not link.writer:
+                if not link.writes_any:
                     continue
                 start = max(chunk.start, req.prefix_tokens)
                 end = min(chunk.end, req.num_tokens)
-                if start < end and peer.staged is None:
-                    peer.staged = self._stages(room, peer, start, end)
-                if peer.staged and start < end:
+                span = local_span(self.layers, chunk.layers)
+                if not link.writer or (span is not None and span[0] == span[1]):
+                    pass  # this rank writes none of the first group here, or none of its layers are in the span
+                elif start < end and (peer.staged or (peer.staged is None and self._stages(room, peer, start, end))):
+                    peer.staged = True
                     if chunk.completes:  # staged pieces carry every layer: the range waits for its last
                         peer.stage_end = end
                         self._request_staging(room, peer)
                 elif start < end:
-                    self._outputs.append(PostWrite(
-                        room_id=room.room_id, link=link.key, seq=peer.posted,
-                        tag=self._tag(room.room_id, peer), start_token=start, end_token=end,
-                        src_pages=tuple(room.src_pages), dst_pages=req.dst_pages, layers=chunk.layers,
-                        ready=() if chunk.ready is None else (chunk.ready,)))
-                    peer.inflight.add(peer.posted)
-                    peer.posted += 1
+                    peer.staged = False
+                    self._post(room, peer, PostWrite, start_token=start, end_token=end,
+                               src_pages=tuple(room.src_pages), dst_pages=req.dst_pages, layers=span, ready=ready)
+                for g, (spec, lg) in enumerate(zip(self.groups, link.groups)):
+                    if not lg.writes:
+                        continue
+                    span = local_span(spec.layers, chunk.layers)
+                    if span is not None and span[0] == span[1]:
+                        continue
+                    dest = req.groups[g]
+                    if spec.state:
+                        if chunk.last and room.state_slots is not None:
+                            self._post(room, peer, PostState, group=g + 1, src_slot=room.state_slots[g],
+                                       dst_slot=dest.slot, layers=span, ready=ready)
+                        continue
+                    first = max(start, spec.window_start(req.num_tokens))
+                    if first < end:  # the decode names pages from dest.first_page: pad the list to token 0
+                        self._post(room, peer, PostWrite, group=g + 1, start_token=first, end_token=end,
+                                   src_pages=tuple(room.group_pages[g]),
+                                   dst_pages=(0,) * dest.first_page + dest.pages, layers=span, ready=ready)
                 if chunk.last and chunk.completes and link.aux_owner and chunk.aux_slot is not None and \
                         req.aux_slot != NO_SLOT:
-                    self._outputs.append(PostAux(
-                        room_id=room.room_id, link=link.key, seq=peer.posted,
-                        tag=self._tag(room.room_id, peer), src_slot=chunk.aux_slot, dst_slot=req.aux_slot))
-                    peer.inflight.add(peer.posted)
-                    peer.posted += 1
+                    self._post(room, peer, PostAux, src_slot=chunk.aux_slot, dst_slot=req.aux_slot)
+
+    def _post(self, room: SenderRoom, peer: _Peer, output: type, **fields: object) -> None:
+        """Emit one tagged write to ``peer`` as its next ``seq``."""
+        self._outputs.append(output(room_id=room.room_id, link=peer.link.key, seq=peer.posted,
+                                    tag=self._tag(room.room_id, peer), **fields))
+        peer.inflight.add(peer.posted)
+        peer.posted += 1
 
     @staticmethod
     def _stages(room: SenderRoom, peer: _Peer, start: int, end: int) -> bool:

@@ -1,0 +1,147 @@
+"""Groups beyond the first, as the cores see them: sizes, layer maps and the checks both sides run.
+
+Theory of operation
+-------------------
+A room moves the whole cache of a request. The first group (K/V planes or an MLA latent) is the
+room's ``pages``, as it always was; every further group (``kvproto.geometry.groups``) rides along
+in the same room, so that the room succeeds only once every group has landed and no group can be
+left behind silently:
+
+* a **paged** group is moved like the first: per chunk, per writer link, one write of the tokens
+  ``[max(chunk start, prefix, window start), min(chunk end, num_tokens))`` of that group's pages,
+  each write its own ``seq`` (and tag) on the link. A decode rank names only the pages holding the
+  tokens it needs (``destination_pages``: the window's for a sliding-window group); the prefill
+  names every page of the group, chunk by chunk, as it does for the first group;
+* a **state** group is one write of the request's slot (of the group's layers in a layer-wise
+  chunk), posted with the last token range, like the aux slot.
+
+The decode counts writes per writer, never per group: ``TRANSFER_DONE`` says how many a writer
+posted, groups included, and a writer is any prefill rank that writes some group into the
+decode rank (``kvproto.geometry.groups.link_roles``).
+
+*Layers.* Layer-wise chunks name a span of the *model's* layers. Each group maps its own layers
+to model layers (``GroupSpec.layers``, ascending); a span moves, in every group, the group's
+layers whose model layer lies in the span (``local_span``), possibly none. A span that gives the
+model's last layer completes its tokens for every group.
+
+Checks live here so that the two cores apply the same rules: ``check_chunk_pages`` (the
+application's pages of a chunk, per group) and ``check_destinations`` (a decode rank's group
+destinations, on both sides: the decode's application, and the prefill against what the link
+registered).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvproto.core.base import duplicate_page
+from kvproto.wire import NO_SLOT, ErrorCode, GroupDestination
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSpec:
+    """One group beyond the first, with one side's sizes. ``pool``: pages (paged) or slots (state)."""
+
+    name: str
+    state: bool
+    pool: int
+    block_size: int = 0
+    window: int | None = None
+    layers: tuple[int, ...] = ()
+    """The model layer of each of the group's layers (ascending)."""
+
+    def needed_pages(self, num_tokens: int, block_size: int | None = None) -> range:
+        """Page indices a decode rank names for ``num_tokens`` (``block_size``: the decode's)."""
+        block = block_size or self.block_size
+        first = 0 if self.window is None else max(0, num_tokens - self.window) // block
+        return range(first, -(-num_tokens // block)) if num_tokens > 0 else range(0)
+
+    def window_start(self, num_tokens: int) -> int:
+        """The first token a decode rank needs of this group."""
+        return 0 if self.window is None else max(0, num_tokens - self.window)
+
+
+@dataclass(frozen=True, slots=True)
+class LinkGroup:
+    """One group beyond the first as a link registered it: the decode rank's sizes, and whether
+    this prefill rank writes it there."""
+
+    writes: bool
+    pool: int
+    block_size: int = 0
+
+
+def local_span(layers: Sequence[int], span: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The group's own layers ``(first, end)`` whose model layer lies in ``span``; ``span`` None
+    (every layer) gives None; a span holding none of the group's layers gives ``(k, k)``."""
+    if span is None:
+        return None
+    return bisect_left(layers, span[0]), bisect_left(layers, span[1])
+
+
+def check_chunk_pages(groups: Sequence[GroupSpec], held: Sequence[Sequence[int]], new: Sequence[Sequence[int]],
+                      end_token: int, last: bool) -> tuple[ErrorCode | None, str] | None:
+    """``(code, reason)`` if a chunk's new pages of the paged groups do not fit (count, pool,
+    duplicates, alignment); None if they do. ``held``: the room's pages so far, per group."""
+    for g, spec in enumerate(groups):
+        pages = new[g] if g < len(new) else ()
+        if spec.state:
+            if pages:
+                return None, f"group {spec.name!r} is a state group: it takes a slot, not pages"
+            continue
+        if not last and end_token % spec.block_size:
+            return None, (f"a non-last chunk must end on a page boundary of every paged group: group {spec.name!r} "
+                          f"has blocks of {spec.block_size}, the chunk ends at {end_token}")
+        need = -(-end_token // spec.block_size)
+        if len(held[g]) + len(pages) != need:
+            return None, (f"{end_token} tokens need {need} pages of group {spec.name!r}, "
+                          f"the room has {len(held[g]) + len(pages)}")
+        bad = [p for p in pages if not 0 <= p < spec.pool]
+        if bad:
+            return ErrorCode.INDEX_OUT_OF_RANGE, f"page {bad[0]} of group {spec.name!r} outside [0, {spec.pool})"
+        twice = duplicate_page([*held[g], *pages])
+        if twice is not None:
+            return ErrorCode.INDEX_OUT_OF_RANGE, (
+                f"page {twice} of group {spec.name!r} is listed twice: two token ranges would share it")
+    return None
+
+
+def check_destinations(groups: Sequence[GroupSpec], sizes: Sequence[tuple[int, int]],
+                       dests: Sequence[GroupDestination], num_tokens: int,
+                       prefix_tokens: int) -> tuple[ErrorCode, str] | None:
+    """``(code, reason)`` unless ``dests`` names, for every group beyond the first and in order,
+    exactly what the decode rank needs: ``sizes[g]`` = the decode rank's (pool, block size) of group
+    ``g`` (its own, or what a link registered). None when they fit."""
+    if len(dests) != len(groups):
+        return ErrorCode.PEER_PROTOCOL_ERROR, (
+            f"the room names {len(dests)} destinations for the {len(groups)} groups beyond the first "
+            f"({', '.join(repr(s.name) for s in groups) or 'none'})")
+    for spec, (pool, block), dest in zip(groups, sizes, dests, strict=True):
+        name = spec.name
+        if spec.state:
+            if dest.pages or dest.first_page:
+                return ErrorCode.PEER_PROTOCOL_ERROR, f"state group {name!r} takes a slot, not pages"
+            if not 0 <= dest.slot < pool:
+                return ErrorCode.INDEX_OUT_OF_RANGE, f"slot {dest.slot} of group {name!r} outside [0, {pool})"
+            continue
+        if dest.slot != NO_SLOT:
+            return ErrorCode.PEER_PROTOCOL_ERROR, f"paged group {name!r} takes pages, not a slot"
+        need = spec.needed_pages(num_tokens, block)
+        if dest.first_page != need.start or len(dest.pages) != len(need):
+            return ErrorCode.TOKEN_COUNT_MISMATCH, (
+                f"{num_tokens} tokens need pages {need.start}..{need.stop - 1} of group {name!r} (blocks of {block}"
+                f"{'' if spec.window is None else f', window {spec.window}'}), the room names {len(dest.pages)} "
+                f"from page {dest.first_page}")
+        if prefix_tokens % block:
+            return ErrorCode.INDEX_OUT_OF_RANGE, (
+                f"prefix of {prefix_tokens} tokens is not a whole number of group {name!r}'s blocks of {block}")
+        bad = [p for p in dest.pages if not 0 <= p < pool]
+        if bad:
+            return ErrorCode.INDEX_OUT_OF_RANGE, f"page {bad[0]} of group {name!r} outside the {pool} registered pages"
+        twice = duplicate_page(dest.pages)
+        if twice is not None:
+            return ErrorCode.INDEX_OUT_OF_RANGE, (
+                f"page {twice} of group {name!r} is listed twice: two token ranges would share it")
+    return None
