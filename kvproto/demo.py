@@ -22,7 +22,19 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "u8": "uint8"}
+from kvproto.reference import (  # noqa: F401 - Content, DTYPES and aux_bytes are re-exported
+    DTYPES,
+    PRESETS,
+    Content,
+    PagedShape,
+    RankCache,
+    StateShape,
+    aux_bytes,
+    model_groups,
+)
+
+_Cache = RankCache
+"""One rank's reference cache (``kvproto.reference.RankCache``)."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +71,10 @@ class DemoConfig:
     """Prefill and decode in two network namespaces joined by a veth pair (root; Linux)."""
     curve: bool = False
     """Authenticate and encrypt the control plane with ZMQ CURVE (always on with two_hosts)."""
+    preset: str = ""
+    """A hybrid model's cache (``kvproto.reference.PRESETS``): gdn, mla-indexer or swa."""
+    window: int = 0
+    """The sliding window of the swa preset, in tokens (0: 64)."""
 
 
 def schedule(cfg: DemoConfig) -> list[tuple[int, int]]:
@@ -76,125 +92,6 @@ def prefix_of(cfg: DemoConfig, num_tokens: int) -> int:
     """Decode's prefix hit for a room: whole decode blocks, at most the prompt."""
     prefix = min(cfg.prefix_tokens, num_tokens)
     return prefix - prefix % cfg.decode_block
-
-
-# --- content: a pure function of (room, layer, plane, head, token, byte) -------------------------
-
-
-class Content:
-    """The reference bytes: a pure function of (room, layer, plane, head, token, byte).
-
-    A random table over (layer, plane, head, token mod period, byte) is XORed with a per-room
-    key and a per-token-period key, so neighbouring rooms, heads, tokens and layers all differ,
-    and generating a room's content is a cheap uint8 broadcast.
-    """
-
-    PERIOD = 2048
-
-    def __init__(self, torch, *, seed: int, layers: int, planes: int, heads: int, head_bytes: int) -> None:
-        self.torch = torch
-        gen = torch.Generator().manual_seed(seed)
-        self.table = torch.randint(0, 256, (layers, planes, heads, self.PERIOD, head_bytes), dtype=torch.uint8,
-                                   generator=gen)
-        self.head_bytes = head_bytes
-
-    def key(self, salt: int):
-        gen = self.torch.Generator().manual_seed(salt & 0x7FFFFFFFFFFFFFFF)
-        return self.torch.randint(0, 256, (self.head_bytes,), dtype=self.torch.uint8, generator=gen)
-
-    def tokens(self, room_id: int, layer: int, plane: int, heads: range, t0: int, t1: int):
-        """uint8 tensor (t1-t0, len(heads), head_bytes)."""
-        torch = self.torch
-        out = torch.empty((t1 - t0, len(heads), self.head_bytes), dtype=torch.uint8)
-        room_key = self.key(room_id)
-        t = t0
-        while t < t1:
-            period, off = divmod(t, self.PERIOD)
-            n = min(t1 - t, self.PERIOD - off)
-            part = self.table[layer, plane, heads.start:heads.stop, off:off + n].transpose(0, 1)
-            torch.bitwise_xor(part, room_key ^ self.key(period + 1), out=out[t - t0:t - t0 + n])
-            t += n
-        return out
-
-
-def aux_bytes(torch, room_id: int, n: int):
-    return ((torch.arange(n, dtype=torch.int64) * 131 + room_id * 7) % 251).to(torch.uint8)
-
-
-class _Cache:
-    """One rank's cache tensors plus uint8 views to fill and check them."""
-
-    def __init__(self, torch, cfg: DemoConfig, *, tp: int, rank: int, block: int, layout: str, aux_slots: int):
-        from kvproto.aio import KVCache
-        from kvproto.geometry import Layout
-
-        self.torch = torch
-        dtype = getattr(torch, DTYPES[cfg.dtype])
-        heads_total = 1 if cfg.mla else cfg.kv_heads
-        local = 1 if cfg.mla else max(1, heads_total // tp)
-        self.layout = Layout[layout]
-        shape = (cfg.blocks, block, local, cfg.head_dim) if self.layout is Layout.NHD else (cfg.blocks, local, block, cfg.head_dim)
-        planes = 1 if cfg.mla else 2
-        self.tensors = [[torch.zeros(shape, dtype=dtype) for _ in range(cfg.layers)] for _ in range(planes)]
-        self.aux = torch.zeros((aux_slots, cfg.aux_bytes), dtype=torch.uint8)
-        self.kv = KVCache.from_tensors(self.tensors, tp_size=tp, tp_rank=rank, num_kv_heads=heads_total,
-                                       layout=self.layout, mla=cfg.mla, aux=self.aux)
-        g = self.kv.geometry
-        self.block = block
-        self.heads = range(g.head_start, g.head_start + g.local_heads)
-        self.head_bytes = g.head_bytes
-        self.content = Content(torch, seed=cfg.seed, layers=cfg.layers, planes=planes, heads=heads_total,
-                               head_bytes=g.head_bytes)
-        self.free = list(range(cfg.blocks))
-        random.Random(cfg.seed * 1000 + rank).shuffle(self.free)
-
-    def _token_view(self, plane: int, layer: int, pages, n_tokens: int):
-        """(tokens, heads, head_bytes) uint8 view of ``pages`` in token order (a copy for HND)."""
-        t = self.tensors[plane][layer][pages].view(self.torch.uint8)
-        if self.layout.name == "HND":
-            t = t.permute(0, 2, 1, 3)
-        return t.reshape(-1, t.shape[2], t.shape[3])[:n_tokens]
-
-    def fill(self, room_id: int, pages: list[int], t0: int, t1: int, garbage_below: int = 0) -> None:
-        """Write the reference content of tokens [t0, t1) into the room's pages; tokens below
-        ``garbage_below`` get wrong bytes instead (they must never reach the other side)."""
-        torch = self.torch
-        first = t0 // self.block
-        idx = torch.tensor(pages[first:], dtype=torch.int64)
-        for plane, layers in enumerate(self.tensors):
-            for layer, tensor in enumerate(layers):
-                content = self.content.tokens(room_id, layer, plane, self.heads, first * self.block, t1)
-                if garbage_below > first * self.block:
-                    content[: garbage_below - first * self.block] ^= 0x5A
-                pad = len(idx) * self.block - content.shape[0]
-                if pad:
-                    content = torch.cat([content, content.new_zeros((pad,) + tuple(content.shape[1:]))])
-                blocks = content.reshape(len(idx), self.block, content.shape[1], content.shape[2])
-                if self.layout.name == "HND":
-                    blocks = blocks.permute(0, 2, 1, 3)
-                view = tensor.view(torch.uint8)
-                view[idx] = blocks.contiguous()
-
-    def check(self, room_id: int, pages: list[int], n_tokens: int) -> int:
-        """Number of mismatching bytes in the room's pages."""
-        torch = self.torch
-        idx = torch.tensor(pages, dtype=torch.int64)
-        bad = 0
-        for plane in range(len(self.tensors)):
-            for layer in range(len(self.tensors[plane])):
-                got = self._token_view(plane, layer, idx, n_tokens)
-                want = self.content.tokens(room_id, layer, plane, self.heads, 0, n_tokens)
-                bad += int((got != want).sum())
-        return bad
-
-    def take(self, n: int) -> list[int]:
-        if n > len(self.free):
-            raise RuntimeError("demo cache exhausted: raise --blocks or lower --concurrency")
-        pages, self.free = self.free[:n], self.free[n:]
-        return pages
-
-    def give(self, pages: list[int]) -> None:
-        self.free.extend(pages)
 
 
 # --- rank processes ---------------------------------------------------------------------------------
@@ -238,22 +135,29 @@ async def _prefill(cfg: DemoConfig, rank: int, bootstrap: str | None, report, pl
         async def one(room_id: int, n: int) -> None:
             async with sem:
                 pages: list[int] = []
+                held: dict[str, list[int]] = {}
                 room = ep.open_room(room_id)
                 slot = slots.pop()
+                states = cache.take_slots()
+                cache.fill_states(room_id, states)
                 cache.aux[slot] = aux_bytes(torch, room_id, cfg.aux_bytes)
                 t = 0
-                while t < n:
-                    end = min(n, t + cfg.chunk_tokens)
-                    new = cache.take(-(-end // cfg.prefill_block) - len(pages))
-                    pages += new
-                    cache.fill(room_id, pages, t, end, garbage_below=prefix_of(cfg, n))
-                    room.send(new, end, last=end == n, aux_slot=slot if end == n else None)
-                    t = end
-                    await asyncio.sleep(0)
                 try:
+                    while t < n:
+                        end = min(n, t + cfg.chunk_tokens)
+                        new = cache.take(-(-end // cfg.prefill_block) - len(pages))
+                        pages += new
+                        new_groups = cache.take_group_pages(held, end)
+                        cache.fill(room_id, pages, t, end, garbage_below=prefix_of(cfg, n))
+                        cache.fill_groups(room_id, held, t, end, garbage_below=prefix_of(cfg, n))
+                        room.send(new, end, last=end == n, aux_slot=slot if end == n else None,
+                                  group_pages=new_groups or None, state_slots=states if end == n and states else None)
+                        t = end
+                        await asyncio.sleep(0)
                     await room.wait()
                 finally:
                     cache.give(pages)
+                    cache.give_groups(held, states)
                     slots.append(slot)
                 paths.update(room.stats.paths - {"aux"})
                 descriptors[0] += room.stats.descriptors
@@ -284,23 +188,28 @@ async def _decode(cfg: DemoConfig, rank: int, bootstrap: str, report, go, place:
         async def one(room_id: int, n: int) -> None:
             async with sem:
                 pages = cache.take(-(-n // cfg.decode_block))
+                group_pages = cache.decode_group_pages(n)
+                states = cache.take_slots()
                 slot = slots.pop()
                 prefix = prefix_of(cfg, n)
-                if prefix:
-                    cache.fill(room_id, pages, 0, prefix)  # the prefix-cache hit, already here
+                if prefix:  # the prefix-cache hit, already here
+                    cache.fill(room_id, pages, 0, prefix)
+                    cache.fill_groups(room_id, group_pages, 0, prefix, n_tokens=n)
                 try:
                     room = ep.open_room(room_id, bootstrap, pages=pages, num_tokens=n, prefix_tokens=prefix,
-                                        aux_slot=slot)
+                                        aux_slot=slot, group_pages=cache.strip(group_pages) or None,
+                                        state_slots=states or None)
                     await room.wait()
-                    bad = cache.check(room_id, pages, n)
+                    bad = cache.check(room_id, pages, n) + cache.check_groups(room_id, group_pages, states, n)
                     if rank == 0 and not torch.equal(cache.aux[slot], aux_bytes(torch, room_id, cfg.aux_bytes)):
                         bad += 1
                     totals["bad"] += bad
-                    totals["bytes"] += (n - prefix) * cache.head_bytes * len(cache.heads) * len(cache.tensors) * cfg.layers
+                    totals["bytes"] += cache.moved_bytes(n, prefix)
                     totals["done"] += 1
                     report.put(("room", rank, room_id, bad))
                 finally:
                     cache.give(pages)
+                    cache.give_groups(group_pages, states)
                     slots.append(slot)
 
         await asyncio.gather(*(one(r, n) for r, n in schedule(cfg)))
@@ -419,6 +328,8 @@ def _run(cfg: DemoConfig, places: dict[str, dict], summary: dict) -> int:
           f"{cfg.prefill_layout}) -> decode TP {cfg.decode_tp} (block {cfg.decode_block}, {cfg.decode_layout}), "
           f"{'MLA, ' if cfg.mla else ''}{cfg.layers} layers x {1 if cfg.mla else cfg.kv_heads} KV heads x "
           f"{cfg.head_dim} {cfg.dtype}, transport {cfg.transport}, one process per rank", flush=True)
+    if cfg.preset:
+        print(f"hybrid cache ({cfg.preset}): " + "; ".join(_describe(g) for g in model_groups(cfg)), flush=True)
     t_begin = time.perf_counter()
     deadline = t_begin + cfg.timeout + 60
     try:
@@ -509,8 +420,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="run prefill and decode in two network namespaces joined by a veth pair, nothing on 127.0.0.1 "
            "between them, CURVE on (Linux, root)")
     a("--curve", action="store_true", help="authenticate and encrypt the control plane with ZMQ CURVE")
+    a("--preset", choices=list(PRESETS), default=d.preset,
+      help="a hybrid model's cache, moved in one room: gdn (3 Gated DeltaNet layers with conv and recurrent state "
+           "per full-attention layer), mla-indexer (an MLA latent plus a sparse-attention indexer cache), swa (full "
+           "and sliding-window layers, each with its own pool); --layers counts full-attention layers")
+    a("--window", type=int, default=d.window, help="the swa preset's sliding window in tokens (default 64)")
     a("--seed", type=int, default=d.seed)
     a("--timeout", type=float, default=d.timeout, help="per-room deadline in seconds")
+
+
+def _describe(group: PagedShape | StateShape) -> str:
+    if isinstance(group, StateShape):
+        tensors = ", ".join(f"{'x'.join(map(str, s))} {d}" + ("" if k is None else f" split on dim {k}")
+                            for s, d, k in zip(group.shapes, group.dtypes, group.shard))
+        return f"{group.name}: state of {len(group.layers)} layers ({tensors})"
+    kind = "latent" if group.mla else f"{group.kv_heads} KV heads"
+    window = f", window {group.window}" if group.window else ""
+    return f"{group.name}: {len(group.layers)} layers of {kind} x {group.head_dim}{window}"
 
 
 def main(args: argparse.Namespace) -> int:

@@ -2,7 +2,7 @@
 
 from kvproto.aio.decode import DecodeEndpoint
 from kvproto.aio.endpoint import CurveAuth, EndpointClosed, EndpointConfig
-from kvproto.aio.memory import AuxBuffer, KVCache
+from kvproto.aio.memory import AuxBuffer, KVCache, StateCache
 from kvproto.aio.prefill import PrefillEndpoint
 from kvproto.aio.room import ReceiverRoomHandle, RoomStats, SenderRoomHandle, TransferFailed
 
