@@ -222,8 +222,8 @@ class KVCache:
             raise LocalProtocolError(f"the cache has no group {unknown[0]!r} beyond its first "
                                      f"(it has {', '.join(map(repr, names)) or 'none'})")
         pages = [[int(p) for p in (group_pages or {}).get(n, ())] for n in names]
-        if state_slots is None and not need_slots:
-            return pages, None
+        if not state_slots and not need_slots:
+            return pages, None  # None, or {} from a cache with no state group
         slots = []
         for extra in self.groups:
             slot = (state_slots or {}).get(extra.name)

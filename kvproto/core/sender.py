@@ -778,17 +778,17 @@ class SenderCore(CoreBase):
                 start = max(chunk.start, req.prefix_tokens)
                 end = min(chunk.end, req.num_tokens)
                 span = local_span(self.layers, chunk.layers)
-                if not link.writer or (span is not None and span[0] == span[1]):
-                    pass  # this rank writes none of the first group here, or none of its layers are in the span
-                elif start < end and (peer.staged or (peer.staged is None and self._stages(room, peer, start, end))):
-                    peer.staged = True
-                    if chunk.completes:  # staged pieces carry every layer: the range waits for its last
-                        peer.stage_end = end
-                        self._request_staging(room, peer)
-                elif start < end:
-                    peer.staged = False
-                    self._post(room, peer, PostWrite, start_token=start, end_token=end,
-                               src_pages=tuple(room.src_pages), dst_pages=req.dst_pages, layers=span, ready=ready)
+                if link.writer and start < end:
+                    if peer.staged is None:
+                        peer.staged = self._stages(room, peer, start, end)
+                    if peer.staged:
+                        if chunk.completes:  # staged pieces carry every layer: the range waits for its last
+                            peer.stage_end = end
+                            self._request_staging(room, peer)
+                    elif span is None or span[0] < span[1]:  # the span holds some of the first group's layers
+                        self._post(room, peer, PostWrite, start_token=start, end_token=end,
+                                   src_pages=tuple(room.src_pages), dst_pages=req.dst_pages, layers=span,
+                                   ready=ready)
                 for g, (spec, lg) in enumerate(zip(self.groups, link.groups)):
                     if not lg.writes:
                         continue
