@@ -17,10 +17,12 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         tr.write_line(
             f"{s['scripts']} scripts ({s['topology_P1D1']} P1->D1, {s['topology_P2D1']} P2->D1; "
             f"paths auto {s['path_auto']}, sliced {s['path_sliced']}, staged {s['path_staged']}; "
-            f"{s['scripts_quiet']} quiet, {s['scripts_control_faults']} with control faults), {s['rooms']} rooms")
+            f"{s['scripts_quiet']} quiet, {s['scripts_control_faults']} with control faults, {s['scripts_groups']} "
+            f"with hybrid caches), {s['rooms']} rooms")
         tr.write_line(
             f"ends: decode {s['ends_D_SUCCESS']} SUCCESS / {s['ends_D_FAILED']} FAILED, "
-            f"prefill {s['ends_P_SUCCESS']} SUCCESS / {s['ends_P_FAILED']} FAILED; violations {s['violations']}")
+            f"prefill {s['ends_P_SUCCESS']} SUCCESS / {s['ends_P_FAILED']} FAILED (hybrid caches: decode "
+            f"{s['ends_D_SUCCESS_groups']} SUCCESS / {s['ends_D_FAILED_groups']} FAILED); violations {s['violations']}")
         data = {k[5:]: v for k, v in sorted(s.items()) if k.startswith("data_")}
         control = {k[8:]: v for k, v in sorted(s.items()) if k.startswith("control_") and k != "control_faults"}
         tr.write_line(f"data-plane faults: {data}")

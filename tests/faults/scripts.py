@@ -9,7 +9,10 @@ open order and times, late destinations, aborts from either side at random times
 data-plane (``FaultPlan`` of every prefill agent: failed writes, copy-then-fail, delayed writes,
 dropped / duplicated / reordered tags), control-plane (``SeededFaults`` on every endpoint: dropped
 / duplicated / delayed / reordered frames), a lost peer (the prefill agent loses the decode agent;
-with ``cut`` its control frames stop too: the link dies), and a 30 s jump of one endpoint's clock.
+with ``cut`` its control frames stop too: the link dies), and a 30 s jump of one endpoint's clock. About a third of the scripts (``groups``) move a hybrid cache:
+beside the K/V planes every rank has a sliding-window group of its own pool (the decode names only
+the window's pages) and a state group sharded over TP (one slot per room), and every invariant
+below covers their bytes too.
 ``Script.generate(seed)`` draws one; its ``repr`` is a complete reproducer. With
 ``perturb=True`` (the soak) the same script also gets perturbed scheduling (the event loop
 stalls for random moments at random times), slow writes, and decode or prefill closes at random
@@ -57,7 +60,7 @@ from typing import Any
 
 import torch
 
-from kvproto.aio import DecodeEndpoint, EndpointConfig, KVCache, PrefillEndpoint
+from kvproto.aio import DecodeEndpoint, EndpointConfig, KVCache, PrefillEndpoint, StateCache
 from kvproto.aio.endpoint import CLOSE_GRACE_S
 from kvproto.aio.room import _Handle
 from kvproto.core import RoomEnded, RoomState, Timeouts
@@ -73,6 +76,11 @@ HEADS = 2
 HEAD_DIM = 8
 AUX_SLOTS = 8
 AUX_BYTES = 16
+SWA_WINDOW = 6
+"""The sliding window of the ``swa`` group of scripts with ``groups``: the decode needs 6 tokens."""
+STATE_SHAPE = (4, 8)
+"""The ``ssm`` group's one tensor per layer (uint8, split over TP along its first dimension)."""
+STATE_LAYERS = 2
 TIMEOUTS = Timeouts(bootstrap=2.0, waiting=2.5, transfer=2.5, parked=2.0, drain=1.0)
 HEARTBEAT = (0.2, 1.0)
 WALL_S = 15.0
@@ -113,6 +121,16 @@ class RoomScript:
     chunk_gap: float
     abort: tuple[str, float] | None
     """("D" or "P<rank>", seconds after the script starts)."""
+    swa_src: tuple[tuple[int, ...], ...] = ()
+    """Scripts with ``groups``: per prefill rank, the swa pages of the room's tokens from 0."""
+    swa_dst: tuple[int, ...] = ()
+    """The decode's swa pages: those holding the window's tokens."""
+    state: tuple[tuple[int, ...], int] | None = None
+    """(per prefill rank its slot, the decode slot) of the ssm group."""
+
+    @property
+    def window_start(self) -> int:
+        return max(0, self.tokens - SWA_WINDOW)
 
 
 @dataclass(frozen=True)
@@ -140,6 +158,8 @@ class Script:
     anywhere in the rooms' lives)."""
     close_prefill: tuple[int, float] | None = None
     """(prefill rank, at): that prefill endpoint closes (perturbed scripts and regressions)."""
+    groups: bool = False
+    """Every cache has the swa and ssm groups beyond its K/V planes (see the module docstring)."""
     perturb: tuple[float, float] | None = None
     """Perturbed scheduling (the soak, ``Script.generate(seed, perturb=True)``): (mean seconds
     between stalls, longest stall): a task blocks the event loop for a random time at random
@@ -230,7 +250,21 @@ class Script:
         elif extra.random() < 0.1:  # close while bootstrapping: every decode room opens, then close
             rooms = [replace(r, decode_at=first.decode_at, dest_at=None) for r in rooms]
             close_decode = round(first.decode_at + extra.uniform(0.0005, 0.005), 4)
-        return cls(seed=seed, prefill_tp=tp, path=path, staging_bytes=staging, rooms=tuple(rooms),
+        # Hybrid caches, drawn apart too.
+        hybrid = random.Random(seed * 15485863 + 29)
+        groups = hybrid.random() < 0.35
+        if groups:
+            used_swa: set[int] = set()
+            prefill_slots = [list(range(AUX_SLOTS)) for _ in range(tp)]
+            for k, r in enumerate(rooms):
+                n = pages(r.tokens)
+                first = r.window_start // BLOCK
+                dst = hybrid.sample([p for p in range(BLOCKS) if p not in used_swa], n - first)
+                used_swa.update(dst)
+                slots = tuple(hybrid.choice(prefill_slots[rank]) for rank in range(tp))
+                rooms[k] = replace(r, swa_src=tuple(tuple(hybrid.sample(range(BLOCKS), n)) for _ in range(tp)),
+                                   swa_dst=tuple(dst), state=(slots, k))
+        return cls(seed=seed, prefill_tp=tp, path=path, staging_bytes=staging, rooms=tuple(rooms), groups=groups,
                    data=tuple(sorted(data.items())),
                    control=tuple(sorted(control.items())) if control is not None else None, lose=lose, jump=jump,
                    close_decode=close_decode)
@@ -242,22 +276,36 @@ class Cache:
     planes: list[list[torch.Tensor]]
     aux: torch.Tensor
     kv: KVCache
+    swa: list[list[torch.Tensor]] = field(default_factory=list)
+    """Scripts with ``groups``: the swa group's K and V planes (one layer)."""
+    state: list[torch.Tensor] = field(default_factory=list)
+    """Scripts with ``groups``: the ssm group's tensor of each layer, ``(slots, *local shape)``."""
 
 
-def make_cache(*, heads: int, tp: int, rank: int, seed: int, total_heads: int) -> Cache:
+def make_cache(*, heads: int, tp: int, rank: int, seed: int, total_heads: int, groups: bool = False) -> Cache:
     gen = torch.Generator().manual_seed(seed)
     shape = (BLOCKS, BLOCK, heads, HEAD_DIM)
     planes = [[torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen) for _ in range(LAYERS)]
               for _ in range(2)]
     aux = torch.randint(0, 256, (AUX_SLOTS, AUX_BYTES), dtype=torch.uint8, generator=gen)
     kv = KVCache.from_tensors(planes, aux=aux, layout=Layout.NHD, tp_size=tp, tp_rank=rank, num_kv_heads=total_heads)
-    return Cache(planes, aux, kv)
+    if not groups:
+        return Cache(planes, aux, kv)
+    swa = [[torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)] for _ in range(2)]
+    local = (STATE_SHAPE[0] // tp, STATE_SHAPE[1])
+    state = [torch.randint(0, 256, (AUX_SLOTS, *local), dtype=torch.uint8, generator=gen) for _ in range(STATE_LAYERS)]
+    kv = kv.with_groups(
+        KVCache.from_tensors(swa, layout=Layout.NHD, tp_size=tp, tp_rank=rank, num_kv_heads=total_heads, name="swa",
+                             window=SWA_WINDOW),
+        StateCache.from_tensors("ssm", [[t] for t in state], shard_dims=[0], tp_size=tp, tp_rank=rank))
+    return Cache(planes, aux, kv, swa, state)
 
 
-def page_ranges(cache: Cache, page_list: tuple[int, ...]) -> list[tuple[int, int]]:
-    """Byte ranges of ``page_list`` in every region of ``cache``."""
+def page_ranges(cache: Cache, page_list: tuple[int, ...], planes: list[list[torch.Tensor]] | None = None
+                ) -> list[tuple[int, int]]:
+    """Byte ranges of ``page_list`` in every region of ``cache`` (or of ``planes``)."""
     out = []
-    for plane in cache.planes:
+    for plane in cache.planes if planes is None else planes:
         for t in plane:
             size = t[0].numel() * t.element_size()
             out += [(t.data_ptr() + p * size, t.data_ptr() + (p + 1) * size) for p in page_list]
@@ -372,6 +420,11 @@ class Observer:
         if r is not None and r.aux is not None:
             base = self.dcache.aux.data_ptr() + r.aux[1] * AUX_BYTES
             ranges.append((base, base + AUX_BYTES))
+        if r is not None and r.state is not None:
+            ranges += page_ranges(self.dcache, r.swa_dst, self.dcache.swa)
+            for t in self.dcache.state:
+                size = t[0].numel() * t.element_size()
+                ranges.append((t.data_ptr() + r.state[1] * size, t.data_ptr() + (r.state[1] + 1) * size))
         hit = []
         for w in writes:
             try:
@@ -431,6 +484,26 @@ class Observer:
                             return f"token {t} plane {plane} layer {layer} heads of rank {rank} differ"
         if r.aux is not None and not torch.equal(self.dcache.aux[r.aux[1]], self.pcaches[0].aux[r.aux[0]]):
             return f"aux slot {r.aux[1]} differs"
+        if r.state is not None:
+            return self._check_groups(r)
+        return None
+
+    def _check_groups(self, r: RoomScript) -> str | None:
+        first = r.window_start // BLOCK
+        for plane in range(2):
+            dst = self.dcache.swa[plane][0]
+            for t in range(max(r.prefix, r.window_start), r.tokens):
+                dp, off = r.swa_dst[t // BLOCK - first], t % BLOCK
+                for rank, cache in enumerate(self.pcaches):
+                    src = cache.swa[plane][0][r.swa_src[rank][t // BLOCK], off]
+                    if not torch.equal(src, dst[dp, off, rank * HEADS:(rank + 1) * HEADS]):
+                        return f"swa token {t} plane {plane} heads of rank {rank} differ"
+        tp = len(self.pcaches)
+        rows = STATE_SHAPE[0] // tp
+        for layer, dst in enumerate(self.dcache.state):
+            for rank, cache in enumerate(self.pcaches):
+                if not torch.equal(cache.state[layer][r.state[0][rank]], dst[r.state[1], rank * rows:(rank + 1) * rows]):
+                    return f"ssm layer {layer} rows of rank {rank} differ"
         return None
 
 
@@ -462,9 +535,10 @@ async def run_script(script: Script, *, summarize: bool = True) -> Outcome:
     out = Outcome(script)
     loop = asyncio.get_running_loop()
     tp = script.prefill_tp
-    pcaches = [make_cache(heads=HEADS, tp=tp, rank=r, seed=script.seed * 7 + r, total_heads=HEADS * tp)
-               for r in range(tp)]
-    dcache = make_cache(heads=HEADS * tp, tp=1, rank=0, seed=script.seed * 7 + 5, total_heads=HEADS * tp)
+    pcaches = [make_cache(heads=HEADS, tp=tp, rank=r, seed=script.seed * 7 + r, total_heads=HEADS * tp,
+                          groups=script.groups) for r in range(tp)]
+    dcache = make_cache(heads=HEADS * tp, tp=1, rank=0, seed=script.seed * 7 + 5, total_heads=HEADS * tp,
+                        groups=script.groups)
     plans = [FaultPlan(seed=script.seed * 10 + r, delay_polls=script.delay_polls,
                        **dict(script.data))  # type: ignore[arg-type]
              for r in range(tp)]
@@ -579,16 +653,17 @@ async def _decode_side(out: Outcome, decode: DecodeEndpoint, bootstrap: str, r: 
     if _after_close(out, decode, "D", r.room_id):
         return
     try:
+        groups = {} if r.state is None else dict(group_pages={"swa": list(r.swa_dst)}, state_slots={"ssm": r.state[1]})
         if r.dest_at is None:
             handles[("D", r.room_id)] = decode.open_room(
                 r.room_id, bootstrap, pages=list(r.dst_pages), num_tokens=r.tokens, prefix_tokens=r.prefix,
-                aux_slot=r.aux[1] if r.aux else None)
+                aux_slot=r.aux[1] if r.aux else None, **groups)
             return
         room = handles[("D", r.room_id)] = decode.open_room(r.room_id, bootstrap)
         await asyncio.sleep(r.dest_at)
         if not _after_close(out, decode, "D", r.room_id):
             room.set_destination(list(r.dst_pages), r.tokens, prefix_tokens=r.prefix,
-                                 aux_slot=r.aux[1] if r.aux else None)
+                                 aux_slot=r.aux[1] if r.aux else None, **groups)
     except Exception as exc:  # noqa: BLE001 - any exception from the API is a finding
         out.violations.append(f"decode room {r.room_id}: the application call raised {exc!r}")
 
@@ -617,8 +692,11 @@ async def _prefill_side(out: Outcome, ep: PrefillEndpoint, rank: int, r: RoomScr
             if _after_close(out, ep, f"P{rank}", r.room_id):
                 return
             last = end == r.tokens
+            groups = {} if r.state is None else dict(
+                group_pages={"swa": list(r.swa_src[rank][pages(start):pages(end)])},
+                state_slots={"ssm": r.state[0][rank]} if last else None)
             room.send(list(r.src_pages[rank][pages(start):pages(end)]), end, last=last,
-                      aux_slot=r.aux[0] if last and r.aux else None)
+                      aux_slot=r.aux[0] if last and r.aux else None, **groups)
             start = end
     except Exception as exc:  # noqa: BLE001
         out.violations.append(f"prefill rank {rank} room {r.room_id}: the application call raised {exc!r}")
@@ -827,7 +905,9 @@ def _summarize(out: Outcome) -> None:
     SUMMARY["scripts_quiet"] += s.quiet
     SUMMARY["scripts_control_faults"] += s.control is not None
     SUMMARY["rooms"] += len(s.rooms)
+    SUMMARY["scripts_groups"] += s.groups
     for e in out.ends:
+        SUMMARY[f"ends_{e.side[0]}_{e.state.name}_groups"] += s.groups
         SUMMARY[f"ends_{e.side[0]}_{e.state.name}"] += 1
     for k, v in out.counts.items():
         if k != "wall_ms":
