@@ -128,13 +128,14 @@ def _caches(case: Case, side: str) -> list[RankCache]:
                       shapes=list(case.shapes), group_blocks=blocks, group_layouts=layouts) for r in range(tp)]
 
 
-async def run_hybrid_room(case: Case, room_id: int, transport: str = "loopback") -> set[str]:
+async def run_hybrid_room(case: Case, room_id: int, transport: str = "loopback",
+                          options: dict[str, Any] | None = None) -> set[str]:
     """One room of ``case`` across all ranks; every group checked on every decode rank. Returns the
     paths the prefill rooms used."""
     cfg = case.cfg
     pre, dec = _caches(case, "prefill"), _caches(case, "decode")
     n, prefix = cfg.tokens, _prefix(case)
-    opts = dict(path=cfg.path, staging_bytes=case.staging)
+    opts = dict(path=cfg.path, staging_bytes=case.staging, transport_options=options or {})
     first = PrefillEndpoint(pre[0].kv, config=config(transport, **opts))
     await first.start()
     prefills, decodes = [first], []
@@ -237,6 +238,17 @@ async def test_hybrid_presets_over_nixl() -> None:
     """The same over real NIXL (in-process agents)."""
     for preset in ("gdn", "mla-indexer", "swa"):
         await run_hybrid_room(_preset_case(preset, 2, 1, decode_block=32), room_id=21, transport="nixl")
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(case=hybrid_cases())
+async def test_hybrid_random_geometry_over_the_kernel_path(case: Case) -> None:
+    """The same over the kernel-path adapter (``cuda-ipc``, its kernels run on these CPU caches in
+    Triton's interpreter): every paged group's write is one pattern kernel, every state slot a
+    kernel over its runs, nothing staged."""
+    paths = await run_hybrid_room(case, room_id=1 + case.cfg.seed, transport="cuda-ipc",
+                                  options={"fallback": "loopback", "cpu_kernels": True})
+    assert paths <= {"direct-kernel", "sliced-kernel", "state", "aux"}, paths
 
 
 # --- what must be refused ---------------------------------------------------------------------------
