@@ -71,3 +71,26 @@ def test_matrix_geometry_over_mooncake(case: str, capsys: pytest.CaptureFixture[
     captured = capsys.readouterr()
     assert code == 0, captured.out + captured.err
     assert f"in {cfg.rooms} rooms" in captured.out and "OK, 0 mismatching bytes" in captured.out
+
+
+HYBRID = {
+    "P1-D2": dict(prefill_tp=1, decode_tp=2),
+    "P2-D1": dict(prefill_tp=2, decode_tp=1),
+    "block-16-to-32-HND": dict(prefill_tp=2, decode_tp=1, decode_block=32, decode_layout="HND"),
+}
+
+
+@pytest.mark.parametrize("case", list(HYBRID))
+@pytest.mark.parametrize("preset", ["gdn", "mla-indexer", "swa"])
+def test_matrix_hybrid_presets_move_every_group(preset: str, case: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The three hybrid families, one process per rank over NIXL: every group of every room (full
+    attention and Gated DeltaNet state; an MLA latent and its indexer cache; full and sliding-window
+    layers) holds exactly the reference bytes on every decode rank, TP both ways and across a block
+    size and layout mismatch."""
+    cfg = dataclasses.replace(SMALL, preset=preset, staging_mb=1, kv_heads=4, prefix_tokens=32, window=100,
+                              **HYBRID[case])
+    code = run(cfg)
+    captured = capsys.readouterr()
+    assert code == 0, captured.out + captured.err
+    assert f"hybrid cache ({preset})" in captured.out
+    assert f"in {cfg.rooms} rooms" in captured.out and "OK, 0 mismatching bytes" in captured.out
