@@ -28,6 +28,14 @@ The run also prints the constants of the direct-or-staged choice that it measure
 (``kvproto.core.cost``): the transport's cost per descriptor (a room's bytes as one write of
 page-sized descriptors against one single-descriptor write) and a device copy's bandwidth.
 
+*Hybrid caches* (``--groups one hybrid``): the same model layers as a cache of three groups, as
+a Gated DeltaNet hybrid keeps them: every fourth layer is the first group (full attention), the
+other layers a second paged group of their own pool, and those layers also keep a per-request
+state (``STATE_ROWS`` x 128 bf16 per layer, split over TP by rows) in a state group. A hybrid room
+moves the same K/V bytes as the one-group room of its case, plus its state (its bytes counted),
+as one write per group per room; its line prints its GB/s against the one-group room's of the
+same case (``vs one``), measured in the same run. Every group's bytes are checked.
+
 It is a benchmark: the exit status is non-zero only when a room fails or a byte differs.
 """
 
@@ -46,6 +54,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 MIB = 1 << 20
+STATE_ROWS = 16
+"""Rows (split over TP) of a hybrid cache's state tensor per layer: 16 x 128 bf16 = 4 KiB."""
 
 
 @dataclass(frozen=True)
@@ -84,9 +94,25 @@ class Case:
     """Staging buffer of every rank (0: the endpoint's default)."""
     tamper: bool = False
     """Flip one byte of the last room on decode rank 0 before the check (proves the check can fail)."""
+    hybrid: bool = False
+    """The cache as three groups (module docstring)."""
 
     def tokens(self, shape: Shape) -> int:
         return max(1, self.size // shape.token_bytes)
+
+    def room_bytes(self, shape: Shape) -> int:
+        """Bytes a room moves: its tokens of every layer, and a hybrid room's state."""
+        state = len(state_layers(shape)) * STATE_ROWS * 128 * 2 if self.hybrid else 0
+        return self.tokens(shape) * shape.token_bytes + state
+
+
+def state_layers(shape: Shape) -> list[int]:
+    """A hybrid cache's layers beyond the first group: all but every fourth."""
+    return [layer for layer in range(shape.layers) if layer % 4 != 3]
+
+
+def full_layers(shape: Shape) -> list[int]:
+    return [layer for layer in range(shape.layers) if layer % 4 == 3]
 
 
 @dataclass
@@ -108,6 +134,9 @@ class Row:
     room_p99_ms: float
     bad_bytes: int
     paths: list[str] = field(default_factory=list)
+    groups: str = "one"
+    vs_one: float = 0.0
+    """A hybrid row: its GB/s over the one-group row's of the same case (0: not measured)."""
 
 
 # --- the schedule every process derives the same way ---------------------------------------------
@@ -192,9 +221,43 @@ class _Rank:
             for r in range(regions):
                 torch.add(self.terms[r][None], every_page[:, None, None, None], out=words[r])
         self.big = big
-        planes = [[big[2 * layer + plane] for layer in range(s.layers)] for plane in range(2)]
-        return KVCache.from_tensors(planes, tp_size=self.tp, tp_rank=self.rank, num_kv_heads=s.heads,
-                                    layout="HND" if self.hnd else "NHD")
+        layout = "HND" if self.hnd else "NHD"
+        if not case.hybrid:
+            planes = [[big[2 * layer + plane] for layer in range(s.layers)] for plane in range(2)]
+            return KVCache.from_tensors(planes, tp_size=self.tp, tp_rank=self.rank, num_kv_heads=s.heads,
+                                        layout=layout)
+        return self._hybrid(case, big, layout)
+
+    def _hybrid(self, case: Case, big: Any, layout: str) -> Any:
+        """The same regions as three groups (module docstring); the state filled on prefill."""
+        from kvproto.aio import KVCache, StateCache
+
+        torch, s = self.torch, self.shape
+        full, lin = full_layers(s), state_layers(s)
+
+        def group(layers: list[int], **kw: Any) -> Any:
+            planes = [[big[2 * layer + plane] for layer in layers] for plane in range(2)]
+            return KVCache.from_tensors(planes, tp_size=self.tp, tp_rank=self.rank, num_kv_heads=s.heads,
+                                        layout=layout, model_layers=layers, **kw)
+
+        rows = STATE_ROWS // self.tp
+        slots = case.rooms + 2
+        self.state = torch.zeros((len(lin), slots, rows, 128), dtype=torch.bfloat16, device=self.device)
+        if self.role == "prefill":
+            self.state.view(torch.int16).copy_(self._state_words(torch.arange(slots, device=self.device)))
+        state = StateCache.from_tensors("state", [[self.state[i]] for i in range(len(lin))], shard_dims=[0],
+                                        tp_size=self.tp, tp_rank=self.rank, model_layers=lin)
+        return group(full).with_groups(group(lin, name="lin"), state)
+
+    def _state_words(self, src_slots: Any) -> Any:
+        """The prefill's state content of ``src_slots``, as int16 (layers, slots, local rows, 128)."""
+        torch = self.torch
+        rows = STATE_ROWS // self.tp
+        layer = torch.arange(len(state_layers(self.shape)), device=self.device).view(-1, 1, 1, 1)
+        slot = src_slots.view(1, -1, 1, 1)
+        row = (self.rank * rows + torch.arange(rows, device=self.device)).view(1, 1, -1, 1)
+        col = torch.arange(128, device=self.device).view(1, 1, 1, -1)
+        return ((layer * 1009 + slot * 131 + row * 37 + col) % 16381).to(torch.int16)
 
     def _config(self, case: Case) -> Any:
         from kvproto.aio import EndpointConfig
@@ -247,7 +310,11 @@ class _Rank:
                 changed.clear()
                 await changed.wait()
             handle = self.endpoint.open_room(_room_id(case, i))
-            handle.send(room_pages(case, s, i)[0], n_tokens, last=True)
+            src = room_pages(case, s, i)[0]
+            if case.hybrid:
+                handle.send(src, n_tokens, last=True, group_pages={"lin": src}, state_slots={"state": i})
+            else:
+                handle.send(src, n_tokens, last=True)
             task = asyncio.ensure_future(handle.wait())
             task.add_done_callback(lambda t, h=handle: finished(h, t))
             live.add(task)
@@ -264,7 +331,11 @@ class _Rank:
 
         async def one(i: int) -> float:
             t0 = time.monotonic()
-            handle = self.endpoint.open_room(_room_id(case, i), bootstrap, pages=schedule[i][1], num_tokens=n_tokens)
+            groups: dict[str, Any] = {}
+            if case.hybrid:
+                groups = dict(group_pages={"lin": schedule[i][1]}, state_slots={"state": i})
+            handle = self.endpoint.open_room(_room_id(case, i), bootstrap, pages=schedule[i][1], num_tokens=n_tokens,
+                                             **groups)
             await handle.wait()
             return time.monotonic() - t0
 
@@ -288,8 +359,22 @@ class _Rank:
         end = time.monotonic()
         if case.tamper and self.rank == 0:
             self.big.view(self.torch.uint8)[0, schedule[-1][1][0]].view(-1)[0] ^= 1  # noqa: E501 - token 0 of the last room
-        return {"first": first, "warm": warm, "start": start, "end": end, "latencies": latencies,
-                "bad": self._check(schedule, n_tokens)}
+        bad = self._check(schedule, n_tokens)
+        if case.hybrid:  # decode slot i holds prefill slot i's state, this rank's rows of it
+            want = self._decode_state_words(len(schedule))
+            bad += int((self.state.view(self.torch.int16) != want).sum().item()) * 2
+        return {"first": first, "warm": warm, "start": start, "end": end, "latencies": latencies, "bad": bad}
+
+    def _decode_state_words(self, rooms: int) -> Any:
+        """What this decode rank's state slots must hold after ``rooms`` rooms: the prefill content
+        of the same slot, rows of this rank's share (computed without kvproto's plan)."""
+        torch = self.torch
+        rows = STATE_ROWS // self.tp
+        layer = torch.arange(len(state_layers(self.shape)), device=self.device).view(-1, 1, 1, 1)
+        slot = torch.arange(rooms, device=self.device).view(1, -1, 1, 1)
+        row = (self.rank * rows + torch.arange(rows, device=self.device)).view(1, 1, -1, 1)
+        col = torch.arange(128, device=self.device).view(1, 1, 1, -1)
+        return ((layer * 1009 + slot * 131 + row * 37 + col) % 16381).to(torch.int16)
 
     def _check(self, schedule: list[tuple[list[int], list[int]]], tokens: int) -> int:
         """Mismatching bytes over every room's destination tokens (after the timed phase): token
@@ -538,21 +623,22 @@ def run_case(group: _Group, case: Case, shape: Shape, raw_gbps: float) -> Row:
     for conn in prefills + decodes:
         group.call(conn, "stop")
     span = max(r["end"] for r in d_results) - min(r["start"] for r in d_results)
-    moved = case.tokens(shape) * shape.token_bytes * case.rooms
+    moved = case.room_bytes(shape) * case.rooms
     gbps = moved / span / 1e9
     latencies = sorted(x for r in d_results for x in r["latencies"])
     first = max(r["first"] for r in d_results)
     warm = max(r["warm"] for r in d_results)
     descriptors = [sum(ds) for ds in zip(*(r["descriptors"] for r in p_results))]
     return Row(
-        tp=f"{case.prefill_tp}->{case.decode_tp}", size_mib=case.tokens(shape) * shape.token_bytes / MIB,
+        tp=f"{case.prefill_tp}->{case.decode_tp}", size_mib=case.room_bytes(shape) / MIB,
         pages=case.pages, path=case.path, in_flight=case.in_flight, rooms=case.rooms, gbps=gbps,
         raw_gbps=raw_gbps, ratio=gbps / raw_gbps if raw_gbps else 0.0,
         descriptors_per_room=statistics.mean(descriptors) if descriptors else 0.0,
         first_room_ms=first * 1e3, warm_room_ms=warm * 1e3, first_minus_warm_ms=(first - warm) * 1e3,
         room_p50_ms=latencies[len(latencies) // 2] * 1e3 if latencies else 0.0,
         room_p99_ms=latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1e3 if latencies else 0.0,
-        bad_bytes=sum(r["bad"] for r in d_results), paths=sorted({p for r in p_results for p in r["paths"]}))
+        bad_bytes=sum(r["bad"] for r in d_results), paths=sorted({p for r in p_results for p in r["paths"]}),
+        groups="hybrid" if case.hybrid else "one")
 
 
 def raw_reference(group: _Group, size: int, in_flight: int, rounds: int) -> float:
@@ -582,14 +668,16 @@ def descriptor_cost(group: _Group, size: int, pieces: int) -> float:
     return max(0.0, (many - one) / pieces)
 
 
-HEADER = (f"{'tp':>5} {'MiB':>7} {'pages':>10} {'path':>7} {'took':>14} {'in fl':>5} {'GB/s':>7} {'raw':>7} "
-          f"{'ratio':>6} {'desc/room':>9} {'first ms':>9} {'warm ms':>8} {'p50 ms':>7} {'p99 ms':>7} {'bytes':>6}")
+HEADER = (f"{'tp':>5} {'MiB':>7} {'pages':>10} {'path':>7} {'cache':>6} {'took':>20} {'in fl':>5} {'GB/s':>7} "
+          f"{'raw':>7} {'ratio':>6} {'vs one':>6} {'desc/room':>9} {'first ms':>9} {'warm ms':>8} {'p50 ms':>7} "
+          f"{'p99 ms':>7} {'bytes':>6}")
 
 
 def _print(row: Row) -> None:
     took = "+".join(p.replace("staged-", "s-") for p in row.paths) or "-"
-    print(f"{row.tp:>5} {row.size_mib:>7.1f} {row.pages:>10} {row.path:>7} {took:>14} {row.in_flight:>5} "
-          f"{row.gbps:>7.1f} {row.raw_gbps:>7.1f} {row.ratio:>6.2f} {row.descriptors_per_room:>9.0f} "
+    vs = f"{row.vs_one:.2f}" if row.vs_one else "-"
+    print(f"{row.tp:>5} {row.size_mib:>7.1f} {row.pages:>10} {row.path:>7} {row.groups:>6} {took:>20} "
+          f"{row.in_flight:>5} {row.gbps:>7.1f} {row.raw_gbps:>7.1f} {row.ratio:>6.2f} {vs:>6} {row.descriptors_per_room:>9.0f} "
           f"{row.first_room_ms:>9.1f} {row.warm_room_ms:>8.2f} {row.room_p50_ms:>7.2f} {row.room_p99_ms:>7.2f} "
           f"{'OK' if row.bad_bytes == 0 else row.bad_bytes:>6}", flush=True)
 
@@ -652,6 +740,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transport", default="nixl")
     ap.add_argument("--raw-rounds", type=int, default=5)
     ap.add_argument("--staging-mib", type=int, default=0, help="staging buffer per rank (0: the default)")
+    ap.add_argument("--groups", nargs="+", default=["one"], choices=["one", "hybrid"],
+                    help="one: the cache as one group; hybrid: the same layers as three groups, a GDN hybrid's "
+                         "(every case of both is printed with the hybrid's GB/s over the one-group's)")
     ap.add_argument("--tamper", action="store_true", help=argparse.SUPPRESS)  # tests: the byte check must fail
     ap.add_argument("--json", help="write every figure to this file")
     args = ap.parse_args(argv)
@@ -697,23 +788,28 @@ def main(argv: list[str] | None = None) -> int:
                         if path == "direct" and (p_tp != d_tp or shape.block_of("decode") != shape.block
                                                  or shape.decode_layout != "NHD"):
                             continue  # pages differ between the sides: no direct path
-                        case = Case(p_tp, d_tp, size, pages, path, in_flight, rooms, seed=len(rows) + 1,
-                                    staging_mib=args.staging_mib, tamper=args.tamper)
-                        short = {place: (n, memory_available(place))
-                                 for place, n in memory_needed(case, shape, devices).items()
-                                 if n > 0.85 * memory_available(place)}
-                        if short:
-                            print(f"{p_tp}->{d_tp} {size_mib:g} MiB {pages} {path}: skipped, it needs "
-                                  + ", ".join(f"{n / (1 << 30):.1f} GiB of {place} memory ({free / (1 << 30):.1f} free)"
-                                              for place, (n, free) in short.items()), flush=True)
-                            continue
-                        if key not in raws:
-                            tokens_bytes = case.tokens(shape) * shape.token_bytes
-                            raws[key] = raw_reference(group, tokens_bytes, in_flight, args.raw_rounds)
-                        row = run_case(group, case, shape, raws[key])
-                        rows.append(row)
-                        _print(row)
-                        failed |= row.bad_bytes != 0
+                        one: Row | None = None
+                        for kind in args.groups:
+                            case = Case(p_tp, d_tp, size, pages, path, in_flight, rooms, seed=len(rows) + 1,
+                                        staging_mib=args.staging_mib, tamper=args.tamper, hybrid=kind == "hybrid")
+                            short = {place: (n, memory_available(place))
+                                     for place, n in memory_needed(case, shape, devices).items()
+                                     if n > 0.85 * memory_available(place)}
+                            if short:
+                                print(f"{p_tp}->{d_tp} {size_mib:g} MiB {pages} {path}: skipped, it needs "
+                                      + ", ".join(f"{n / (1 << 30):.1f} GiB of {place} memory ({free / (1 << 30):.1f} "
+                                                  f"free)" for place, (n, free) in short.items()), flush=True)
+                                continue
+                            if key not in raws:
+                                tokens_bytes = case.tokens(shape) * shape.token_bytes
+                                raws[key] = raw_reference(group, tokens_bytes, in_flight, args.raw_rounds)
+                            row = run_case(group, case, shape, raws[key])
+                            if case.hybrid and one is not None and one.gbps:
+                                row.vs_one = row.gbps / one.gbps
+                            one = row if not case.hybrid else one
+                            rows.append(row)
+                            _print(row)
+                            failed |= row.bad_bytes != 0
         except (RuntimeError, TimeoutError) as exc:
             print(f"bench transfer failed: {exc}", file=sys.stderr, flush=True)
             failed = True

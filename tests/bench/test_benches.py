@@ -48,6 +48,25 @@ def test_bench_transfer_byte_check_catches_a_flipped_byte(tmp_path: Path) -> Non
     assert row["bad_bytes"] > 0
 
 
+def test_bench_transfer_hybrid_case_checks_every_group_and_compares_with_one_group(tmp_path: Path) -> None:
+    """--groups one hybrid: each case runs as one group and as a GDN-shaped hybrid of the same
+    layers (every group's bytes and the state checked), the hybrid row carrying its GB/s over the
+    one-group row's; TP 2 -> 1 splits the state's rows."""
+    from kvproto.bench import transfer
+
+    out = tmp_path / "transfer.json"
+    code = transfer.main([*TINY, "--layers", "4", "--tp", "1:1", "2:1", "--paths", "auto", "--pages", "random",
+                          "--groups", "one", "hybrid", "--json", str(out)])
+    assert code == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["tp"], r["groups"]) for r in rows] == [("1->1", "one"), ("1->1", "hybrid"), ("2->1", "one"),
+                                                      ("2->1", "hybrid")]
+    for one, hybrid in zip(rows[::2], rows[1::2]):
+        assert one["bad_bytes"] == hybrid["bad_bytes"] == 0
+        assert hybrid["vs_one"] == pytest.approx(hybrid["gbps"] / one["gbps"])
+        assert "state" in hybrid["paths"] and hybrid["size_mib"] > one["size_mib"]
+
+
 def test_bench_rooms_tiny_reports_rates_latency_and_loop_lag(tmp_path: Path) -> None:
     """1-page rooms on loopback (one process) and NIXL (peer in another process): rooms/s,
     latency p50/p99 and the ticker's lag are reported for each window."""
