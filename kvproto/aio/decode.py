@@ -42,8 +42,16 @@ from kvproto.aio.endpoint import EndpointBase, EndpointConfig
 from kvproto.aio.memory import KVCache, geometry_from_wire, geometry_to_wire, groups_from_wire
 from kvproto.aio import trace
 from kvproto.aio.room import ReceiverRoomHandle
-from kvproto import kernels
-from kvproto.aio.staging import Copies, PageTables, PieceShape, StagingBuffer, scatter_piece, warm_kernels
+from kvproto.aio.staging import (
+    CacheKernels,
+    Copies,
+    PieceShape,
+    PiecePart,
+    StagingBuffer,
+    piece_unit,
+    scatter_parts,
+    warm_kernels,
+)
 from kvproto.core import DropLink, ReceiverCore, ReceiverLink, Scatter
 from kvproto.core.staging import StagingRing
 from kvproto.transport import TransportError
@@ -53,7 +61,14 @@ from kvproto.geometry import (
     plan_pair,
     writers,
 )
-from kvproto.geometry.groups import IncompatibleGroups, PagedGroup, check_groups, link_roles, paired_ranks_of_decode_cache
+from kvproto.geometry.groups import (
+    IncompatibleGroups,
+    PagedGroup,
+    check_groups,
+    link_roles,
+    paired_ranks_of_decode_cache,
+    staged_groups,
+)
 from kvproto.wire import (
     MINOR,
     LocalProtocolError,
@@ -122,8 +137,7 @@ class DecodeEndpoint(EndpointBase):
         if self._staging_bytes():
             self._staging = StagingBuffer(kv, self._staging_bytes(), host=self.config.host_staging)
             self._copies = Copies(kv.tensors[0].device)
-            self._regions = kernels.Regions(kv.tensors)
-            self._tables = PageTables(kv)
+            self._kernels = CacheKernels(kv)
         self.core = ReceiverCore(
             block_size=g.block_size, num_blocks=g.num_blocks, aux_slots=kv.aux.slots if kv.aux else 0,
             timeouts=self.config.timeouts,
@@ -131,8 +145,8 @@ class DecodeEndpoint(EndpointBase):
             groups=kv.group_specs(),
         )
         self._cache = kv.cache_geometry
-        self._pieces: dict[int, tuple[PieceShape, int]] = {}
-        """link_id -> (piece shape, decode-side head offset) of each writer that may stage."""
+        self._pieces: dict[int, tuple[PiecePart, ...]] = {}
+        """link_id -> the blocks of the pieces of each writer that may stage (decode-side heads)."""
         self._links: dict[int, _Link] = {}
         self._bootstraps: dict[str, asyncio.Task[None]] = {}
         self._next_link_id = 1
@@ -221,7 +235,7 @@ class DecodeEndpoint(EndpointBase):
         if self._staging is not None:
             assert self.transport is not None
             self.transport.register([self._staging.region()])
-            warming = warm_kernels(self.kv, self._regions, gather=False, host=self._staging.where == "host")
+            warming = warm_kernels(self.kv, self._kernels.regions, gather=False, host=self._staging.where == "host")
             if warming is not None and self.config.warm_up:
                 await asyncio.to_thread(warming.join)
 
@@ -412,7 +426,7 @@ class DecodeEndpoint(EndpointBase):
         accepts = await asyncio.gather(*(self._await_accept(link) for link in targets.values()))
         result = []
         prefill_g = None
-        roles = {}
+        roles, caches = {}, {}
         for link, accept in zip(targets.values(), accepts):
             try:
                 prefill_g = geometry_from_wire(accept.geometry)
@@ -435,13 +449,12 @@ class DecodeEndpoint(EndpointBase):
             link.boot_id = accept.boot_id
             result.append((link, accept))
             roles[link.link_id] = link_roles(prefill_cache, self._cache)
+            caches[link.link_id] = prefill_cache
         assert prefill_g is not None
         chosen = writers(prefill_g, g)
         for link, _accept in result:
             if link.prefill_rank in chosen and self._staging is not None and link.peer_minor >= 1:
-                plan = plan_pair(prefill_g.with_rank(link.prefill_rank), g)
-                self._pieces[link.link_id] = (PieceShape(g.num_regions, plan.head_count, g.head_dim, g.itemsize),
-                                              plan.dst_head_offset)
+                self._pieces[link.link_id] = self._piece_parts(caches[link.link_id])
         unused = [lk for lk in links if lk not in targets.values()]
         for link in unused:
             self._discard_link(link)
@@ -450,9 +463,23 @@ class DecodeEndpoint(EndpointBase):
             ReceiverLink(key=link.link_id, link_id=link.link_id, cluster=cluster, prefill_rank=link.prefill_rank,
                          agent=accept.agent_name, writer=roles[link.link_id].writer,
                          aux_owner=link.prefill_rank == chosen[0],
-                         stage_unit=self._pieces[link.link_id][0].unit if link.link_id in self._pieces else 0)
+                         stage_unit=piece_unit(self._pieces.get(link.link_id, ())),
+                         staged_groups=tuple(p.group for p in self._pieces.get(link.link_id, ())[1:]))
             for link, accept in result
         ]
+
+    def _piece_parts(self, prefill: Any) -> tuple[PiecePart, ...]:
+        """The blocks of the pieces prefill rank ``prefill`` (its cache) stages into this rank
+        (staging.md): the first group's, then each group ``staged_groups`` names."""
+        parts = []
+        for i in (0, *staged_groups(prefill, self._cache)):
+            mine, theirs = self._cache.groups[i], prefill.groups[i]
+            assert isinstance(mine, PagedGroup) and isinstance(theirs, PagedGroup)
+            p = plan_pair(theirs.geometry, mine.geometry)
+            g = mine.geometry
+            parts.append(self._kernels.part(i, PieceShape(g.num_regions, p.head_count, g.head_dim, g.itemsize),
+                                            p.dst_head_offset))
+        return tuple(parts)
 
     async def _query(self, link: _Link) -> BootstrapInfo:
         query = encode(BootstrapQuery(requester=self.agent_name))
@@ -512,14 +539,13 @@ class DecodeEndpoint(EndpointBase):
         if not isinstance(output, Scatter):
             raise TypeError(f"unexpected output {output!r}")
         link_id: int = output.link  # type: ignore[assignment]
-        piece, head_offset = self._pieces[link_id]
+        parts = self._pieces[link_id]
         assert self._staging is not None
 
         def scatter(stream: Any) -> None:
-            pages = self._tables.get(output.room_id, output.dst_pages, keep=output.room_id in self.core.rooms)
-            scatter_piece(self.kv, self._regions, self._staging, output.offset, piece,  # type: ignore[arg-type]
-                          pages=pages, start=output.start_token, end=output.end_token,
-                          head_offset=head_offset, stream=stream)
+            scatter_parts(parts, self._staging, output.offset, output.room_id,  # type: ignore[arg-type]
+                          (output.dst_pages, *output.group_pages), start=output.start_token, end=output.end_token,
+                          keep=output.room_id in self.core.rooms, stream=stream)
 
         launched = self._now()
 
@@ -540,7 +566,7 @@ class DecodeEndpoint(EndpointBase):
     def _room_ended(self, out: Any) -> None:
         super()._room_ended(out)
         if self._staging is not None:
-            self._tables.forget(out.room_id)
+            self._kernels.forget(out.room_id)
         self._close_retired()
 
     def _transferring(self) -> bool:

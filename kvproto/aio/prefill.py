@@ -39,14 +39,15 @@ from kvproto.aio.memory import KVCache, StateCache, geometry_from_wire, geometry
 from kvproto.aio.paths import LinkPath, LocalLists, Posted, StatePath
 from kvproto.aio import trace
 from kvproto.aio.room import SenderRoomHandle
-from kvproto import kernels
 from kvproto.aio.staging import (
+    CacheKernels,
     Copies,
-    PageTables,
     PieceShape,
+    PiecePart,
     StagingBuffer,
     Stager,
-    gather_piece,
+    gather_parts,
+    piece_unit,
     warm_kernels,
 )
 from kvproto.core import (
@@ -78,6 +79,7 @@ from kvproto.geometry.groups import (
     link_roles,
     paired_ranks_of_prefill_cache,
     plan_state,
+    staged_groups,
 )
 from kvproto.transport import MemKind, TransportError, XferState
 from kvproto.transport.base import Route, route_of
@@ -193,14 +195,14 @@ class PrefillEndpoint(EndpointBase):
         self._local: LocalLists | None = None
         self._rank_table: dict[int, RankAddress] = {}
         self._auth: _KeyAuthenticator | None = None
-        self._pieces: dict[bytes, tuple[PieceShape, int]] = {}
+        self._pieces: dict[bytes, tuple[PiecePart, ...]] = {}
+        """Each staging link's blocks of a piece: the first group's, then the staged groups'."""
         self._staging: StagingBuffer | None = None
         if self._staging_bytes():
             self._staging = StagingBuffer(kv, self._staging_bytes(), host=self.config.host_staging)
             self._stager = Stager(self._staging)
-            self._tables = PageTables(kv)
             self._copies = Copies(kv.tensors[0].device)
-            self._regions = kernels.Regions(kv.tensors)
+            self._kernels = CacheKernels(kv)
 
     @property
     def bootstrap_address(self) -> str:
@@ -240,7 +242,7 @@ class PrefillEndpoint(EndpointBase):
                               for extra in self.kv.groups]
         if self._staging is not None:
             self._staging_registration = self.transport.register([self._staging.region()])
-            warming = warm_kernels(self.kv, self._regions, gather=True, host=self._staging.where == "host")
+            warming = warm_kernels(self.kv, self._kernels.regions, gather=True, host=self._staging.where == "host")
             if warming is not None and self.config.warm_up:
                 await asyncio.to_thread(warming.join)
         advertised = self.config.advertise_host or self.config.host
@@ -418,9 +420,10 @@ class PrefillEndpoint(EndpointBase):
         chosen = writers(g, decode_g)
         is_writer = g.tp_rank in chosen
         plan = plan_pair(g, decode_g) if is_writer else None
-        piece = PieceShape(g.num_regions, plan.head_count, g.head_dim, g.itemsize) if plan else None
+        parts = self._piece_parts(plan, remote)
+        unit = piece_unit(parts)
         route = route_of(self.transport, agent)
-        kind, can_stage = self._choose_path(plan, piece, remote, minor, route)
+        kind, can_stage = self._choose_path(plan, unit, remote, minor, route)
         path = LinkPath(
             transport=self.transport, local=self._local, peer=agent, plan=plan, remote=decode_g,
             remote_bases=remote.bases, remote_kind=remote.kind, remote_device=remote.device,
@@ -429,26 +432,27 @@ class PrefillEndpoint(EndpointBase):
         # A direct link that can also stage picks per room by cost (``kvproto.core.cost``).
         by_cost = kind == "direct" and can_stage and self.config.path == "auto"
         staged = kind == "staged" or by_cost
-        assert piece is not None or not staged
+        assert unit or not staged
         capacity = min(self._staging.capacity, remote.staging[1]) if staged and self._staging and remote.staging else 0
-        group_paths, link_groups = self._group_paths(agent, remote, route)
+        group_paths, link_groups = self._group_paths(agent, remote, route,
+                                                     {p.group for p in parts[1:]} if staged else set())
         link = SenderLink(
             key=ident, link_id=msg.link_id, instance=msg.instance, decode_rank=decode_g.tp_rank,
             num_blocks=decode_g.num_blocks, block_size=decode_g.block_size, aux_slots=msg.aux_slots,
             paired_ranks=frozenset(paired_ranks_of_prefill_cache(self._cache, remote.cache)), writer=is_writer,
             aux_owner=is_writer and chosen[0] == g.tp_rank,
-            stage_unit=piece.unit if staged and piece else 0,
+            stage_unit=unit if staged else 0,
             stage_capacity=remote.staging[1] if staged and remote.staging else 0,
-            stage_max_units=max(1, capacity // (STAGING_DEPTH * piece.unit)) if staged and piece else 0,
+            stage_max_units=max(1, capacity // (STAGING_DEPTH * unit)) if staged else 0,
             cost=(self.config.path_cost or (DEVICE_COST if self.kv.mem_kind is MemKind.VRAM else HOST_COST))
             if by_cost else None,
-            regions=g.num_regions,
+            regions=sum(p.piece.regions for p in parts) if parts else g.num_regions,
             groups=link_groups,
         )
         if kind == "direct" and not (route is not None and route.pattern):
             path.prepare()  # the peer's page list, before the first request needs it
-        if piece is not None:
-            self._pieces[ident] = (piece, plan.src_head_offset)  # type: ignore[union-attr]
+        if parts:
+            self._pieces[ident] = parts
         self._links[ident] = _DecodeLink(ident, link, agent, msg.boot_id, path, now, group_paths)
         self.core.add_link(link)
         log.info("registered decode %s rank %d (%s path, minor %d)", msg.instance, decode_g.tp_rank, path.label, minor)
@@ -458,10 +462,26 @@ class PrefillEndpoint(EndpointBase):
             boot_id=self.boot_id, link_id=msg.link_id, agent_name=self.agent_name,
             geometry=geometry_to_wire(g), aux_slot_bytes=self.kv.aux.slot_bytes if self.kv.aux else 0))
 
-    def _group_paths(self, agent: str, remote: _Remote, route: Route | None
+    def _piece_parts(self, plan: Any, remote: _Remote) -> tuple[PiecePart, ...]:
+        """The blocks of this pair's staged pieces (staging.md): the first group's, then each group
+        ``staged_groups`` names; none where this rank cannot stage or writes no first group."""
+        if plan is None or self._staging is None:
+            return ()
+        parts = [self._kernels.part(0, PieceShape(plan.src.num_regions, plan.head_count, plan.src.head_dim,
+                                                  plan.src.itemsize), plan.src_head_offset)]
+        for i in staged_groups(self._cache, remote.cache):
+            mine, theirs = self._cache.groups[i], remote.cache.groups[i]
+            assert isinstance(mine, PagedGroup) and isinstance(theirs, PagedGroup)
+            p = plan_pair(mine.geometry, theirs.geometry)
+            parts.append(self._kernels.part(i, PieceShape(p.src.num_regions, p.head_count, p.src.head_dim,
+                                                          p.src.itemsize), p.src_head_offset))
+        return tuple(parts)
+
+    def _group_paths(self, agent: str, remote: _Remote, route: Route | None, staged: set[int]
                      ) -> tuple[tuple[LinkPath | StatePath, ...], tuple[LinkGroup, ...]]:
         """A path per group beyond the first into the decode rank of ``remote``, and what the core
-        needs of each (whether this rank writes it there, the decode rank's pool)."""
+        needs of each (whether this rank writes it there, the decode rank's pool, whether the link's
+        staged pieces carry it: ``staged``, by group number)."""
         assert self.transport is not None
         roles = link_roles(self._cache, remote.cache)
         paths: list[LinkPath | StatePath] = []
@@ -482,7 +502,8 @@ class PrefillEndpoint(EndpointBase):
                 if kind == "direct" and not (route is not None and route.pattern):
                     path.prepare()
                 paths.append(path)
-                groups.append(LinkGroup(writes, theirs.geometry.num_blocks, theirs.geometry.block_size))
+                groups.append(LinkGroup(writes, theirs.geometry.num_blocks, theirs.geometry.block_size,
+                                        staged=i + 1 in staged))
             else:
                 assert isinstance(theirs, StateGroup) and isinstance(extra, StateCache)
                 runs = plan_state(self._cache, remote.cache, mine.name) if writes else []
@@ -492,18 +513,18 @@ class PrefillEndpoint(EndpointBase):
                 groups.append(LinkGroup(writes, theirs.num_slots))
         return tuple(paths), tuple(groups)
 
-    def _choose_path(self, plan: Any, piece: PieceShape | None, remote: _Remote, minor: int,
+    def _choose_path(self, plan: Any, unit: int, remote: _Remote, minor: int,
                      route: Route | None) -> tuple[str, bool]:
         """(direct / sliced / staged for this pair, whether it can stage); see ``EndpointConfig.path``.
         A pattern route (the kernel path) never stages unless ``path="staged"`` asks: staging
         saves descriptors, and a pattern write pays none."""
         if plan is None:
             return "none", False
-        assert self.transport is not None and piece is not None
+        assert self.transport is not None
         can_stage = (
-            minor >= 1 and remote.staging is not None and self._staging is not None
+            minor >= 1 and remote.staging is not None and self._staging is not None and unit > 0
             and remote.staging[2] in self.transport.memory_kinds()
-            and piece.unit <= min(remote.staging[1], self._staging.capacity)
+            and unit <= min(remote.staging[1], self._staging.capacity)
         )
         want = self.config.path
         if route is not None and route.pattern and want != "staged":
@@ -690,8 +711,8 @@ class PrefillEndpoint(EndpointBase):
 
     def _stage(self, out: PostStaged, link: _DecodeLink) -> None:
         """Gather the piece into a free local staging region, then WRITE it (when the gather is done)."""
-        piece, head_offset = self._pieces[link.ident]
-        nbytes = (out.end_token - out.start_token) * piece.unit
+        parts = self._pieces[link.ident]
+        nbytes = (out.end_token - out.start_token) * piece_unit(parts)
         assert self._staging is not None
 
         trace.mark("granted", out.room_id, out.seq)
@@ -700,9 +721,9 @@ class PrefillEndpoint(EndpointBase):
             trace.mark("gather", out.room_id, out.seq)
 
             def gather(stream: Any) -> None:
-                pages = self._tables.get(out.room_id, out.src_pages, keep=out.room_id in self.core.rooms)
-                gather_piece(self.kv, self._regions, self._staging, offset, piece, pages=pages,  # type: ignore[arg-type]
-                             start=out.start_token, end=out.end_token, head_offset=head_offset, stream=stream)
+                gather_parts(parts, self._staging, offset, out.room_id, (out.src_pages, *out.group_pages),  # type: ignore[arg-type]
+                             start=out.start_token, end=out.end_token, keep=out.room_id in self.core.rooms,
+                             stream=stream)
 
             launched = self._now()
 
@@ -775,7 +796,7 @@ class PrefillEndpoint(EndpointBase):
     def _room_ended(self, out: Any) -> None:
         super()._room_ended(out)
         if self._staging is not None:
-            self._tables.forget(out.room_id)
+            self._kernels.forget(out.room_id)
 
     def _finish(self, xfer: Any, pending: _Pending, ok: bool, now: float, why: str | None = None) -> None:
         assert self.transport is not None

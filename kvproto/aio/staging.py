@@ -16,6 +16,11 @@ continuation is called from ``poll`` as well, so both look the same to the endpo
 
 The prefill side keeps its own ``StagingRing`` over its buffer: a piece's region is reused only
 after the WRITE from it is DONE (``Stager.release``).
+
+A piece of a cache of several groups is a block per group (``PiecePart``): the first group's, then
+each group beyond it that the pair stages (``kvproto.geometry.groups.staged_groups``), back to back,
+each ``tokens x unit`` bytes; ``gather_parts`` and ``scatter_parts`` move every block of a piece,
+on both endpoints the same way.
 """
 
 from __future__ import annotations
@@ -251,3 +256,80 @@ class Stager:
             key, start = self._waiting.popleft()
             assert key == grant.key
             start(grant.offset, key)
+
+
+class CacheKernels:
+    """The staging kernels' view of a rank's paged groups: per group (0: the first) its cache, its
+    regions and its page tables; ``part`` makes a pair's block of one group."""
+
+    def __init__(self, kv: KVCache) -> None:
+        self.groups: dict[int, tuple[KVCache, kernels.Regions, PageTables]] = {
+            0: (kv, kernels.Regions(kv.tensors), PageTables(kv))}
+        for g, extra in enumerate(kv.groups, start=1):
+            if isinstance(extra, KVCache):
+                if not extra.tensors:
+                    raise ValueError(f"group {extra.name!r}: the staged path needs every paged group's tensors "
+                                     f"(KVCache.from_tensors)")
+                self.groups[g] = (extra, kernels.Regions(extra.tensors), PageTables(extra))
+
+    @property
+    def regions(self) -> kernels.Regions:
+        """The first group's regions."""
+        return self.groups[0][1]
+
+    def part(self, group: int, piece: PieceShape, head_offset: int) -> PiecePart:
+        kv, regions, tables = self.groups[group]
+        return PiecePart(group, kv, regions, tables, piece, head_offset)
+
+    def forget(self, room_id: int) -> None:
+        for _kv, _regions, tables in self.groups.values():
+            tables.forget(room_id)
+
+    def __len__(self) -> int:
+        return sum(len(tables) for _kv, _regions, tables in self.groups.values())
+
+
+@dataclass(frozen=True, slots=True)
+class PiecePart:
+    """One group's block of a pair's staged pieces: the group's cache, its kernels' view of its
+    regions, its page tables, the block's shape and the pair's first head on this side."""
+
+    group: int
+    """0: the first group; ``g``: the ``g``-th group beyond it."""
+    kv: KVCache
+    regions: kernels.Regions
+    tables: PageTables
+    piece: PieceShape
+    head_offset: int
+
+
+def piece_unit(parts: Sequence[PiecePart]) -> int:
+    """Bytes per token of a piece of ``parts``."""
+    return sum(part.piece.unit for part in parts)
+
+
+def gather_parts(parts: Sequence[PiecePart], buf: StagingBuffer, offset: int, room_id: int,
+                 pages: Sequence[Sequence[int]], *, start: int, end: int, keep: bool, stream: Any) -> None:
+    """Gather tokens ``[start, end)`` of every part into the piece at ``offset``; ``pages[g]``: the
+    room's pages of group ``g`` from token 0 (0: the first group)."""
+    for part, at in _blocks(parts, offset, end - start):
+        table = part.tables.get(room_id, pages[part.group], keep=keep)
+        gather_piece(part.kv, part.regions, buf, at, part.piece, pages=table, start=start, end=end,
+                     head_offset=part.head_offset, stream=stream)
+
+
+def scatter_parts(parts: Sequence[PiecePart], buf: StagingBuffer, offset: int, room_id: int,
+                  pages: Sequence[Sequence[int]], *, start: int, end: int, keep: bool, stream: Any) -> None:
+    """Scatter the piece at ``offset`` (tokens ``[start, end)``) into every part's pages."""
+    for part, at in _blocks(parts, offset, end - start):
+        table = part.tables.get(room_id, pages[part.group], keep=keep)
+        scatter_piece(part.kv, part.regions, buf, at, part.piece, pages=table, start=start, end=end,
+                      head_offset=part.head_offset, stream=stream)
+
+
+def _blocks(parts: Sequence[PiecePart], offset: int, tokens: int) -> list[tuple[PiecePart, int]]:
+    out = []
+    for part in parts:
+        out.append((part, offset))
+        offset += tokens * part.piece.unit
+    return out

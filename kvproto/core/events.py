@@ -105,6 +105,8 @@ class PostStaged:
     src_pages: Sequence[int]
     remote_offset: int
     ready: tuple[object, ...] = ()
+    group_pages: tuple[Sequence[int], ...] = ()
+    """The room's pages of each group beyond the first (those the link stages ride in the piece)."""
     """The readiness handles of every chunk the piece reads from (see ``PostWrite.ready``)."""
 
 
@@ -120,6 +122,9 @@ class Scatter:
     start_token: int
     end_token: int
     dst_pages: Sequence[int]
+    group_pages: tuple[Sequence[int], ...] = ()
+    """The destination pages of each group beyond the first, from the prompt's page 0 (pages before
+    a window's first are 0 and never read): the groups the link stages are scattered from the piece."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -12,6 +12,9 @@ left behind silently:
   each write its own ``seq`` (and tag) on the link. A decode rank names only the pages holding the
   tokens it needs (``destination_pages``: the window's for a sliding-window group); the prefill
   names every page of the group, chunk by chunk, as it does for the first group;
+  On a link whose rooms stage, the paged groups without a window ride in the staged pieces
+  instead (``kvproto.geometry.groups.staged_groups``: one block per group after the first
+  group's), and get no write of their own;
 * a **state** group is one write of the request's slot (of the group's layers in a layer-wise
   chunk), posted with the last token range, like the aux slot.
 
@@ -71,6 +74,9 @@ class LinkGroup:
     writes: bool
     pool: int
     block_size: int = 0
+    staged: bool = False
+    """A paged group that rides in the link's staged pieces (``staged_groups``): when a room's
+    writes to the link stage, the pieces carry it and it gets no write of its own."""
 
 
 def local_span(layers: Sequence[int], span: tuple[int, int] | None) -> tuple[int, int] | None:

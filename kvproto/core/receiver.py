@@ -100,6 +100,8 @@ class ReceiverLink:
     aux_owner: bool
     stage_unit: int = 0
     """Bytes per token of this writer's staged pieces (0: it cannot stage into this rank)."""
+    staged_groups: tuple[int, ...] = ()
+    """Groups beyond the first (1 = the first of them) that ride in this writer's staged pieces."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -471,8 +473,10 @@ class ReceiverCore(CoreBase):
         room.scattering.add(key)
         offset, start, end = region
         assert room.destination is not None
+        groups = tuple((0,) * g.first_page + g.pages for g in room.destination.groups)
         self._outputs.append(Scatter(room_id=room.room_id, link=link.key, seq=seq, offset=offset,
-                                     start_token=start, end_token=end, dst_pages=room.destination.pages))
+                                     start_token=start, end_token=end, dst_pages=room.destination.pages,
+                                     group_pages=groups))
 
     def scatter_done(self, room_id: int, link_id: int, seq: int, now: float) -> None:
         """The I/O layer finished scattering staged write ``seq`` of ``link_id`` into the pages."""

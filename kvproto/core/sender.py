@@ -722,7 +722,8 @@ class SenderCore(CoreBase):
             tag=self._tag(room.room_id, peer, msg.seq, TagKind.STAGED),
             start_token=msg.start_token, end_token=msg.end_token, src_pages=tuple(room.src_pages),
             remote_offset=msg.offset,
-            ready=tuple(c.ready for c in room.chunks if c.ready is not None and c.start < msg.end_token)))
+            ready=tuple(c.ready for c in room.chunks if c.ready is not None and c.start < msg.end_token),
+            group_pages=tuple(tuple(p) for p in room.group_pages)))
         peer.inflight.add(msg.seq)
         peer.staged_seqs.add(msg.seq)
         self._request_staging(room, peer)
@@ -796,6 +797,8 @@ class SenderCore(CoreBase):
                     if span is not None and span[0] == span[1]:
                         continue
                     dest = req.groups[g]
+                    if lg.staged and peer.staged:
+                        continue  # the link's staged pieces carry this group
                     if spec.state:
                         if chunk.last and room.state_slots is not None:
                             self._post(room, peer, PostState, group=g + 1, src_slot=room.state_slots[g],

@@ -53,7 +53,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from kvproto.geometry.model import DType, GeometryError, KVGeometry
-from kvproto.geometry.plan import IncompatibleGeometry, check_compatible, paired, writers
+from kvproto.geometry.plan import IncompatibleGeometry, check_compatible, paired, plan_pair, writers
 
 
 class IncompatibleGroups(ValueError):
@@ -368,3 +368,28 @@ def destination_pages(num_tokens: int, group: PagedGroup, block_size: int) -> ra
     if group.window is None:
         return range(-(-num_tokens // block_size))
     return window_pages(num_tokens, group.window, block_size)
+
+
+def stage_unit(prefill: KVGeometry, decode: KVGeometry) -> int:
+    """Bytes of one token of a staged piece's block for one paged group (every region, the pair's
+    head slice)."""
+    plan = plan_pair(prefill, decode)
+    return prefill.num_regions * plan.head_count * prefill.head_dim * prefill.itemsize
+
+
+def staged_groups(prefill: CacheGeometry, decode: CacheGeometry) -> tuple[int, ...]:
+    """Groups beyond the first that ride in this pair's staged pieces, after the first group's block
+    (staging.md): paged groups without a window that the prefill rank writes into the decode rank
+    beside the first group, in cache order, each whose block starts at an offset its element size
+    divides. Both sides compute it from geometry alone."""
+    roles = link_roles(prefill, decode)
+    if not roles.writes[0]:
+        return ()
+    total = stage_unit(prefill.primary, decode.primary)
+    out = []
+    for i, (p, d) in enumerate(zip(prefill.groups[1:], decode.groups[1:]), start=1):
+        if isinstance(p, PagedGroup) and isinstance(d, PagedGroup) and p.window is None and roles.writes[i] \
+                and total % p.geometry.itemsize == 0:
+            out.append(i)
+            total += stage_unit(p.geometry, d.geometry)
+    return tuple(out)

@@ -226,6 +226,16 @@ async def test_hybrid_presets_across_tp_both_ways(preset: str, tps: tuple[int, i
     await run_hybrid_room(_preset_case(preset, *tps, decode_block=32, prefix=64), room_id=12)
 
 
+async def test_hybrid_staged_pieces_carry_the_groups_without_a_window() -> None:
+    """Where the first group stages (a block-size mismatch), an MLA latent's indexer cache rides in the
+    same pieces (staging.md: a block per group): no write of its own, no sliced descriptors; a
+    sliding-window group is not staged (its tokens are the window's) and moves by writes of its own."""
+    paths = await run_hybrid_room(_preset_case("mla-indexer", 2, 1, decode_block=32), room_id=15)
+    assert paths == {"staged-cpu"}, paths
+    paths = await run_hybrid_room(_preset_case("swa", 2, 1, decode_block=32), room_id=16)
+    assert paths == {"staged-cpu", "sliced"}, paths
+
+
 async def test_hybrid_layerwise_moves_each_group_with_its_layers() -> None:
     """Layer-wise chunks name model layers: a GDN hybrid streamed one model layer at a time lands
     every group (the state with the last range's layers)."""

@@ -798,7 +798,7 @@ def _leftovers(decode: DecodeEndpoint, prefills: list[PrefillEndpoint]) -> list[
             left.append(f"{name} room deadlines {room_timers}")
         if ep._handles:
             left.append(f"{name} handles {sorted(ep._handles)}")
-        tables = getattr(ep, "_tables", None)
+        tables = getattr(ep, "_kernels", None)  # the staging kernels' page tables, every group
         if tables is not None and len(tables):
             left.append(f"{name} page tables of {len(tables)} rooms")
     ring = decode.core.ring
