@@ -25,6 +25,14 @@ whatever the tensor-parallel split, block size or layout:
 The prompt is processed in chunks of ``chunk`` tokens (chunked prefill); the chunk boundaries are
 part of the arithmetic, so the single-process reference uses the same chunk size. Generation is
 greedy.
+
+*Hybrid variant* (``hybrid=True``, a linear-attention hybrid as Qwen3-Next or Jamba are built):
+layer 0 is linear attention, which keeps no K/V pages but a recurrent state per request and per
+KV-head group (``S = sum phi(k) v^T`` and ``z = sum phi(k)``, ``phi = elu + 1``, updated token by
+token), and layer 1 is full attention over paged K/V. The cache is then two kvproto groups: the
+pages of layer 1, and a state group of layer 0's per-request slots, split over TP by KV-head
+group; a disaggregated request moves both in one room, and its tokens equal the single-process
+hybrid model's.
 """
 
 from __future__ import annotations
@@ -100,22 +108,40 @@ def weights(seed: int = SEED) -> dict[str, torch.Tensor]:
 
 
 class PagedCache:
-    """One rank's KV cache: per layer, K and V tensors of pages holding this rank's KV heads."""
+    """One rank's KV cache: per full-attention layer, K and V tensors of pages holding this rank's
+    KV heads; per linear-attention layer (the hybrid variant), a recurrent state per request slot."""
 
-    def __init__(self, shard: Shard, *, blocks: int, block: int, layout: str = "NHD") -> None:
-        self.shard, self.block, self.layout = shard, block, layout
+    def __init__(self, shard: Shard, *, blocks: int, block: int, layout: str = "NHD", hybrid: bool = False,
+                 slots: int = 64) -> None:
+        self.shard, self.block, self.layout, self.hybrid = shard, block, layout, hybrid
         heads = len(shard.groups)
         shape = (blocks, block, heads, HEAD_DIM) if layout == "NHD" else (blocks, heads, block, HEAD_DIM)
-        self.k = [torch.zeros(shape) for _ in range(LAYERS)]
-        self.v = [torch.zeros(shape) for _ in range(LAYERS)]
+        self.full = [1] if hybrid else list(range(LAYERS))
+        """The model layers with K/V pages."""
+        self.linear = [0] if hybrid else []
+        """The model layers with a recurrent state (hybrid)."""
+        self.k = [torch.zeros(shape) for _ in self.full]
+        self.v = [torch.zeros(shape) for _ in self.full]
+        self.state = [torch.zeros((slots, heads, HEAD_DIM, HEAD_DIM + 1)) for _ in self.linear]
+        """Per linear layer: (slots, this rank's KV-head groups, S | z)."""
         self.free = list(range(blocks))
 
     def kv_cache(self, aux: torch.Tensor | None = None) -> Any:
-        """This cache as kvproto's ``KVCache``."""
-        from kvproto.aio import KVCache
+        """This cache as kvproto's ``KVCache`` (the hybrid variant: the K/V pages, then the state)."""
+        from kvproto.aio import KVCache, StateCache
 
-        return KVCache.from_tensors([self.k, self.v], tp_size=self.shard.tp_size, tp_rank=self.shard.tp_rank,
-                                    num_kv_heads=KV_HEADS, layout=self.layout, aux=aux)
+        tp = dict(tp_size=self.shard.tp_size, tp_rank=self.shard.tp_rank)
+        kv = KVCache.from_tensors([self.k, self.v], num_kv_heads=KV_HEADS, layout=self.layout, aux=aux,
+                                  model_layers=self.full, **tp)
+        if not self.hybrid:
+            return kv
+        return kv.with_groups(StateCache.from_tensors("linear", [[s] for s in self.state], shard_dims=[0],
+                                                      model_layers=self.linear, **tp))
+
+    def reset(self, slot: int) -> None:
+        """A new request's recurrent state starts at zero."""
+        for s in self.state:
+            s[slot].zero_()
 
     def take(self, n: int) -> list[int]:
         if len(self.free) < n:
@@ -131,6 +157,7 @@ class PagedCache:
 
     def write(self, layer: int, pages: Sequence[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """K and V of tokens [start, start + len) (shape (tokens, heads, dim)) into the pages."""
+        layer = self.full.index(layer)
         for t in range(k.shape[0]):
             page, slot = pages[(start + t) // self.block], (start + t) % self.block
             if self.layout == "NHD":
@@ -143,6 +170,7 @@ class PagedCache:
     def read(self, layer: int, pages: Sequence[int], end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense K and V (tokens, heads, dim) of tokens [0, end)."""
         index = torch.tensor(list(pages[:self.pages_for(end)]), dtype=torch.int64)
+        layer = self.full.index(layer)
         k, v = self.k[layer][index], self.v[layer][index]
         if self.layout == "HND":
             k, v = k.transpose(1, 2), v.transpose(1, 2)
@@ -171,10 +199,11 @@ class Model:
         self.w = w or weights()
 
     def forward(self, tokens: Sequence[int], start: int, cache: PagedCache, pages: Sequence[int],
-                on_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Run tokens at positions [start, start + len), writing their K and V into ``pages``;
-        returns the logits of the last token. ``on_layer(l)`` runs once layer ``l``'s K and V are
-        written (a serving loop streams them to the decode while the next layers compute)."""
+                on_layer: Callable[[int], None] | None = None, slot: int = 0) -> torch.Tensor:
+        """Run tokens at positions [start, start + len), writing their K and V into ``pages`` (and a
+        linear layer's state into ``slot``); returns the logits of the last token. ``on_layer(l)``
+        runs once layer ``l``'s K and V (or state) are written (a serving loop streams them to the
+        decode while the next layers compute)."""
         w = self.w
         x = w["embed"][torch.tensor(list(tokens), dtype=torch.int64)]
         positions = torch.arange(start, start + len(tokens))
@@ -182,6 +211,12 @@ class Model:
         groups = self.ranks.shard.groups
         for layer in range(LAYERS):
             h = _rms(x, w[f"{layer}.norm1"])
+            if layer in cache.linear:
+                outs = self._linear(layer, h, cache.state[cache.linear.index(layer)][slot])
+                if on_layer is not None:
+                    on_layer(layer)
+                x = self._mix(x, layer, outs)
+                continue
             new_k = torch.stack([_rope((h @ w[f"{layer}.k"][g])[:, None], positions)[:, 0] for g in groups], 1)
             new_v = torch.stack([h @ w[f"{layer}.v"][g] for g in groups], 1)
             cache.write(layer, pages, start, new_k, new_v)
@@ -196,44 +231,72 @@ class Model:
                 scores = scores.masked_fill(mask[None], float("-inf"))
                 attn = torch.einsum("gts,sd->tgd", scores.softmax(-1), values[:, i]).reshape(-1, GROUP * HEAD_DIM)
                 outs.append(attn @ w[f"{layer}.o"][g])
-            projected = self.ranks.all_gather(torch.stack(outs))  # (KV_HEADS, t, DIM), group order
-            total = projected[0]
-            for g in range(1, KV_HEADS):
-                total = total + projected[g]
-            x = x + total
-            h = _rms(x, w[f"{layer}.norm2"])
-            gate, up = (h @ w[f"{layer}.up"]).chunk(2, dim=-1)
-            x = x + (torch.nn.functional.silu(gate) * up) @ w[f"{layer}.down"]
+            x = self._mix(x, layer, outs)
         return (_rms(x[-1:], w["norm"]) @ w["out"])[0]
 
+    def _mix(self, x: torch.Tensor, layer: int, outs: list[torch.Tensor]) -> torch.Tensor:
+        """Sum the groups' projected outputs in group order (every rank, every split), then the MLP."""
+        w = self.w
+        projected = self.ranks.all_gather(torch.stack(outs))  # (KV_HEADS, t, DIM), group order
+        total = projected[0]
+        for g in range(1, KV_HEADS):
+            total = total + projected[g]
+        x = x + total
+        h = _rms(x, w[f"{layer}.norm2"])
+        gate, up = (h @ w[f"{layer}.up"]).chunk(2, dim=-1)
+        return x + (torch.nn.functional.silu(gate) * up) @ w[f"{layer}.down"]
+
+    def _linear(self, layer: int, h: torch.Tensor, state: torch.Tensor) -> list[torch.Tensor]:
+        """Linear attention of this rank's groups, token by token from ``state`` (updated in place):
+        ``S += phi(k) v^T``, ``z += phi(k)``, ``out = phi(q) S / (phi(q) . z)``."""
+        w = self.w
+        outs = []
+        for i, g in enumerate(self.ranks.shard.groups):
+            k = torch.nn.functional.elu(h @ w[f"{layer}.k"][g]) + 1  # (t, d)
+            v = h @ w[f"{layer}.v"][g]
+            q = torch.nn.functional.elu((h @ w[f"{layer}.q"][g]).view(-1, GROUP, HEAD_DIM)) + 1  # (t, GROUP, d)
+            s, z = state[i, :, :HEAD_DIM].clone(), state[i, :, HEAD_DIM].clone()
+            rows = []
+            for t in range(h.shape[0]):
+                s = s + k[t][:, None] * v[t][None, :]
+                z = z + k[t]
+                rows.append(((q[t] @ s) / (q[t] @ z)[:, None]).reshape(-1))
+            state[i, :, :HEAD_DIM] = s
+            state[i, :, HEAD_DIM] = z
+            outs.append(torch.stack(rows) @ w[f"{layer}.o"][g])
+        return outs
+
     def prefill(self, prompt: Sequence[int], cache: PagedCache, pages: Sequence[int], *, chunk: int,
-                start: int = 0) -> tuple[int, list[int]]:
+                start: int = 0, slot: int = 0) -> tuple[int, list[int]]:
         """Chunked prefill of ``prompt[start:]`` (tokens before ``start`` are cached already);
         returns the first generated token and the chunk end positions."""
         ends = []
         logits = None
         for begin in range(start, len(prompt), chunk):
             stop = min(len(prompt), begin + chunk)
-            logits = self.forward(prompt[begin:stop], begin, cache, pages)
+            logits = self.forward(prompt[begin:stop], begin, cache, pages, slot=slot)
             ends.append(stop)
         assert logits is not None, "nothing to prefill"
         return int(logits.argmax()), ends
 
-    def decode(self, first: int, length: int, cache: PagedCache, pages: Sequence[int], max_new: int) -> list[int]:
+    def decode(self, first: int, length: int, cache: PagedCache, pages: Sequence[int], max_new: int,
+               slot: int = 0) -> list[int]:
         """Greedy tokens after the prompt: ``first`` (from prefill), then ``max_new - 1`` more."""
         out = [first]
         while len(out) < max_new:
             position = length + len(out) - 1
-            logits = self.forward([out[-1]], position, cache, pages)
+            logits = self.forward([out[-1]], position, cache, pages, slot=slot)
             out.append(int(logits.argmax()))
         return out
 
 
-def generate(prompt: Sequence[int], max_new: int, *, chunk: int = 64, block: int = 16) -> list[int]:
+def generate(prompt: Sequence[int], max_new: int, *, chunk: int = 64, block: int = 16,
+             hybrid: bool = False) -> list[int]:
     """Monolithic greedy generation in one process (TP 1): the reference tokens."""
     torch.set_num_threads(1)
     model = Model(Ranks(Shard()))
-    cache = PagedCache(Shard(), blocks=-(-(len(prompt) + max_new) // block) + 1, block=block)
+    cache = PagedCache(Shard(), blocks=-(-(len(prompt) + max_new) // block) + 1, block=block, hybrid=hybrid,
+                       slots=1)
     pages = cache.take(cache.pages_for(len(prompt) + max_new))
     first, _ = model.prefill(prompt, cache, pages, chunk=chunk)
     return model.decode(first, len(prompt), cache, pages, max_new)

@@ -67,6 +67,9 @@ class ServeConfig:
     port: int = 8000
     heartbeat_timeout: float = 2.0
     room_timeout: float = 30.0
+    hybrid: bool = False
+    """The hybrid model (a linear-attention layer with a recurrent state, then full attention): each
+    room moves the K/V pages and the request's state slot."""
 
 
 def free_port() -> int:
@@ -141,7 +144,8 @@ async def _prefill_rank(cfg: ServeConfig, index: int, rank: int, dist_port: int,
     shard = Shard(cfg.prefill_tp, rank)
     lockstep = _Lockstep(cfg.prefill_tp, rank, dist_port)
     model = Model(Ranks(shard))
-    cache = PagedCache(shard, blocks=cfg.blocks, block=cfg.prefill_block, layout=cfg.prefill_layout)
+    cache = PagedCache(shard, blocks=cfg.blocks, block=cfg.prefill_block, layout=cfg.prefill_layout,
+                       hybrid=cfg.hybrid)
     aux = torch.zeros((64, 8), dtype=torch.uint8)
     slots = list(range(64))
     loop = asyncio.get_running_loop()
@@ -189,6 +193,7 @@ async def _prefill_rank(cfg: ServeConfig, index: int, rank: int, dist_port: int,
             prompt, room_id = job["prompt"], job["room"]
             pages = cache.take(cache.pages_for(len(prompt)))
             slot = slots.pop()
+            cache.reset(slot)
             room = endpoint.open_room(room_id)
             given = 0
             for begin in range(0, len(prompt), cfg.chunk):
@@ -197,18 +202,24 @@ async def _prefill_rank(cfg: ServeConfig, index: int, rank: int, dist_port: int,
                 upto = cache.pages_for(end) if last else end // cfg.prefill_block
                 chunk_pages = pages[given:upto]
 
-                def layer_done(layer: int, end: int = end, last: bool = last, chunk_pages: list = chunk_pages) -> None:
+                # The hybrid model's state slot goes with the last chunk's first call (its state group
+                # moves with its layer's span of that chunk).
+                state = {"state_slots": {"linear": slot}} if cfg.hybrid and last else {}
+
+                def layer_done(layer: int, end: int = end, last: bool = last, chunk_pages: list = chunk_pages,
+                               state: dict = state) -> None:
                     # Stream each layer as the forward finishes it (the last one goes with the aux slot,
                     # once the logits are known); a CUDA model would pass ready=<its stream's event>.
                     if layer < LAYERS - 1:
-                        room.send(chunk_pages if layer == 0 else [], end, last=last, layers=range(layer, layer + 1))
+                        room.send(chunk_pages if layer == 0 else [], end, last=last, layers=range(layer, layer + 1),
+                                  **(state if layer == 0 else {}))
 
-                logits = model.forward(prompt[begin:end], begin, cache, pages, on_layer=layer_done)
+                logits = model.forward(prompt[begin:end], begin, cache, pages, on_layer=layer_done, slot=slot)
                 if last:
                     aux[slot].zero_()
                     aux[slot][0] = int(logits.argmax())
                 room.send(chunk_pages if LAYERS == 1 else [], end, last=last, layers=range(LAYERS - 1, LAYERS),
-                          aux_slot=slot if last else None)
+                          aux_slot=slot if last else None, **(state if LAYERS == 1 else {}))
                 given = upto
                 await asyncio.sleep(0)  # let kvproto move this chunk while the next computes
             asyncio.ensure_future(finish(room, pages, slot, done))
@@ -291,7 +302,8 @@ def decode_rank_main(cfg: ServeConfig, index: int, rank: int, dist_port: int, co
     shard = Shard(cfg.decode_tp, rank)
     lockstep = _Lockstep(cfg.decode_tp, rank, dist_port)
     model = Model(Ranks(shard))
-    cache = PagedCache(shard, blocks=cfg.blocks, block=cfg.decode_block, layout=cfg.decode_layout)
+    cache = PagedCache(shard, blocks=cfg.blocks, block=cfg.decode_block, layout=cfg.decode_layout,
+                       hybrid=cfg.hybrid)
     aux = torch.zeros((64, 8), dtype=torch.uint8)
     slots = list(range(64))
     engine = EngineLoop()
@@ -351,10 +363,12 @@ def decode_rank_main(cfg: ServeConfig, index: int, rank: int, dist_port: int, co
             r.out = streams.get(r.room) if rank == 0 else None
             r.pages = cache.take(cache.pages_for(len(r.prompt) + r.max_tokens))
             r.slot = slots.pop()
+            cache.reset(r.slot)
             if r.prefix:  # a prefix-cache hit: this instance computes (holds) the prefix itself
-                model.prefill(r.prompt[:r.prefix], cache, r.pages, chunk=cfg.chunk)
+                model.prefill(r.prompt[:r.prefix], cache, r.pages, chunk=cfg.chunk, slot=r.slot)
             r.receiver = decode.receiver(r.room, r.bootstrap, pages=r.pages[:cache.pages_for(len(r.prompt))],
-                                         num_tokens=len(r.prompt), prefix_tokens=r.prefix, aux_slot=r.slot)
+                                         num_tokens=len(r.prompt), prefix_tokens=r.prefix, aux_slot=r.slot,
+                                         state_slots={"linear": r.slot} if cfg.hybrid else None)
             active.append(r)
         for room_id in decision["abort"]:
             for r in active:
@@ -376,7 +390,8 @@ def decode_rank_main(cfg: ServeConfig, index: int, rank: int, dist_port: int, co
                 emit(r, {"token": r.tokens[-1], "room": r.room})
         for r in [r for r in active if r.tokens]:
             if len(r.tokens) < r.max_tokens:
-                logits = model.forward([r.tokens[-1]], len(r.prompt) + len(r.tokens) - 1, cache, r.pages)
+                logits = model.forward([r.tokens[-1]], len(r.prompt) + len(r.tokens) - 1, cache, r.pages,
+                                       slot=r.slot)
                 r.tokens.append(int(logits.argmax()))
                 emit(r, {"token": r.tokens[-1], "room": r.room})
             if len(r.tokens) >= r.max_tokens:
@@ -546,7 +561,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m examples.serve", description=__doc__.split("\n\n")[0])
     defaults = ServeConfig()
     for name, value in asdict(defaults).items():
-        ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+        if isinstance(value, bool):
+            ap.add_argument("--" + name.replace("_", "-"), action="store_true", default=value)
+        else:
+            ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
     args = ap.parse_args(argv)
     cfg = ServeConfig(**vars(args))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

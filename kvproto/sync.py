@@ -34,7 +34,7 @@ import asyncio
 import collections
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -170,21 +170,27 @@ class KVSender(_Room):
         self._aux_slot: int | None = None
         self._pages_given = 0
         self._block = facade._endpoint.kv.geometry.block_size
-        self._num_layers = facade._endpoint.kv.geometry.num_layers
+        self._num_layers = facade._endpoint.kv.model_layers
+        self._state_slots: dict[str, int] | None = None
+        self._slots_sent = False
 
-    def init(self, num_tokens: int, aux_slot: int | None = None) -> None:
-        """The room's prompt length in tokens, and this rank's aux slot to copy with the last chunk."""
+    def init(self, num_tokens: int, aux_slot: int | None = None, *, state_slots: Mapping[str, int] | None = None
+             ) -> None:
+        """The room's prompt length in tokens, this rank's aux slot to copy with the last chunk, and
+        (a hybrid cache) its slot of each state group, sent with the first last chunk."""
         self._num_tokens, self._aux_slot = num_tokens, aux_slot
+        self._state_slots = None if state_slots is None else dict(state_slots)
 
     def send(self, pages: Sequence[int], end_token: int | None = None, *, layers: range | None = None,
-             ready: Any = None) -> None:
+             ready: Any = None, group_pages: Mapping[str, Sequence[int]] | None = None) -> None:
         """The KV of the next chunk is in ``pages``; ``end_token`` defaults to where those pages
         end (the prompt's end for the last chunk). The chunk that reaches the prompt's end is the
         last: the aux slot goes with it (with its last layer, when streaming layers).
 
         ``layers``/``ready``: only those layers are written, once the CUDA event ``ready`` has
         fired (``SenderRoomHandle.send``); the next layers of the same tokens come with
-        ``pages=[]``."""
+        ``pages=[]``. ``group_pages``: a hybrid cache's new pages of each paged group beyond the
+        first, by name (``SenderRoomHandle.send``)."""
         if self._num_tokens is None:
             raise LocalProtocolError("KVSender.send() before init(num_tokens)")
         self._pages_given += len(pages)
@@ -193,19 +199,26 @@ class KVSender(_Room):
         completes = layers is None or layers.stop >= self._num_layers
         aux = self._aux_slot if last and completes else None
         chunk = list(pages)
+        groups = None if group_pages is None else {k: list(v) for k, v in group_pages.items()}
+        slots = self._state_slots if last and not self._slots_sent else None
+        self._slots_sent = self._slots_sent or last
         self._facade._post(self._do, lambda: self._handle.send(chunk, end, last=last, aux_slot=aux, layers=layers,
-                                                               ready=ready))
+                                                               ready=ready, group_pages=groups, state_slots=slots))
 
 
 class KVReceiver(_Room):
     """A decode room, shaped like SGLang's ``KVReceiver``: ``init`` with the destination."""
 
     def init(self, pages: Sequence[int], num_tokens: int, *, prefix_tokens: int = 0,
-             aux_slot: int | None = None) -> None:
+             aux_slot: int | None = None, group_pages: Mapping[str, Sequence[int]] | None = None,
+             state_slots: Mapping[str, int] | None = None) -> None:
         """Where the room's KV goes (see ``ReceiverRoomHandle.set_destination``)."""
         page_list = list(pages)
+        groups = None if group_pages is None else {k: list(v) for k, v in group_pages.items()}
+        slots = None if state_slots is None else dict(state_slots)
         self._facade._post(self._do, lambda: self._handle.set_destination(
-            page_list, num_tokens, prefix_tokens=prefix_tokens, aux_slot=aux_slot))
+            page_list, num_tokens, prefix_tokens=prefix_tokens, aux_slot=aux_slot, group_pages=groups,
+            state_slots=slots))
 
 
 class _Facade:
@@ -294,11 +307,17 @@ class SyncDecode(_Facade):
         self._start(DecodeEndpoint(kv, config=config))
 
     def receiver(self, room_id: int, bootstrap: str, *, pages: Sequence[int] | None = None,
-                 num_tokens: int | None = None, prefix_tokens: int = 0, aux_slot: int | None = None) -> KVReceiver:
+                 num_tokens: int | None = None, prefix_tokens: int = 0, aux_slot: int | None = None,
+                 group_pages: Mapping[str, Sequence[int]] | None = None,
+                 state_slots: Mapping[str, int] | None = None) -> KVReceiver:
         """Open the decode side of ``room_id`` fed by the prefill instance at ``bootstrap``; with
-        ``pages`` and ``num_tokens`` the destination goes at once (else ``init`` later)."""
+        ``pages`` and ``num_tokens`` the destination goes at once (else ``init`` later); a hybrid
+        cache's ``group_pages`` and ``state_slots`` as for ``DecodeEndpoint.open_room``."""
         room = KVReceiver(self, room_id)
         page_list = None if pages is None else list(pages)
+        groups = None if group_pages is None else {k: list(v) for k, v in group_pages.items()}
+        slots = None if state_slots is None else dict(state_slots)
         self._open(room, lambda: self._endpoint.open_room(room_id, bootstrap, pages=page_list, num_tokens=num_tokens,
-                                                          prefix_tokens=prefix_tokens, aux_slot=aux_slot))
+                                                          prefix_tokens=prefix_tokens, aux_slot=aux_slot,
+                                                          group_pages=groups, state_slots=slots))
         return room

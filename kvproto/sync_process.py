@@ -145,6 +145,9 @@ class _ProcessFacade:
         if planes is None:
             raise LocalProtocolError(f"Process{self.ROLE.title()} needs a cache built by KVCache.from_tensors (its "
                                      "tensors are shared with the endpoint's process)")
+        if kv.groups:
+            raise LocalProtocolError(f"Process{self.ROLE.title()} does not carry a cache of several groups to its "
+                                     f"child yet: use kvproto.sync.Sync{self.ROLE.title()} for a hybrid model's cache")
         g = kv.geometry
         layout = dict(tp_size=g.tp_size, tp_rank=g.tp_rank, num_kv_heads=None if g.mla else g.num_kv_heads,
                       layout=g.layout, mla=g.mla, kv_fused=g.kv_fused)

@@ -54,7 +54,7 @@ def serving(cfg: ServeConfig, body: Any) -> Any:
 
 
 def reference(prompt: str, cfg: ServeConfig, max_new: int = MAX_NEW) -> list[int]:
-    return generate(encode(prompt), max_new, chunk=cfg.chunk)
+    return generate(encode(prompt), max_new, chunk=cfg.chunk, hybrid=cfg.hybrid)
 
 
 @pytest.mark.parametrize("case", [
@@ -62,10 +62,13 @@ def reference(prompt: str, cfg: ServeConfig, max_new: int = MAX_NEW) -> list[int
     dict(prefill_tp=1, decode_tp=2),
     dict(decode_block=32),
     dict(decode_layout="HND"),
-], ids=["P2-D1", "P1-D2", "block-16-to-32", "NHD-to-HND"])
+    dict(prefill_tp=2, decode_tp=1, hybrid=True),
+    dict(prefill_tp=1, decode_tp=2, decode_block=32, hybrid=True),
+], ids=["P2-D1", "P1-D2", "block-16-to-32", "NHD-to-HND", "hybrid-P2-D1", "hybrid-P1-D2-block-16-to-32"])
 def test_example_tokens_equal_monolithic(case: dict[str, Any]) -> None:
     """A batch of prompts (one of 3 prefill chunks) through the router: each stream's tokens are
-    exactly the single-process model's, whatever the TP split, block size or layout of decode."""
+    exactly the single-process model's, whatever the TP split, block size or layout of decode; the
+    hybrid model's too (its linear layer's recurrent state moves in the room beside the pages)."""
     cfg = dataclasses.replace(BASE, **case)
 
     async def body(running: Running, port: int) -> list[dict[str, Any]]:
