@@ -55,6 +55,7 @@ from kvproto.wire import ErrorCode, LocalProtocolError
 _EVENT = struct.Struct("<QBq")
 """One room event: room id, state (``RoomState``), code (-1: none)."""
 _NO_CODE = -1
+_FAILED, _SUCCESS = RoomState.FAILED, RoomState.SUCCESS
 _BATCH = 64
 _LINGER_S = 0.0005
 """Calls wait in the engine's process until its next ``poll``/``get_finished`` (every step makes
@@ -80,9 +81,15 @@ class _ProcessRoom:
         self._code: ErrorCode | int | None = None
 
     def poll(self) -> RoomState:
-        """The room's state, without waiting (one shared-counter read when nothing changed)."""
-        if not self._state.terminal:
-            self._facade._drain()
+        """The room's state, without waiting (one shared-counter read when nothing changed: an
+        engine polls every live room every step, so this path is kept to a few attribute reads)."""
+        state = self._state
+        if state is _FAILED or state is _SUCCESS:
+            return state
+        facade = self._facade
+        if facade._pending or facade._written.value != facade._read or \
+                time.monotonic() >= facade._next_alive_check:
+            facade._drain()
         return self._state
 
     def failure_exception(self) -> None:
