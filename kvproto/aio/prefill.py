@@ -35,8 +35,9 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 
 from kvproto.aio.channel import Channel
 from kvproto.aio.endpoint import EndpointBase, EndpointConfig
-from kvproto.aio.memory import KVCache, StateCache, geometry_from_wire, geometry_to_wire, groups_from_wire
+from kvproto.aio.memory import KVCache, StateCache, geometry_to_wire
 from kvproto.aio.paths import LinkPath, LocalLists, Posted, StatePath
+from kvproto.aio.registration import Reject, Remote, check_register
 from kvproto.aio import trace
 from kvproto.aio.room import SenderRoomHandle
 from kvproto.aio.staging import (
@@ -62,20 +63,10 @@ from kvproto.core import (
     SenderCore,
     SenderLink,
 )
-from kvproto.geometry import (
-    GeometryError,
-    IncompatibleGeometry,
-    KVGeometry,
-    check_compatible,
-    plan_pair,
-    writers,
-)
+from kvproto.geometry import plan_pair, writers
 from kvproto.geometry.groups import (
-    CacheGeometry,
-    IncompatibleGroups,
     PagedGroup,
     StateGroup,
-    check_groups,
     link_roles,
     paired_ranks_of_prefill_cache,
     plan_state,
@@ -95,7 +86,6 @@ from kvproto.wire import (
     MsgType,
     RankAddress,
     RankAnnounce,
-    RegionKind,
     Register,
     RegisterAccept,
     RegisterReject,
@@ -116,11 +106,6 @@ STAGING_DEPTH = 8
 """Staged pieces are at most 1/STAGING_DEPTH of the smaller of the two staging buffers, so that
 several are in flight at once (gathered, on the wire, scattered, granted ahead): what a pair moves
 per second is the bytes in flight over the few milliseconds a piece takes from grant to scatter."""
-_MAX_ADDRESS = 2**63
-"""Addresses and lengths from a peer must fit a signed 64-bit descriptor."""
-MAX_PAGES = 1 << 26
-"""Most pages (regions x pages per region) a decode rank may register: bounds descriptor lists."""
-MAX_AUX_SLOTS = 1 << 20
 MAX_PENDING_GROUPS = 1024
 """Most sockets whose CACHE_GROUPS waits for their REGISTER (the oldest are forgotten first)."""
 
@@ -382,7 +367,7 @@ class PrefillEndpoint(EndpointBase):
         try:
             remote = self._check_register(msg, groups.groups if groups is not None and groups.link_id == msg.link_id
                                           else ())
-        except _Reject as rej:
+        except Reject as rej:
             log.warning("rejected registration from %s: %s", msg.agent_name, rej.reason)
             self._send(ident, RegisterReject(link_id=msg.link_id, code=rej.code, reason=rej.reason))
             return
@@ -413,7 +398,7 @@ class PrefillEndpoint(EndpointBase):
             self._send(ident, RegisterReject(link_id=msg.link_id, code=ErrorCode.INDEX_OUT_OF_RANGE,
                                              reason=f"cannot use the registered memory: {exc}"))
 
-    def _accept(self, ident: bytes, minor: int, msg: Register, remote: _Remote, agent: str, now: float) -> None:
+    def _accept(self, ident: bytes, minor: int, msg: Register, remote: Remote, agent: str, now: float) -> None:
         assert self.transport is not None and self._local is not None
         decode_g = remote.geometry
         g = self.kv.geometry
@@ -462,7 +447,7 @@ class PrefillEndpoint(EndpointBase):
             boot_id=self.boot_id, link_id=msg.link_id, agent_name=self.agent_name,
             geometry=geometry_to_wire(g), aux_slot_bytes=self.kv.aux.slot_bytes if self.kv.aux else 0))
 
-    def _piece_parts(self, plan: Any, remote: _Remote) -> tuple[PiecePart, ...]:
+    def _piece_parts(self, plan: Any, remote: Remote) -> tuple[PiecePart, ...]:
         """The blocks of this pair's staged pieces (staging.md): the first group's, then each group
         ``staged_groups`` names; none where this rank cannot stage or writes no first group."""
         if plan is None or self._staging is None:
@@ -477,7 +462,7 @@ class PrefillEndpoint(EndpointBase):
                                                           p.src.itemsize), p.src_head_offset))
         return tuple(parts)
 
-    def _group_paths(self, agent: str, remote: _Remote, route: Route | None, staged: set[int]
+    def _group_paths(self, agent: str, remote: Remote, route: Route | None, staged: set[int]
                      ) -> tuple[tuple[LinkPath | StatePath, ...], tuple[LinkGroup, ...]]:
         """A path per group beyond the first into the decode rank of ``remote``, and what the core
         needs of each (whether this rank writes it there, the decode rank's pool, whether the link's
@@ -513,7 +498,7 @@ class PrefillEndpoint(EndpointBase):
                 groups.append(LinkGroup(writes, theirs.num_slots))
         return tuple(paths), tuple(groups)
 
-    def _choose_path(self, plan: Any, unit: int, remote: _Remote, minor: int,
+    def _choose_path(self, plan: Any, unit: int, remote: Remote, minor: int,
                      route: Route | None) -> tuple[str, bool]:
         """(direct / sliced / staged for this pair, whether it can stage); see ``EndpointConfig.path``.
         A pattern route (the kernel path) never stages unless ``path="staged"`` asks: staging
@@ -537,103 +522,10 @@ class PrefillEndpoint(EndpointBase):
             return "direct", can_stage
         return ("staged" if can_stage else "sliced"), can_stage
 
-    def _check_register(self, msg: Register, wire_groups: Sequence[Any] = ()) -> _Remote:
-        cfg = self.config
-        if msg.transport != cfg.transport:
-            raise _Reject(ErrorCode.TRANSPORT_ERROR, f"decode uses transport {msg.transport!r}, prefill {cfg.transport!r}")
-        if msg.model_id != cfg.model_id:
-            raise _Reject(ErrorCode.MODEL_MISMATCH, f"decode serves model {msg.model_id!r}, prefill {cfg.model_id!r}")
-        if msg.compat_key != cfg.compat_key:
-            raise _Reject(ErrorCode.COMPAT_KEY_MISMATCH,
-                          f"compatibility key {msg.compat_key!r} differs from prefill's {cfg.compat_key!r}")
-        try:
-            decode_g = geometry_from_wire(msg.geometry)
-        except ValueError as exc:
-            raise _Reject(ErrorCode.INCOMPATIBLE_GEOMETRY, f"invalid decode geometry: {exc}") from None
-        try:
-            check_compatible(self.kv.geometry, decode_g)
-        except IncompatibleGeometry as exc:
-            raise _Reject(ErrorCode.INCOMPATIBLE_GEOMETRY, str(exc)) from None
-        try:  # groups beyond the first (messages.md, REGISTER check 5a)
-            decode_cache = groups_from_wire(PagedGroup(self.kv.name, decode_g), wire_groups)
-            check_groups(self._cache, decode_cache)
-        except IncompatibleGroups as exc:
-            raise _Reject(ErrorCode.INCOMPATIBLE_GEOMETRY, str(exc)) from None
-        except ValueError as exc:  # GeometryError: a group that describes no real cache
-            raise _Reject(ErrorCode.INCOMPATIBLE_GEOMETRY, f"invalid decode group: {exc}") from None
-        too_far = [r for r in msg.regions if r.address + r.length > _MAX_ADDRESS]
-        if too_far:
-            raise _Reject(ErrorCode.INDEX_OUT_OF_RANGE,
-                          f"region at {too_far[0].address:#x} of {too_far[0].length} bytes lies beyond 2**63")
-        if decode_g.num_regions * decode_g.num_blocks > MAX_PAGES:
-            raise _Reject(ErrorCode.INDEX_OUT_OF_RANGE,
-                          f"{decode_g.num_regions} regions of {decode_g.num_blocks} pages exceed {MAX_PAGES} pages")
-        if msg.aux_slots > MAX_AUX_SLOTS:
-            raise _Reject(ErrorCode.INDEX_OUT_OF_RANGE, f"{msg.aux_slots} aux slots exceed {MAX_AUX_SLOTS}")
-        kv_rows = sorted((r for r in msg.regions if r.kind == RegionKind.KV), key=lambda r: r.index)
-        if [r.index for r in kv_rows] != list(range(decode_g.num_regions)):
-            raise _Reject(ErrorCode.INDEX_OUT_OF_RANGE,
-                          f"memory table lists KV regions {[r.index for r in kv_rows]}, expected 0..{decode_g.num_regions - 1}")
-        short = [r.index for r in kv_rows if r.length < decode_g.region_bytes]
-        if short:
-            raise _Reject(ErrorCode.INDEX_OUT_OF_RANGE,
-                          f"KV region {short[0]} is shorter than {decode_g.region_bytes} bytes")
-        kinds = {r.mem_kind for r in kv_rows}
-        if len(kinds) != 1 or next(iter(kinds)) not in (MemKind.DRAM, MemKind.VRAM):
-            raise _Reject(ErrorCode.INDEX_OUT_OF_RANGE, f"KV regions have memory kinds {sorted(kinds)}")
-        remote_kind = MemKind(next(iter(kinds)))
+    def _check_register(self, msg: Register, wire_groups: Sequence[Any] = ()) -> Remote:
         assert self.transport is not None
-        if remote_kind not in self.transport.memory_kinds():
-            raise _Reject(ErrorCode.TRANSPORT_ERROR, f"transport cannot reach {remote_kind.name} memory")
-        remote_aux = None
-        aux_rows = [r for r in msg.regions if r.kind == RegionKind.AUX]
-        if msg.aux_slots:
-            local_aux = self.kv.aux
-            if len(aux_rows) != 1 or aux_rows[0].length < msg.aux_slots * msg.aux_slot_bytes:
-                raise _Reject(ErrorCode.INDEX_OUT_OF_RANGE, "aux slots do not fit the registered aux region")
-            if local_aux is not None and local_aux.slot_bytes != msg.aux_slot_bytes:
-                raise _Reject(ErrorCode.INCOMPATIBLE_GEOMETRY,
-                              f"aux slots of {msg.aux_slot_bytes} bytes, prefill uses {local_aux.slot_bytes}")
-            remote_aux = (aux_rows[0].address, msg.aux_slot_bytes, msg.aux_slots)
-        group_bases = self._check_group_regions(msg, decode_cache, remote_kind)
-        staging_rows = [r for r in msg.regions if r.kind == RegionKind.STAGING]
-        staging = None
-        if staging_rows:
-            row = staging_rows[0]
-            if len(staging_rows) > 1 or row.length == 0 or row.mem_kind not in (MemKind.DRAM, MemKind.VRAM):
-                raise _Reject(ErrorCode.INDEX_OUT_OF_RANGE, "the memory table's staging region is invalid")
-            staging = (row.address, row.length, MemKind(row.mem_kind), row.device_id)
-        return _Remote(decode_g, [r.address for r in kv_rows], remote_kind, kv_rows[0].device_id, remote_aux, staging,
-                       decode_cache, group_bases)
-
-    @staticmethod
-    def _check_group_regions(msg: Register, cache: CacheGeometry, kind: MemKind) -> tuple[list[int], ...]:
-        """The bases of each group's regions (messages.md, REGISTER check 5b)."""
-        rows = [r for r in msg.regions if r.kind == RegionKind.GROUP]
-        stray = sorted({r.index >> 24 for r in rows} - set(range(1, len(cache.groups))))
-        if stray:
-            raise _Reject(ErrorCode.INDEX_OUT_OF_RANGE, f"GROUP regions of group {stray[0]}, which CACHE_GROUPS did not list")
-        out = []
-        for number, group in enumerate(cache.groups[1:], start=1):
-            if isinstance(group, PagedGroup):
-                g = group.geometry
-                if g.num_regions * g.num_blocks > MAX_PAGES:
-                    raise _Reject(ErrorCode.INDEX_OUT_OF_RANGE, f"group {group.name!r}: {g.num_regions} regions of "
-                                                                f"{g.num_blocks} pages exceed {MAX_PAGES} pages")
-                need = [g.region_bytes] * g.num_regions
-            else:
-                sizes = [group.num_slots * b for b in group.slot_bytes(cache.tp_size)]
-                need = [sizes[i % len(sizes)] for i in range(group.regions())]
-            mine = sorted((r for r in rows if r.index >> 24 == number), key=lambda r: r.index)
-            if [r.index & 0xFFFFFF for r in mine] != list(range(len(need))):
-                raise _Reject(ErrorCode.INDEX_OUT_OF_RANGE, f"group {group.name!r}: the memory table lists regions "
-                                                            f"{[r.index & 0xFFFFFF for r in mine]}, expected 0..{len(need) - 1}")
-            for r, n in zip(mine, need):
-                if r.length < n or r.mem_kind != kind:
-                    raise _Reject(ErrorCode.INDEX_OUT_OF_RANGE, f"group {group.name!r}: region {r.index & 0xFFFFFF} "
-                                                                f"is shorter than {n} bytes or not in {kind.name}")
-            out.append([r.address for r in mine])
-        return tuple(out)
+        return check_register(msg, wire_groups, config=self.config, kv=self.kv, cache=self._cache,
+                              reachable=self.transport.memory_kinds())
 
     def _drop_link(self, link: _DecodeLink, code: ErrorCode | int, reason: str) -> None:
         if self._links.get(link.ident) is not link:
@@ -860,22 +752,6 @@ def _fired(ready: tuple[Any, ...]) -> bool:
     return all(event.query() for event in ready)
 
 
-@dataclass(frozen=True, slots=True)
-class _Remote:
-    """What a decode rank's REGISTER says about its memory, once checked."""
-
-    geometry: KVGeometry
-    bases: list[int]
-    kind: MemKind
-    device: int
-    aux: tuple[int, int, int] | None
-    staging: tuple[int, int, MemKind, int] | None
-    cache: CacheGeometry
-    """The decode rank's cache as groups (one group unless it sent CACHE_GROUPS)."""
-    group_bases: tuple[list[int], ...] = ()
-    """The region bases of each group beyond the first."""
-
-
 class _KeyAuthenticator(AsyncioAuthenticator):
     """ZAP handler admitting only the configured CURVE public keys; refusals are logged."""
 
@@ -890,10 +766,3 @@ class _KeyAuthenticator(AsyncioAuthenticator):
         self.refused += 1
         log.warning("refused a control connection: CURVE key %s is not allowed", key.decode("ascii", "replace"))
         return False
-
-
-class _Reject(Exception):
-    def __init__(self, code: ErrorCode, reason: str) -> None:
-        super().__init__(reason)
-        self.code = code
-        self.reason = reason

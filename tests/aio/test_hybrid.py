@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from kvproto.aio import DecodeEndpoint, PrefillEndpoint, TransferFailed
 from kvproto.core import RoomState
-from kvproto.demo import DemoConfig, prefix_of
+from kvproto.demo import DemoConfig
 from kvproto.reference import PagedShape, RankCache, StateShape
 from kvproto.transport import load_transport
 from kvproto.wire import (
