@@ -170,7 +170,7 @@ class KVSender(_Room):
         self._aux_slot: int | None = None
         self._pages_given = 0
         self._block = facade._endpoint.kv.geometry.block_size
-        self._num_layers = facade._endpoint.kv.model_layers
+        self._num_layers = facade._endpoint.core.num_layers  # the model's layers (every group's)
         self._state_slots: dict[str, int] | None = None
         self._slots_sent = False
 

@@ -45,9 +45,9 @@ from kvproto.aio.room import ReceiverRoomHandle
 from kvproto.aio.staging import (
     CacheKernels,
     Copies,
-    PieceShape,
     PiecePart,
     StagingBuffer,
+    piece_parts,
     piece_unit,
     scatter_parts,
     warm_kernels,
@@ -58,7 +58,6 @@ from kvproto.transport import TransportError
 from kvproto.geometry import (
     IncompatibleGeometry,
     check_compatible,
-    plan_pair,
     writers,
 )
 from kvproto.geometry.groups import (
@@ -67,7 +66,6 @@ from kvproto.geometry.groups import (
     check_groups,
     link_roles,
     paired_ranks_of_decode_cache,
-    staged_groups,
 )
 from kvproto.wire import (
     MINOR,
@@ -454,7 +452,8 @@ class DecodeEndpoint(EndpointBase):
         chosen = writers(prefill_g, g)
         for link, _accept in result:
             if link.prefill_rank in chosen and self._staging is not None and link.peer_minor >= 1:
-                self._pieces[link.link_id] = self._piece_parts(caches[link.link_id])
+                self._pieces[link.link_id] = piece_parts(self._kernels, caches[link.link_id], self._cache,
+                                                         side="decode")
         unused = [lk for lk in links if lk not in targets.values()]
         for link in unused:
             self._discard_link(link)
@@ -467,19 +466,6 @@ class DecodeEndpoint(EndpointBase):
                          staged_groups=tuple(p.group for p in self._pieces.get(link.link_id, ())[1:]))
             for link, accept in result
         ]
-
-    def _piece_parts(self, prefill: Any) -> tuple[PiecePart, ...]:
-        """The blocks of the pieces prefill rank ``prefill`` (its cache) stages into this rank
-        (staging.md): the first group's, then each group ``staged_groups`` names."""
-        parts = []
-        for i in (0, *staged_groups(prefill, self._cache)):
-            mine, theirs = self._cache.groups[i], prefill.groups[i]
-            assert isinstance(mine, PagedGroup) and isinstance(theirs, PagedGroup)
-            p = plan_pair(theirs.geometry, mine.geometry)
-            g = mine.geometry
-            parts.append(self._kernels.part(i, PieceShape(g.num_regions, p.head_count, g.head_dim, g.itemsize),
-                                            p.dst_head_offset))
-        return tuple(parts)
 
     async def _query(self, link: _Link) -> BootstrapInfo:
         query = encode(BootstrapQuery(requester=self.agent_name))

@@ -257,7 +257,6 @@ class StatePath:
         self._length = runs_arr[:, 3]
         self._src_slot = np.asarray(local.group.slot_bytes(local.tp_size), dtype=np.int64)[self._region % tensors]
         self._dst_slot = np.asarray(remote_slot_bytes, dtype=np.int64)[self._region % tensors]
-        self.kind = "state" if len(runs_arr) else "none"
 
     @property
     def label(self) -> str:

@@ -43,11 +43,11 @@ from kvproto.aio.room import SenderRoomHandle
 from kvproto.aio.staging import (
     CacheKernels,
     Copies,
-    PieceShape,
     PiecePart,
     StagingBuffer,
     Stager,
     gather_parts,
+    piece_parts,
     piece_unit,
     warm_kernels,
 )
@@ -70,7 +70,6 @@ from kvproto.geometry.groups import (
     link_roles,
     paired_ranks_of_prefill_cache,
     plan_state,
-    staged_groups,
 )
 from kvproto.transport import MemKind, TransportError, XferState
 from kvproto.transport.base import Route, route_of
@@ -448,19 +447,11 @@ class PrefillEndpoint(EndpointBase):
             geometry=geometry_to_wire(g), aux_slot_bytes=self.kv.aux.slot_bytes if self.kv.aux else 0))
 
     def _piece_parts(self, plan: Any, remote: Remote) -> tuple[PiecePart, ...]:
-        """The blocks of this pair's staged pieces (staging.md): the first group's, then each group
-        ``staged_groups`` names; none where this rank cannot stage or writes no first group."""
+        """The blocks of this pair's staged pieces; none where this rank cannot stage or writes no
+        first group."""
         if plan is None or self._staging is None:
             return ()
-        parts = [self._kernels.part(0, PieceShape(plan.src.num_regions, plan.head_count, plan.src.head_dim,
-                                                  plan.src.itemsize), plan.src_head_offset)]
-        for i in staged_groups(self._cache, remote.cache):
-            mine, theirs = self._cache.groups[i], remote.cache.groups[i]
-            assert isinstance(mine, PagedGroup) and isinstance(theirs, PagedGroup)
-            p = plan_pair(mine.geometry, theirs.geometry)
-            parts.append(self._kernels.part(i, PieceShape(p.src.num_regions, p.head_count, p.src.head_dim,
-                                                          p.src.itemsize), p.src_head_offset))
-        return tuple(parts)
+        return piece_parts(self._kernels, self._cache, remote.cache, side="prefill")
 
     def _group_paths(self, agent: str, remote: Remote, route: Route | None, staged: set[int]
                      ) -> tuple[tuple[LinkPath | StatePath, ...], tuple[LinkGroup, ...]]:

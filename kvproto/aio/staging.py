@@ -38,6 +38,8 @@ from kvproto import kernels
 from kvproto.aio import trace
 from kvproto.aio.memory import KVCache
 from kvproto.core.staging import StagingRing
+from kvproto.geometry import plan_pair
+from kvproto.geometry.groups import CacheGeometry, PagedGroup, staged_groups
 from kvproto.transport.base import MemKind, MemoryRegion
 
 log = logging.getLogger("kvproto")
@@ -301,6 +303,21 @@ class PiecePart:
     tables: PageTables
     piece: PieceShape
     head_offset: int
+
+
+def piece_parts(kernels_: CacheKernels, prefill: CacheGeometry, decode: CacheGeometry, *,
+                side: str) -> tuple[PiecePart, ...]:
+    """The blocks of the pieces prefill rank ``prefill`` stages into decode rank ``decode``
+    (staging.md): the first group's, then each group ``staged_groups`` names, with the pair's first
+    head on ``side`` ("prefill" or "decode"); the prefill rank writes the first group there."""
+    parts = []
+    for i in (0, *staged_groups(prefill, decode)):
+        p, d = prefill.groups[i], decode.groups[i]
+        assert isinstance(p, PagedGroup) and isinstance(d, PagedGroup)
+        plan = plan_pair(p.geometry, d.geometry)
+        shape = PieceShape(p.geometry.num_regions, plan.head_count, p.geometry.head_dim, p.geometry.itemsize)
+        parts.append(kernels_.part(i, shape, plan.src_head_offset if side == "prefill" else plan.dst_head_offset))
+    return tuple(parts)
 
 
 def piece_unit(parts: Sequence[PiecePart]) -> int:

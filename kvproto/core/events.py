@@ -105,9 +105,9 @@ class PostStaged:
     src_pages: Sequence[int]
     remote_offset: int
     ready: tuple[object, ...] = ()
+    """The readiness handles of every chunk the piece reads from (see ``PostWrite.ready``)."""
     group_pages: tuple[Sequence[int], ...] = ()
     """The room's pages of each group beyond the first (those the link stages ride in the piece)."""
-    """The readiness handles of every chunk the piece reads from (see ``PostWrite.ready``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

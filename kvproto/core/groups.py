@@ -11,7 +11,7 @@ left behind silently:
   ``[max(chunk start, prefix, window start), min(chunk end, num_tokens))`` of that group's pages,
   each write its own ``seq`` (and tag) on the link. A decode rank names only the pages holding the
   tokens it needs (``destination_pages``: the window's for a sliding-window group); the prefill
-  names every page of the group, chunk by chunk, as it does for the first group;
+  names every page of the group, chunk by chunk, as it does for the first group.
   On a link whose rooms stage, the paged groups without a window ride in the staged pieces
   instead (``kvproto.geometry.groups.staged_groups``: one block per group after the first
   group's), and get no write of their own;
@@ -77,6 +77,12 @@ class LinkGroup:
     staged: bool = False
     """A paged group that rides in the link's staged pieces (``staged_groups``): when a room's
     writes to the link stage, the pieces carry it and it gets no write of its own."""
+
+
+def pages_from_zero(dest: GroupDestination) -> tuple[int, ...]:
+    """A paged group's destination pages indexed from the prompt's page 0, as plans take them: the
+    pages before ``first_page`` (a window's) are 0, never read, since no write reaches them."""
+    return (0,) * dest.first_page + dest.pages
 
 
 def local_span(layers: Sequence[int], span: tuple[int, int] | None) -> tuple[int, int] | None:

@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 
 from kvproto.core.base import CoreBase, RoomBase, Tombstone, duplicate_page
 from kvproto.core.events import DropLink, LinkKey, Scatter, Timeouts
-from kvproto.core.groups import GroupSpec, check_destinations
+from kvproto.core.groups import GroupSpec, check_destinations, pages_from_zero
 from kvproto.core.staging import StagingRing
 from kvproto.core.state import Effect, Input, Role, RoomState
 from kvproto.wire import (
@@ -473,7 +473,7 @@ class ReceiverCore(CoreBase):
         room.scattering.add(key)
         offset, start, end = region
         assert room.destination is not None
-        groups = tuple((0,) * g.first_page + g.pages for g in room.destination.groups)
+        groups = tuple(pages_from_zero(g) for g in room.destination.groups)
         self._outputs.append(Scatter(room_id=room.room_id, link=link.key, seq=seq, offset=offset,
                                      start_token=start, end_token=end, dst_pages=room.destination.pages,
                                      group_pages=groups))

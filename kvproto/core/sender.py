@@ -41,7 +41,14 @@ from dataclasses import dataclass, field, replace
 from kvproto.core.base import CoreBase, RoomBase, Tombstone, duplicate_page
 from kvproto.core.cost import PathCost, page_runs
 from kvproto.core.events import LinkKey, PostAux, PostStaged, PostState, PostWrite, Timeouts
-from kvproto.core.groups import GroupSpec, LinkGroup, check_chunk_pages, check_destinations, local_span
+from kvproto.core.groups import (
+    GroupSpec,
+    LinkGroup,
+    check_chunk_pages,
+    check_destinations,
+    local_span,
+    pages_from_zero,
+)
 from kvproto.core.state import Effect, Input, Role, RoomState
 from kvproto.wire import (
     NO_SLOT,
@@ -805,10 +812,10 @@ class SenderCore(CoreBase):
                                        dst_slot=dest.slot, layers=span, ready=ready)
                         continue
                     first = max(start, spec.window_start(req.num_tokens))
-                    if first < end:  # the decode names pages from dest.first_page: pad the list to token 0
+                    if first < end:
                         self._post(room, peer, PostWrite, group=g + 1, start_token=first, end_token=end,
-                                   src_pages=tuple(room.group_pages[g]),
-                                   dst_pages=(0,) * dest.first_page + dest.pages, layers=span, ready=ready)
+                                   src_pages=tuple(room.group_pages[g]), dst_pages=pages_from_zero(dest),
+                                   layers=span, ready=ready)
                 if chunk.last and chunk.completes and link.aux_owner and chunk.aux_slot is not None and \
                         req.aux_slot != NO_SLOT:
                     self._post(room, peer, PostAux, src_slot=chunk.aux_slot, dst_slot=req.aux_slot)

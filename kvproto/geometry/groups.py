@@ -362,14 +362,6 @@ def paired_ranks_of_prefill_cache(prefill: CacheGeometry, decode: CacheGeometry)
     return tuple(r for r in range(decode.tp_size) if link_roles(prefill, decode.with_rank(r)).paired)
 
 
-def destination_pages(num_tokens: int, group: PagedGroup, block_size: int) -> range:
-    """The page indices (from the prompt's first page) a decode rank names for ``group``: those
-    holding the tokens it needs (the last ``window`` for a sliding-window group)."""
-    if group.window is None:
-        return range(-(-num_tokens // block_size))
-    return window_pages(num_tokens, group.window, block_size)
-
-
 def stage_unit(prefill: KVGeometry, decode: KVGeometry) -> int:
     """Bytes of one token of a staged piece's block for one paged group (every region, the pair's
     head slice)."""
