@@ -15,7 +15,9 @@ work. One mechanism joins the two processes:
   small tuple to a batch and return; the batch goes down the pipe to the child as one message at
   the engine's next ``poll`` or ``get_finished`` (every step makes one; a system call per step,
   not per call), once it holds 64 calls, or 0.5 ms after its first call whatever the engine does
-  (a helper thread that sleeps otherwise); the child's main thread reads them in order and
+  (a helper thread, which looks every 0.5 ms while calls keep coming and sleeps once they stop
+  for 50 ms: waking a sleeping thread costs the caller 5-50 us, so a call wakes it only after such
+  a pause, never step after step); the child's main thread reads them in order and
   makes the same calls on a ``SyncDecode``/``SyncPrefill`` of its own (refusals behave exactly as
   there). A layer's ``ready`` event crosses as a CUDA IPC event handle
   (``torch.cuda.Event(interprocess=True)``);
@@ -60,6 +62,9 @@ _BATCH = 64
 _LINGER_S = 0.0005
 """Calls wait in the engine's process until its next ``poll``/``get_finished`` (every step makes
 one), until ``_BATCH`` are pending, or ``_LINGER_S`` at most, then go down the pipe as one message."""
+_AWAKE_S = 0.05
+"""The helper thread looks for waiting calls every ``_LINGER_S`` for this long after the last
+call, then sleeps until a call wakes it: an engine that makes calls every step never wakes it."""
 
 
 def _code(value: int) -> ErrorCode | int | None:
@@ -188,6 +193,9 @@ class _ProcessFacade:
         self._pending: list[tuple[Any, ...]] = []
         self._send_lock = threading.Lock()
         self._kick = threading.Event()
+        self._parked = True
+        """The helper thread sleeps on ``_kick`` (else it looks for waiting calls by itself)."""
+        self._called = 0
         self._closed = False
         self._dead_since: float | None = None
         self._next_alive_check = 0.0
@@ -257,10 +265,12 @@ class _ProcessFacade:
             raise LocalProtocolError("the endpoint is closed", ErrorCode.ENDPOINT_CLOSED)
         with self._send_lock:
             self._pending.append(message)
+            self._called += 1
             first, full = len(self._pending) == 1, len(self._pending) >= _BATCH
         if full:
             self._flush()
-        elif first:
+        elif first and self._parked:
+            self._parked = False
             self._kick.set()  # nothing may wait longer than _LINGER_S, whatever the engine does next
 
     def _flush(self) -> None:
@@ -275,13 +285,22 @@ class _ProcessFacade:
                 pass  # the child has died: its rooms fail through _drain
 
     def _flush_later(self) -> None:
-        """A thread that sends a batch the engine left waiting for ``_LINGER_S`` (it sleeps
-        otherwise: it runs only when a call found the batch empty)."""
+        """A thread that sends the calls the engine left waiting for ``_LINGER_S``: it looks every
+        ``_LINGER_S`` until no call came for ``_AWAKE_S``, then sleeps until a call wakes it."""
         while not self._closed:
             self._kick.wait()
             self._kick.clear()
-            time.sleep(_LINGER_S)
-            self._flush()
+            quiet, seen = 0.0, -1
+            while not self._closed and quiet < _AWAKE_S:
+                time.sleep(_LINGER_S)
+                if self._pending:
+                    self._flush()
+                quiet = 0.0 if self._called != seen else quiet + _LINGER_S
+                seen = self._called
+            self._parked = True
+            if self._pending:  # a call came as it parked, and saw it awake: look once more
+                self._parked = False
+                self._kick.set()
 
     def _drain(self, final: bool = False) -> None:
         """Send the calls waiting, then apply the room events the child wrote since the last drain

@@ -19,14 +19,21 @@ every region (layer, plane) and posts it as one write:
 The aux slot moves through prepared one-slot-per-row lists. A paged group beyond the first
 (hybrid caches) has a ``LinkPath`` of its own, over its own regions; a state group's slot moves
 through a ``StatePath``: the byte runs ``plan_state`` gives inside one slot, placed at the two
-slots in every region (layer x tensor) and posted as one write. Nothing here decides anything
-about rooms; errors surface as ``TransportError`` to the caller.
+slots in every region (layer x tensor).
+
+*One write of several groups* (``PostGroups``, ``post_parts``): every path gives its part of the
+write as a ``Part`` (descriptor rows, or on a pattern route the plan itself) and the parts go to
+the transport as one write under one tag: one ``post_descs`` of all rows, or on a pattern route
+one ``post_parts`` (a launch per part, one completion, one tag). A hybrid room thus costs a write
+per chunk and link, as a one-group room does. Nothing here decides anything about rooms; errors
+surface as ``TransportError`` to the caller.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -93,6 +100,35 @@ class Posted:
     descriptors: int
 
 
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One path's share of a write of several parts: descriptor ``rows`` (local, remote), or on a
+    pattern route ``plan``, the arguments of the adapter's ``post_plan`` after the peer."""
+
+    nbytes: int
+    local_kind: MemKind
+    remote_kind: MemKind
+    rows: tuple[np.ndarray, np.ndarray] | None = None
+    plan: tuple[Any, ...] | None = None
+
+
+def post_parts(transport: Transport, peer: str, route: Route | None, parts: Sequence[Part], tag: bytes) -> Posted:
+    """``parts`` as one write tagged ``tag``: on a pattern route, the adapter's ``post_parts``;
+    else one ``post_descs`` of every part's rows (all of one memory kind per side, as the groups
+    of one cache are: ``KVCache.with_groups``)."""
+    nbytes = sum(p.nbytes for p in parts)
+    if route is not None and route.pattern:
+        xfer = transport.post_parts(peer, parts, tag)  # type: ignore[attr-defined]
+        return Posted(xfer, nbytes, sum(len(p.rows[0]) for p in parts if p.rows is not None))
+    kinds = {(p.local_kind, p.remote_kind) for p in parts}
+    if len(kinds) != 1 or any(p.rows is None for p in parts):
+        raise ValueError(f"one write cannot join parts of memory kinds {sorted(kinds)}")
+    local = np.concatenate([p.rows[0] for p in parts])  # type: ignore[index]
+    remote = np.concatenate([p.rows[1] for p in parts])  # type: ignore[index]
+    (local_kind, remote_kind), = kinds
+    return Posted(transport.post_descs(peer, local, local_kind, remote, remote_kind, tag), nbytes, len(local))
+
+
 class LinkPath:
     """The route from this prefill rank to one decode rank (one registered link)."""
 
@@ -143,22 +179,49 @@ class LinkPath:
                 layers: tuple[int, int] | None = None) -> Posted:
         """One write of tokens ``[start, end)``, of every layer or of ``layers`` (``(first, end)``)."""
         assert self.plan is not None, "post_kv on a link this rank does not write"
-        first, local_bases, remote_bases = self._regions(layers)
         if self.route is not None and self.route.pattern:
-            if not start < end:
-                raise ValueError(f"tokens [{start}, {end}) move no bytes")
-            xfer = self.transport.post_plan(  # type: ignore[attr-defined]
-                self.peer, self.plan, local_bases, self.local.kv.mem_kind, remote_bases, self.remote_kind,
-                src_pages, dst_pages, start, end, tag)
-            moved = (end - start) * self.plan.head_count * self.plan.src.head_bytes  # exactly the tokens
-            return Posted(xfer, moved * len(local_bases), 0)
-        pattern = pair_extents(self.plan, src_pages, dst_pages, start, end)  # (E, 3): src_off, dst_off, length
-        if not len(pattern):
-            raise ValueError(f"tokens [{start}, {end}) move no bytes")
+            part = self.part(src_pages, dst_pages, start, end, layers)
+            xfer = self.transport.post_plan(self.peer, *part.plan, tag)  # type: ignore[attr-defined,misc]
+            return Posted(xfer, part.nbytes, 0)
+        first, local_bases, remote_bases = self._regions(layers)
+        pattern = self._pattern(src_pages, dst_pages, start, end)
         regions = len(local_bases)
         nbytes = int(pattern[:, 2].sum()) * regions
         if self.plan.direct:
             return self._post_pages(tag, pattern, nbytes, first, regions)
+        local_rows, remote_rows = self._rows(pattern, local_bases, remote_bases)
+        xfer = self.transport.post_descs(
+            self.peer, local_rows, self.local.kv.mem_kind, remote_rows, self.remote_kind, tag
+        )
+        return Posted(xfer, nbytes, len(local_rows))
+
+    def part(self, src_pages: Sequence[int], dst_pages: Sequence[int], start: int, end: int,
+             layers: tuple[int, int] | None = None) -> Part:
+        """Tokens ``[start, end)`` (of ``layers``) as a part of a write of several (``post_parts``)."""
+        assert self.plan is not None, "a part on a link this rank does not write"
+        _first, local_bases, remote_bases = self._regions(layers)
+        kinds = (self.local.kv.mem_kind, self.remote_kind)
+        if self.route is not None and self.route.pattern:
+            if not start < end:
+                raise ValueError(f"tokens [{start}, {end}) move no bytes")
+            moved = (end - start) * self.plan.head_count * self.plan.src.head_bytes  # exactly the tokens
+            return Part(moved * len(local_bases), *kinds, plan=(
+                self.plan, local_bases, kinds[0], remote_bases, kinds[1], src_pages, dst_pages, start, end))
+        pattern = self._pattern(src_pages, dst_pages, start, end)
+        return Part(int(pattern[:, 2].sum()) * len(local_bases), *kinds,
+                    rows=self._rows(pattern, local_bases, remote_bases))
+
+    def _pattern(self, src_pages: Sequence[int], dst_pages: Sequence[int], start: int, end: int) -> np.ndarray:
+        assert self.plan is not None
+        pattern = pair_extents(self.plan, src_pages, dst_pages, start, end)  # (E, 3): src_off, dst_off, length
+        if not len(pattern):
+            raise ValueError(f"tokens [{start}, {end}) move no bytes")
+        return pattern
+
+    def _rows(self, pattern: np.ndarray, local_bases: np.ndarray, remote_bases: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray]:
+        """``pattern`` placed in every region pair: (local rows, remote rows)."""
+        regions = len(local_bases)
         local_rows = np.empty((regions * len(pattern), 3), dtype=np.int64)
         remote_rows = np.empty_like(local_rows)
         local_rows[:, 0] = (local_bases[:, None] + pattern[None, :, 0]).reshape(-1)
@@ -166,10 +229,7 @@ class LinkPath:
         local_rows[:, 1] = remote_rows[:, 1] = np.tile(pattern[:, 2], regions)
         local_rows[:, 2] = self.local.kv.device_id
         remote_rows[:, 2] = self.remote_device
-        xfer = self.transport.post_descs(
-            self.peer, local_rows, self.local.kv.mem_kind, remote_rows, self.remote_kind, tag
-        )
-        return Posted(xfer, nbytes, len(local_rows))
+        return local_rows, remote_rows
 
     def _regions(self, layers: tuple[int, int] | None) -> tuple[int, np.ndarray, np.ndarray]:
         """(first region, local bases, remote bases) of ``layers`` (regions ``layer * planes +
@@ -209,17 +269,18 @@ class LinkPath:
             self._remote_pages = self.transport.prepare(self.peer, rows, self.remote_kind)
         return self._remote_pages
 
-    def post_staged(self, tag: bytes, local: tuple[int, MemKind, int], remote_offset: int, nbytes: int) -> Posted:
+    def post_staged(self, tag: bytes, local: tuple[int, MemKind, int], remote_offset: int, nbytes: int,
+                    parts: Sequence[Part] = ()) -> Posted:
         """One WRITE of ``nbytes`` from local staging ``(address, kind, device)`` into the decode
-        rank's staging region at ``remote_offset``."""
+        rank's staging region at ``remote_offset``, with ``parts`` (state slots) in the same write."""
         assert self.remote_staging is not None
         address, length, kind, device = self.remote_staging
         if remote_offset + nbytes > length:
             raise ValueError(f"staged write of {nbytes} bytes at {remote_offset} overruns the {length}-byte region")
         local_rows = np.array([[local[0], nbytes, local[2]]], dtype=np.int64)
         remote_rows = np.array([[address + remote_offset, nbytes, device]], dtype=np.int64)
-        xfer = self.transport.post_descs(self.peer, local_rows, local[1], remote_rows, kind, tag)
-        return Posted(xfer, nbytes, 1)
+        piece = Part(nbytes, local[1], kind, rows=(local_rows, remote_rows))
+        return post_parts(self.transport, self.peer, None, (piece, *parts), tag)
 
     def post_aux(self, tag: bytes, src_slot: int, dst_slot: int) -> Posted:
         assert self.remote_aux is not None and self.local.kv.aux is not None
@@ -262,9 +323,9 @@ class StatePath:
     def label(self) -> str:
         return "state"
 
-    def post(self, tag: bytes, src_slot: int, dst_slot: int, layers: tuple[int, int] | None = None) -> Posted:
-        """One write of slot ``src_slot`` into the decode rank's ``dst_slot``, of the group's
-        ``layers`` (``(first, end)``, its own) or of all of them."""
+    def part(self, src_slot: int, dst_slot: int, layers: tuple[int, int] | None = None) -> Part:
+        """Slot ``src_slot`` into the decode rank's ``dst_slot``, of the group's ``layers``
+        (``(first, end)``, its own) or of all of them, as a part of a write (``post_parts``)."""
         pick = slice(None) if layers is None else (self._layer >= layers[0]) & (self._layer < layers[1])
         length = self._length[pick]
         if not len(length):
@@ -276,8 +337,7 @@ class StatePath:
         local_rows[:, 1] = remote_rows[:, 1] = length
         local_rows[:, 2] = self.local.device_id
         remote_rows[:, 2] = self.remote_device
-        xfer = self.transport.post_descs(self.peer, local_rows, self.local.mem_kind, remote_rows, self.remote_kind, tag)
-        return Posted(xfer, int(length.sum()), len(length))
+        return Part(int(length.sum()), self.local.mem_kind, self.remote_kind, rows=(local_rows, remote_rows))
 
     def release(self) -> None:
         pass

@@ -36,7 +36,7 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 from kvproto.aio.channel import Channel
 from kvproto.aio.endpoint import EndpointBase, EndpointConfig
 from kvproto.aio.memory import KVCache, StateCache, geometry_to_wire
-from kvproto.aio.paths import LinkPath, LocalLists, Posted, StatePath
+from kvproto.aio.paths import LinkPath, LocalLists, Part, Posted, StatePath, post_parts
 from kvproto.aio.registration import Reject, Remote, check_register
 from kvproto.aio import trace
 from kvproto.aio.room import SenderRoomHandle
@@ -56,12 +56,13 @@ from kvproto.core import (
     HOST_COST,
     LinkGroup,
     PostAux,
+    PostGroups,
     PostStaged,
-    PostState,
     PostWrite,
     RoomState,
     SenderCore,
     SenderLink,
+    StatePart,
 )
 from kvproto.geometry import plan_pair, writers
 from kvproto.geometry.groups import (
@@ -432,6 +433,8 @@ class PrefillEndpoint(EndpointBase):
             if by_cost else None,
             regions=sum(p.piece.regions for p in parts) if parts else g.num_regions,
             groups=link_groups,
+            piece_states=staged and self._staging is not None and remote.staging is not None
+            and self._staging.kind is self.kv.mem_kind and remote.staging[2] is remote.kind,
         )
         if kind == "direct" and not (route is not None and route.pattern):
             path.prepare()  # the peer's page list, before the first request needs it
@@ -534,7 +537,7 @@ class PrefillEndpoint(EndpointBase):
 
     # --- writes --------------------------------------------------------------------------------------
     def _perform(self, out: Any) -> None:
-        if not isinstance(out, (PostWrite, PostAux, PostStaged, PostState)):
+        if not isinstance(out, (PostWrite, PostAux, PostStaged, PostGroups)):
             raise TypeError(f"unexpected output {out!r}")
         if getattr(out, "ready", ()) and not _fired(out.ready):
             self._held.append(out)  # its layers are not written yet: posted once the events fire
@@ -567,29 +570,46 @@ class PrefillEndpoint(EndpointBase):
             self._stage(out, link)
             return
         trace.mark("post", out.room_id, out.seq)
-        path = link.path if isinstance(out, (PostAux, PostStaged)) or not out.group else link.groups[out.group - 1]
         try:
             if isinstance(out, PostWrite):
-                posted = path.post_kv(out.tag, out.src_pages, out.dst_pages, out.start_token,  # type: ignore[union-attr]
-                                      out.end_token, out.layers)
-            elif isinstance(out, PostState):
-                posted = path.post(out.tag, out.src_slot, out.dst_slot, out.layers)  # type: ignore[union-attr]
+                posted = link.path.post_kv(out.tag, out.src_pages, out.dst_pages, out.start_token, out.end_token,
+                                           out.layers)
+                kinds: tuple[str, ...] = (link.path.label,)
+            elif isinstance(out, PostGroups):
+                parts, kinds = self._parts(out.parts, link)
+                posted = post_parts(link.path.transport, link.path.peer, link.path.route, parts, out.tag)
             else:
-                posted = link.path.post_aux(out.tag, out.src_slot, out.dst_slot)
+                posted, kinds = link.path.post_aux(out.tag, out.src_slot, out.dst_slot), ("aux",)
         except (TransportError, ValueError) as exc:
             self.core.write_failed(out.room_id, out.link, out.seq, str(exc), self._now(), tag=out.tag)
             return
         trace.mark("posted", out.room_id, out.seq)
-        self._posted(out, link, posted, "aux" if isinstance(out, PostAux) else path.label)
+        self._posted(out, link, posted, kinds)
 
-    def _posted(self, out: Any, link: _DecodeLink, posted: Posted, kind: str, local_key: Any = None) -> None:
+    @staticmethod
+    def _parts(parts: Sequence[Any], link: _DecodeLink) -> tuple[list[Part], tuple[str, ...]]:
+        """The paths' shares of one write of several groups (``PostGroups``), and the paths' names."""
+        out: list[Part] = []
+        kinds: dict[str, None] = {}
+        for part in parts:
+            path = link.path if part.group == 0 else link.groups[part.group - 1]
+            if isinstance(part, StatePart):
+                out.append(path.part(part.src_slot, part.dst_slot, part.layers))  # type: ignore[call-arg]
+            else:
+                out.append(path.part(part.src_pages, part.dst_pages, part.start_token, part.end_token,  # type: ignore[call-arg]
+                                     part.layers))
+            kinds[path.label] = None
+        return out, tuple(kinds)
+
+    def _posted(self, out: Any, link: _DecodeLink, posted: Posted, kinds: tuple[str, ...],
+                local_key: Any = None) -> None:
         self._pending[posted.xfer] = _Pending(out.room_id, link.ident, out.seq, out.tag, posted, local_key)
         handle = self._handles.get(out.room_id)
         if handle is not None:
             handle.stats.writes += 1
             handle.stats.nbytes += posted.nbytes
             handle.stats.descriptors += posted.descriptors
-            handle.stats.paths.add(kind)
+            handle.stats.paths.update(kinds)
         self._kick()
 
     def _stage(self, out: PostStaged, link: _DecodeLink) -> None:
@@ -626,13 +646,14 @@ class PrefillEndpoint(EndpointBase):
         try:
             if link is None:
                 raise TransportError("link is gone")
+            parts, kinds = self._parts(out.parts, link)
             posted = link.path.post_staged(out.tag, (buf.address + offset, buf.kind, buf.device_id),
-                                           out.remote_offset, nbytes)
+                                           out.remote_offset, nbytes, parts)
         except (TransportError, ValueError) as exc:
             self._stager.release(key)
             self.core.write_failed(out.room_id, out.link, out.seq, str(exc), self._now(), tag=out.tag)
             return
-        self._posted(out, link, posted, f"staged-{buf.where}", key)
+        self._posted(out, link, posted, (f"staged-{buf.where}", *kinds), key)
 
     def _progress_once(self) -> bool:
         assert self.transport is not None

@@ -33,7 +33,7 @@ a Gated DeltaNet hybrid keeps them: every fourth layer is the first group (full 
 other layers a second paged group of their own pool, and those layers also keep a per-request
 state (``STATE_ROWS`` x 128 bf16 per layer, split over TP by rows) in a state group. A hybrid room
 moves the same K/V bytes as the one-group room of its case, plus its state (its bytes counted),
-as one write per group per room; its line prints its GB/s against the one-group room's of the
+in one write per chunk and link carrying every group; its line prints its GB/s against the one-group room's of the
 same case (``vs one``), measured in the same run. Every group's bytes are checked.
 
 It is a benchmark: the exit status is non-zero only when a room fails or a byte differs.

@@ -44,8 +44,8 @@ class PostWrite:
 
     ``src_pages`` are the prefill pages of the room from token 0; ``dst_pages`` the decode
     pages from token 0. The I/O layer plans extents for the link's geometry and posts them as
-    one write tagged ``tag``; it reports back with ``write_done`` / ``write_failed``. ``group``
-    names the cache group (0: the first; its pages and layers are that group's own).
+    one write tagged ``tag``; it reports back with ``write_done`` / ``write_failed``. A cache of
+    several groups writes through ``PostGroups`` instead.
     """
 
     room_id: int
@@ -60,22 +60,47 @@ class PostWrite:
     """``(first, end)``: only these layers (all when None)."""
     ready: tuple[object, ...] = ()
     """The application's readiness handles (CUDA events) the write must wait for (opaque here)."""
-    group: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class PostState:
-    """Sender: write slot ``src_slot`` of state group ``group`` (of ``layers``, the group's own,
-    or all of them) into the decode rank's slot ``dst_slot``."""
+class PagedPart:
+    """Tokens ``[start_token, end_token)`` of paged group ``group`` (0: the first), of its own
+    ``layers`` (``(first, end)``) or all of them; pages from the prompt's token 0 on both sides."""
+
+    group: int
+    start_token: int
+    end_token: int
+    src_pages: Sequence[int]
+    dst_pages: Sequence[int]
+    layers: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StatePart:
+    """Slot ``src_slot`` of state group ``group`` (of its own ``layers``, or all of them) into the
+    decode rank's slot ``dst_slot``."""
+
+    group: int
+    src_slot: int
+    dst_slot: int
+    layers: tuple[int, int] | None = None
+
+
+Part = PagedPart | StatePart
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PostGroups:
+    """Sender, caches of several groups: one write to one decode rank carrying ``parts`` of any
+    groups (a chunk's tokens of every paged group the link writes, and with the last token
+    range every state slot), posted as one transport write under one tag: the tag arrives only
+    once every part has landed. One write per chunk and link, as a one-group cache makes."""
 
     room_id: int
     link: LinkKey
     seq: int
     tag: bytes
-    group: int
-    src_slot: int
-    dst_slot: int
-    layers: tuple[int, int] | None = None
+    parts: tuple[Part, ...]
     ready: tuple[object, ...] = ()
 
 
@@ -108,6 +133,8 @@ class PostStaged:
     """The readiness handles of every chunk the piece reads from (see ``PostWrite.ready``)."""
     group_pages: tuple[Sequence[int], ...] = ()
     """The room's pages of each group beyond the first (those the link stages ride in the piece)."""
+    parts: tuple[StatePart, ...] = ()
+    """State slots that ride in the piece's write (the piece that ends the request's tokens)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -151,7 +178,7 @@ class RoomEnded:
     reports on decode)."""
 
 
-Output = Send | PostWrite | PostState | PostAux | PostStaged | Scatter | DropLink | RoomEnded
+Output = Send | PostWrite | PostGroups | PostAux | PostStaged | Scatter | DropLink | RoomEnded
 
 
 @dataclass(slots=True)

@@ -7,20 +7,22 @@ room's ``pages``, as it always was; every further group (``kvproto.geometry.grou
 in the same room, so that the room succeeds only once every group has landed and no group can be
 left behind silently:
 
-* a **paged** group is moved like the first: per chunk, per writer link, one write of the tokens
-  ``[max(chunk start, prefix, window start), min(chunk end, num_tokens))`` of that group's pages,
-  each write its own ``seq`` (and tag) on the link. A decode rank names only the pages holding the
-  tokens it needs (``destination_pages``: the window's for a sliding-window group); the prefill
-  names every page of the group, chunk by chunk, as it does for the first group.
-  On a link whose rooms stage, the paged groups without a window ride in the staged pieces
-  instead (``kvproto.geometry.groups.staged_groups``: one block per group after the first
-  group's), and get no write of their own;
-* a **state** group is one write of the request's slot (of the group's layers in a layer-wise
-  chunk), posted with the last token range, like the aux slot.
+* a **paged** group is moved like the first: per chunk, per writer link, the tokens
+  ``[max(chunk start, prefix, window start), min(chunk end, num_tokens))`` of that group's pages.
+  A decode rank names only the pages holding the tokens it needs (``destination_pages``: the
+  window's for a sliding-window group); the prefill names every page of the group, chunk by
+  chunk, as it does for the first group. On a link whose rooms stage, the paged groups without a
+  window ride in the staged pieces instead (``kvproto.geometry.groups.staged_groups``: one block
+  per group after the first group's);
+* a **state** group is the request's slot (of the group's layers in a layer-wise chunk), moved
+  with the last token range, like the aux slot.
 
-The decode counts writes per writer, never per group: ``TRANSFER_DONE`` says how many a writer
-posted, groups included, and a writer is any prefill rank that writes some group into the
-decode rank (``kvproto.geometry.groups.link_roles``).
+*One write per chunk and link.* The sender joins a chunk's bytes of every group into one write
+(``PostGroups``, one ``seq`` and one tag), so a hybrid room costs the writes, tags and
+completions a one-group room does; on a staged link the state slots ride in the write of the
+piece that ends the prompt (``SenderLink.piece_states``). The decode counts writes per writer,
+never per group: ``TRANSFER_DONE`` says how many a writer posted, and a writer is any prefill
+rank that writes some group into the decode rank (``kvproto.geometry.groups.link_roles``).
 
 *Layers.* Layer-wise chunks name a span of the *model's* layers. Each group maps its own layers
 to model layers (``GroupSpec.layers``, ascending); a span moves, in every group, the group's
@@ -76,7 +78,7 @@ class LinkGroup:
     block_size: int = 0
     staged: bool = False
     """A paged group that rides in the link's staged pieces (``staged_groups``): when a room's
-    writes to the link stage, the pieces carry it and it gets no write of its own."""
+    writes to the link stage, the pieces carry it."""
 
 
 def pages_from_zero(dest: GroupDestination) -> tuple[int, ...]:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 
 from kvproto.core.base import CoreBase, RoomBase, Tombstone, duplicate_page
 from kvproto.core.cost import PathCost, page_runs
-from kvproto.core.events import LinkKey, PostAux, PostStaged, PostState, PostWrite, Timeouts
+from kvproto.core.events import LinkKey, PagedPart, Part, PostAux, PostGroups, PostStaged, PostWrite, StatePart, Timeouts
 from kvproto.core.groups import (
     GroupSpec,
     LinkGroup,
@@ -100,6 +100,9 @@ class SenderLink:
     """Regions (layers x planes) a direct write covers, for ``cost``."""
     groups: tuple[LinkGroup, ...] = ()
     """The groups beyond the first as the decode rank registered them (``writer`` is the first's)."""
+    piece_states: bool = False
+    """State slots may ride in the staged piece that ends a request's tokens (one write with it:
+    the staging regions and the state memory are of one kind on each side)."""
 
     @property
     def writes_any(self) -> bool:
@@ -730,7 +733,8 @@ class SenderCore(CoreBase):
             start_token=msg.start_token, end_token=msg.end_token, src_pages=tuple(room.src_pages),
             remote_offset=msg.offset,
             ready=tuple(c.ready for c in room.chunks if c.ready is not None and c.start < msg.end_token),
-            group_pages=tuple(tuple(p) for p in room.group_pages)))
+            group_pages=tuple(tuple(p) for p in room.group_pages),
+            parts=self._piece_states(room, peer, msg.end_token)))
         peer.inflight.add(msg.seq)
         peer.staged_seqs.add(msg.seq)
         self._request_staging(room, peer)
@@ -786,6 +790,7 @@ class SenderCore(CoreBase):
                 start = max(chunk.start, req.prefix_tokens)
                 end = min(chunk.end, req.num_tokens)
                 span = local_span(self.layers, chunk.layers)
+                parts: list[Part] = []
                 if link.writer and start < end:
                     if peer.staged is None:
                         peer.staged = self._stages(room, peer, start, end)
@@ -794,31 +799,59 @@ class SenderCore(CoreBase):
                             peer.stage_end = end
                             self._request_staging(room, peer)
                     elif span is None or span[0] < span[1]:  # the span holds some of the first group's layers
-                        self._post(room, peer, PostWrite, start_token=start, end_token=end,
-                                   src_pages=tuple(room.src_pages), dst_pages=req.dst_pages, layers=span,
-                                   ready=ready)
-                for g, (spec, lg) in enumerate(zip(self.groups, link.groups)):
-                    if not lg.writes:
-                        continue
-                    span = local_span(spec.layers, chunk.layers)
-                    if span is not None and span[0] == span[1]:
-                        continue
-                    dest = req.groups[g]
-                    if lg.staged and peer.staged:
-                        continue  # the link's staged pieces carry this group
-                    if spec.state:
-                        if chunk.last and room.state_slots is not None:
-                            self._post(room, peer, PostState, group=g + 1, src_slot=room.state_slots[g],
-                                       dst_slot=dest.slot, layers=span, ready=ready)
-                        continue
-                    first = max(start, spec.window_start(req.num_tokens))
-                    if first < end:
-                        self._post(room, peer, PostWrite, group=g + 1, start_token=first, end_token=end,
-                                   src_pages=tuple(room.group_pages[g]), dst_pages=pages_from_zero(dest),
-                                   layers=span, ready=ready)
+                        if not self.groups:
+                            self._post(room, peer, PostWrite, start_token=start, end_token=end,
+                                       src_pages=tuple(room.src_pages), dst_pages=req.dst_pages, layers=span,
+                                       ready=ready)
+                        else:
+                            parts.append(PagedPart(group=0, start_token=start, end_token=end,
+                                                   src_pages=tuple(room.src_pages), dst_pages=req.dst_pages,
+                                                   layers=span))
+                if self.groups:
+                    parts += self._group_parts(room, peer, chunk, start, end)
+                if parts:
+                    self._post(room, peer, PostGroups, parts=tuple(parts), ready=ready)
                 if chunk.last and chunk.completes and link.aux_owner and chunk.aux_slot is not None and \
                         req.aux_slot != NO_SLOT:
                     self._post(room, peer, PostAux, src_slot=chunk.aux_slot, dst_slot=req.aux_slot)
+
+    def _group_parts(self, room: SenderRoom, peer: _Peer, chunk: _Chunk, start: int, end: int) -> list[Part]:
+        """The parts of groups beyond the first that a chunk's write to ``peer`` carries: each
+        paged group's tokens (clipped to its window; none where the link's staged pieces carry the
+        group) and, with the last token range, each state slot, unless the piece that ends the
+        request's tokens is still to be granted on a staged link: the slots then ride in it."""
+        parts: list[Part] = []
+        req = peer.request
+        defer_states = bool(peer.staged) and peer.link.piece_states and peer.stage_next < req.num_tokens
+        for g, (spec, lg) in enumerate(zip(self.groups, peer.link.groups)):
+            if not lg.writes:
+                continue
+            span = local_span(spec.layers, chunk.layers)
+            if span is not None and span[0] == span[1]:
+                continue
+            if spec.state:
+                if chunk.last and room.state_slots is not None and not defer_states:
+                    parts.append(StatePart(group=g + 1, src_slot=room.state_slots[g], dst_slot=req.groups[g].slot,
+                                           layers=span))
+                continue
+            if lg.staged and peer.staged:
+                continue  # the link's staged pieces carry this group
+            first = max(start, spec.window_start(req.num_tokens))
+            if first < end:
+                parts.append(PagedPart(group=g + 1, start_token=first, end_token=end,
+                                       src_pages=tuple(room.group_pages[g]), dst_pages=pages_from_zero(req.groups[g]),
+                                       layers=span))
+        return parts
+
+    def _piece_states(self, room: SenderRoom, peer: _Peer, end_token: int) -> tuple[StatePart, ...]:
+        """The state slots that ride in a staged piece: every state group the link writes, all its
+        layers, in the piece that ends the request's tokens once the slots are known (else they
+        go with the last chunk's write, ``_group_parts``)."""
+        req = peer.request
+        if not peer.link.piece_states or end_token != req.num_tokens or room.state_slots is None:
+            return ()
+        return tuple(StatePart(group=g + 1, src_slot=room.state_slots[g], dst_slot=req.groups[g].slot)
+                     for g, (spec, lg) in enumerate(zip(self.groups, peer.link.groups)) if spec.state and lg.writes)
 
     def _post(self, room: SenderRoom, peer: _Peer, output: type, **fields: object) -> None:
         """Emit one tagged write to ``peer`` as its next ``seq``."""

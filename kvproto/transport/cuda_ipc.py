@@ -57,7 +57,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,6 +145,19 @@ class _Dual:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+
+@dataclass(eq=False, slots=True)
+class _Launch:
+    """One kernel of a write, checked and planned: ``table`` is the small int64 table it reads
+    (tiles, or both page lists), put where the kernel reads it at launch; ``go(table)`` launches
+    it on the current stream (on CPU memory: runs it at once, in the interpreter)."""
+
+    bases: _Bases
+    table: np.ndarray
+    go: Callable[[Any], None]
+    nbytes: int
+    descriptors: int
 
 
 @dataclass(eq=False)
@@ -426,7 +439,8 @@ class CudaIpcTransport:
         src = take_rows(local.rows, local_idx, "local")
         dst = take_rows(rows, remote_idx, "remote")
         here = self._translate(mapped, dst, local.kind, "post_prepared")
-        return self._launch_rows(mapped, src, np.stack([here, dst[:, 1], dst[:, 2]], axis=1), tag, local.kind)
+        return self._run(mapped, [self._rows_launch(src, np.stack([here, dst[:, 1], dst[:, 2]], axis=1), local.kind)],
+                         tag)
 
     def post_descs(self, peer: str, local_rows: np.ndarray, local_kind: MemKind, remote_rows: np.ndarray,
                    remote_kind: MemKind, tag: bytes) -> Any:
@@ -435,12 +449,8 @@ class CudaIpcTransport:
         if mapped is None or not (self._kernel_kind(local_kind) and self._kernel_kind(remote_kind)):
             self._fallback_busy()
             return self._fallback.post_descs(peer, local_rows, local_kind, remote_rows, remote_kind, tag)
-        src = self._check_local(as_descs(local_rows), local_kind, "post_descs")
-        dst = as_descs(remote_rows)
-        if local_kind is not remote_kind:
-            raise TransportError(f"post_descs: kernels copy {local_kind.name} to {local_kind.name} only")
-        here = self._translate(mapped, dst, remote_kind, "post_descs")
-        return self._launch_rows(mapped, src, np.stack([here, dst[:, 1], dst[:, 2]], axis=1), tag, local_kind)
+        return self._run(mapped, [self._descs_launch(mapped, local_rows, local_kind, remote_rows, remote_kind,
+                                                     "post_descs")], tag)
 
     def post_pattern(self, peer: str, local_bases: Sequence[int], local_kind: MemKind, remote_bases: Sequence[int],
                      remote_kind: MemKind, pattern: np.ndarray, tag: bytes) -> Any:
@@ -461,7 +471,7 @@ class CudaIpcTransport:
                                      f"a {side} region has only {room} bytes from its base: it is not inside "
                                      f"registered memory")
         nbytes = int(pat[:, 2].sum()) * bases.regions
-        return self._launch(mapped, pat, bases, tag, nbytes, descriptors=0)
+        return self._run(mapped, [self._pattern_launch(pat, bases, nbytes, descriptors=0)], tag)
 
     def post_plan(self, peer: str, plan: PairPlan, local_bases: Sequence[int], local_kind: MemKind,
                   remote_bases: Sequence[int], remote_kind: MemKind, src_pages: Sequence[int],
@@ -473,6 +483,31 @@ class CudaIpcTransport:
         token. Exactly the tokens move, also for a direct plan (whose pages are identical)."""
         self._check_open()
         mapped = self._mapped(peer, "post_plan")
+        return self._run(mapped, [self._plan_launch(mapped, plan, local_bases, local_kind, remote_bases, remote_kind,
+                                                    src_pages, dst_pages, start, end)], tag)
+
+    def post_parts(self, peer: str, parts: Sequence[Any], tag: bytes) -> Any:
+        """Several parts as one write (``kvproto.aio.paths.Part``: each the arguments of a
+        ``post_plan`` after the peer, or descriptor rows): every part checked first, then a kernel
+        per part on this agent's stream and one completion, after which the one tag leaves. Only
+        for peers whose ``route`` says ``pattern``."""
+        self._check_open()
+        mapped = self._mapped(peer, "post_parts")
+        if not parts:
+            raise TransportError("post_parts: a write needs at least one part")
+        launches = [self._plan_launch(mapped, *p.plan) if p.plan is not None else
+                    self._descs_launch(mapped, p.rows[0], p.local_kind, p.rows[1], p.remote_kind, "post_parts")
+                    for p in parts]
+        if len({launch.bases.table.device for launch in launches}) != 1:
+            raise TransportError("post_parts: the parts are on different devices")
+        return self._run(mapped, launches, tag)
+
+    # --- launches: checked and planned first (``_*_launch``), then run as one write (``_run``) ---------
+    def _plan_launch(self, mapped: _Peer, plan: PairPlan, local_bases: Sequence[int], local_kind: MemKind,
+                     remote_bases: Sequence[int], remote_kind: MemKind, src_pages: Sequence[int],
+                     dst_pages: Sequence[int], start: int, end: int) -> _Launch:
+        from kvproto.kernels import pattern as kernels
+
         bases = self._bases(mapped, local_bases, local_kind, remote_bases, remote_kind)
         if not 0 <= start < end:
             raise TransportError(f"post_plan: bad token range [{start}, {end})")
@@ -489,33 +524,76 @@ class CudaIpcTransport:
                                      f"({room // g.page_bytes} pages of {g.page_bytes} bytes from each region base)")
             pages.append(arr[:last + 1])
         rows = plan_rows(plan, start, end, regions=bases.regions, base_align=bases.align)
-        return self._launch_rows_plan(mapped, rows, bases, pages[0], pages[1], tag)
+        src_table, dst_table = bases.table[:bases.regions], bases.table[bases.regions:]
+        split = len(pages[0])
 
-    def _launch_rows_plan(self, mapped: _Peer, rows: Any, bases: _Bases, src_pages: np.ndarray,
-                          dst_pages: np.ndarray, tag: bytes) -> KernelXfer:
-        import torch
+        def go(table: Any) -> None:
+            if isinstance(table, Pointer):
+                src, dst = table, Pointer(table.address + 8 * split)
+            else:
+                src, dst = table[:split], table[split:]
+            kernels.launch_rows(rows, src_table, dst_table, src, dst)
 
+        return _Launch(bases, np.concatenate(pages), go, rows.nbytes, 0)
+
+    def _descs_launch(self, mapped: _Peer, local_rows: np.ndarray, local_kind: MemKind, remote_rows: np.ndarray,
+                      remote_kind: MemKind, op: str) -> _Launch:
+        src = self._check_local(as_descs(local_rows), local_kind, op)
+        dst = as_descs(remote_rows)
+        if local_kind is not remote_kind or not self._kernel_kind(local_kind):
+            raise TransportError(f"{op}: kernels copy {self._kernel_kinds()} to the same kind, not "
+                                 f"{local_kind.name} to {remote_kind.name}")
+        here = self._translate(mapped, dst, remote_kind, op)
+        return self._rows_launch(src, np.stack([here, dst[:, 1], dst[:, 2]], axis=1), local_kind)
+
+    def _rows_launch(self, src: np.ndarray, dst_here: np.ndarray, kind: MemKind) -> _Launch:
+        """Rows as a pattern of absolute addresses over one region of base 0."""
+        nbytes = check_pairs(src, dst_here)
+        pattern = np.stack([src[:, 0], dst_here[:, 0], src[:, 1]], axis=1)
+        zero = np.zeros(1, np.int64)
+        key = ("", kind, (0,), (0,))
+        bases = self._bases_cache.get(key)
+        if bases is None:
+            bases = self._bases_cache[key] = _Bases(None, zero, zero, 0, 0, align=16,
+                                                    table=self._table(np.zeros(2, np.int64), kind))
+        return self._pattern_launch(pattern, bases, nbytes, descriptors=len(src))
+
+    @staticmethod
+    def _pattern_launch(pattern: np.ndarray, bases: _Bases, nbytes: int, descriptors: int) -> _Launch:
         from kvproto.kernels import pattern as kernels
 
+        plan = kernels.plan_pattern(pattern, regions=bases.regions, base_align=bases.align)
         src_table, dst_table = bases.table[:bases.regions], bases.table[bases.regions:]
-        both = np.concatenate([src_pages, dst_pages])
-        if bases.table.device.type == "cpu":
-            table = torch.from_numpy(both)
-            kernels.launch_rows(rows, src_table, dst_table, table[:len(src_pages)], table[len(src_pages):])
-            return self._record(mapped, tag, _Done(), (), rows.nbytes, 0)
-        stream = self._own_stream(bases.table.device)
-        stream.wait_stream(torch.cuda.current_stream(bases.table.device))
+        return _Launch(bases, plan.tiles, lambda tiles: kernels.launch(plan, src_table, dst_table, tiles), nbytes,
+                       descriptors)
+
+    def _run(self, mapped: _Peer, launches: Sequence[_Launch], tag: bytes) -> KernelXfer:
+        """Launch every kernel of one write on this agent's stream (after the work queued on the
+        caller's current stream; on CPU memory: at once, in the interpreter), then the one event
+        that ``poll`` waits for before it sends the tag."""
+        import torch
+
+        nbytes = sum(launch.nbytes for launch in launches)
+        descriptors = sum(launch.descriptors for launch in launches)
+        device = launches[0].bases.table.device
+        if device.type == "cpu":
+            for launch in launches:
+                launch.go(torch.from_numpy(launch.table))
+            return self._record(mapped, tag, _Done(), (), nbytes, descriptors)
+        stream = self._own_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        keep, slots = [], []
         with torch.cuda.stream(stream):
-            table, slot = self._uploads.put(both, bases.table.device)
-            if isinstance(table, Pointer):
-                src, dst = table, Pointer(table.address + 8 * len(src_pages))
-            else:
-                src, dst = table[:len(src_pages)], table[len(src_pages):]
-            kernels.launch_rows(rows, src_table, dst_table, src, dst)
+            for launch in launches:
+                table, slot = self._uploads.put(launch.table, device)
+                launch.go(table)
+                keep.append(table)
+                slots.append(slot)
             event = torch.cuda.Event()
             event.record(stream)
-        self._uploads.used(slot, event)
-        return self._record(mapped, tag, event, (table,), rows.nbytes, 0)
+        for slot in slots:
+            self._uploads.used(slot, event)
+        return self._record(mapped, tag, event, tuple(keep), nbytes, descriptors)
 
     def _record(self, mapped: _Peer, tag: bytes, event: Any, keep: tuple[Any, ...], nbytes: int,
                 descriptors: int) -> KernelXfer:
@@ -574,44 +652,6 @@ class CudaIpcTransport:
         device = torch.device("cuda", self._device_ordinal())
         with torch.cuda.stream(self._own_stream(device)):
             return host.pin_memory().to(device, non_blocking=True)
-
-    def _launch_rows(self, mapped: _Peer, src: np.ndarray, dst_here: np.ndarray, tag: bytes,
-                     kind: MemKind) -> KernelXfer:
-        """Rows as a pattern of absolute addresses over one region of base 0."""
-        nbytes = check_pairs(src, dst_here)
-        pattern = np.stack([src[:, 0], dst_here[:, 0], src[:, 1]], axis=1)
-        zero = np.zeros(1, np.int64)
-        key = ("", kind, (0,), (0,))
-        bases = self._bases_cache.get(key)
-        if bases is None:
-            bases = self._bases_cache[key] = _Bases(None, zero, zero, 0, 0, align=16,
-                                                    table=self._table(np.zeros(2, np.int64), kind))
-        return self._launch(mapped, pattern, bases, tag, nbytes, descriptors=len(src))
-
-    def _launch(self, mapped: _Peer, pattern: np.ndarray, bases: _Bases, tag: bytes, nbytes: int,
-                descriptors: int) -> KernelXfer:
-        """One kernel for the whole write, on this agent's stream (DRAM: in the interpreter, at
-        once); the event that ``poll`` waits for before it sends the tag."""
-        import torch
-
-        from kvproto.kernels import pattern as kernels
-
-        plan = kernels.plan_pattern(pattern, regions=bases.regions, base_align=bases.align)
-        src_table, dst_table = bases.table[:bases.regions], bases.table[bases.regions:]
-        if bases.table.device.type == "cpu":
-            kernels.launch(plan, src_table, dst_table, torch.from_numpy(plan.tiles))
-            event: Any = _Done()
-            keep: tuple[Any, ...] = ()
-        else:
-            stream = self._own_stream(bases.table.device)
-            stream.wait_stream(torch.cuda.current_stream(bases.table.device))
-            with torch.cuda.stream(stream):
-                tiles, keep = self._uploads.put(plan.tiles, bases.table.device)
-                kernels.launch(plan, src_table, dst_table, tiles)
-                event = torch.cuda.Event()
-                event.record(stream)
-            self._uploads.used(keep, event)
-        return self._record(mapped, tag, event, keep, nbytes, descriptors)
 
     def _own_stream(self, device: Any) -> Any:
         import torch

@@ -129,9 +129,9 @@ def _caches(case: Case, side: str) -> list[RankCache]:
 
 
 async def run_hybrid_room(case: Case, room_id: int, transport: str = "loopback",
-                          options: dict[str, Any] | None = None) -> set[str]:
+                          options: dict[str, Any] | None = None, writes: list[int] | None = None) -> set[str]:
     """One room of ``case`` across all ranks; every group checked on every decode rank. Returns the
-    paths the prefill rooms used."""
+    paths the prefill rooms used (and appends each prefill room's write count to ``writes``)."""
     cfg = case.cfg
     pre, dec = _caches(case, "prefill"), _caches(case, "decode")
     n, prefix = cfg.tokens, _prefix(case)
@@ -188,6 +188,8 @@ async def run_hybrid_room(case: Case, room_id: int, transport: str = "loopback",
         for rank, (cache, pages, group_pages, slots) in enumerate(checks):
             assert cache.check(room_id, pages, n) == 0, f"decode rank {rank}: the first group holds wrong bytes"
             assert cache.check_groups(room_id, group_pages, slots, n) == 0, f"decode rank {rank}: a group is wrong"
+        if writes is not None:
+            writes.extend(r.stats.writes for r in rooms[len(decodes):])
         return set().union(*(r.stats.paths for r in rooms[len(decodes):]))
     finally:
         for ep in [*prefills[::-1], *decodes]:
@@ -234,6 +236,33 @@ async def test_hybrid_staged_pieces_carry_the_groups_without_a_window() -> None:
     assert paths == {"staged-cpu"}, paths
     paths = await run_hybrid_room(_preset_case("swa", 2, 1, decode_block=32), room_id=16)
     assert paths == {"staged-cpu", "sliced"}, paths
+
+
+@pytest.mark.parametrize("transport", ["loopback", "cuda-ipc"])
+async def test_hybrid_room_makes_one_write_per_chunk_and_link(transport: str, monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
+    """A hybrid room costs the writes a one-group room does: each chunk's write carries every group
+    (GDN preset, TP 1 -> 1, 150 tokens in chunks of 64: three writes, the state in the last), and
+    where the first group stages, the state slots ride in the piece that ends the prompt."""
+    options = {"fallback": "loopback", "cpu_kernels": True} if transport == "cuda-ipc" else None
+    writes: list[int] = []
+    paths = await run_hybrid_room(_preset_case("gdn", 1, 1), room_id=17, transport=transport, options=options,
+                                  writes=writes)
+    assert writes == [3], (writes, paths)
+    assert paths == ({"direct-kernel", "state"} if transport == "cuda-ipc" else {"direct", "state"}), paths
+    if transport == "loopback":
+        pieces: list[int] = []
+        stage = PrefillEndpoint._stage
+
+        def counted(self: PrefillEndpoint, out: Any, link: Any) -> None:
+            pieces.append(out.seq)
+            stage(self, out, link)
+
+        monkeypatch.setattr(PrefillEndpoint, "_stage", counted)
+        writes.clear()
+        paths = await run_hybrid_room(_preset_case("gdn", 1, 1, decode_block=32), room_id=18, writes=writes)
+        assert paths == {"staged-cpu", "state"}, paths
+        assert pieces and writes == [len(pieces)], (writes, pieces)  # no write of the state's own
 
 
 async def test_hybrid_layerwise_moves_each_group_with_its_layers() -> None:
