@@ -412,12 +412,32 @@ class ProcessPrefill(_ProcessFacade):
 # --- the child --------------------------------------------------------------------------------------
 class _Sink:
     """The child's ended-room queue: every end the facade records is written up the events pipe
-    (and why a room failed, up the reasons pipe)."""
+    (and why a room failed, up the reasons pipe, first). An open refused on the endpoint's loop may
+    end before ``_perform`` holds the room's handle: that end waits for it (``opened``)."""
 
     def __init__(self, writer: _Writer, rooms: dict[int, Any], reasons: Any) -> None:
         self.writer, self.rooms, self.reasons = writer, rooms, reasons
+        self.lock = threading.Lock()
+        self.opening: set[int] = set()
+        self.early: dict[int, tuple[int, RoomState, Any]] = {}
 
     def append(self, item: tuple[int, RoomState, Any]) -> None:
+        with self.lock:
+            if item[0] in self.opening:
+                self.early[item[0]] = item
+                return
+            self._emit(item)
+
+    def opened(self, room_id: int, room: Any) -> None:
+        """``_perform`` holds the handle of ``room_id``: its end, if it came first, goes up now."""
+        with self.lock:
+            self.opening.discard(room_id)
+            self.rooms[room_id] = room
+            early = self.early.pop(room_id, None)
+            if early is not None:
+                self._emit(early)
+
+    def _emit(self, item: tuple[int, RoomState, Any]) -> None:
         room_id, state, code = item
         if state is RoomState.FAILED:
             room = self.rooms.get(room_id)
@@ -498,7 +518,7 @@ def _child(role: str, planes: Any, aux: Any, layout: dict[str, Any], config: End
         return
     rooms: dict[int, Any] = {}
     writer = _Writer(events, written, facade.loop.loop)
-    facade._finished = _Sink(writer, rooms, reasons)
+    sink = facade._finished = _Sink(writer, rooms, reasons)
     core = facade._endpoint.core
 
     def entered(room_id: int, state: RoomState) -> None:
@@ -512,26 +532,31 @@ def _child(role: str, planes: Any, aux: Any, layout: dict[str, Any], config: End
                 batch = calls.recv()
             except (EOFError, OSError):
                 break  # the engine has gone: close
-            if not _perform(role, facade, rooms, batch):
+            if not _perform(role, facade, rooms, batch, sink):
                 break
     finally:
         facade.close()
         loop.close()
 
 
-def _perform(role: str, facade: Any, rooms: dict[int, Any], batch: list[tuple[Any, ...]]) -> bool:
+def _perform(role: str, facade: Any, rooms: dict[int, Any], batch: list[tuple[Any, ...]], sink: _Sink) -> bool:
     """Make the engine's calls of one batch, in order; False once told to close."""
     for message in batch:
         kind = message[0]
         if kind == "close":
             return False
         room = rooms.get(message[1])
-        if kind == "open" and role == "decode":
-            _, room_id, peer, pages, num_tokens, prefix, aux_slot = message
-            rooms[room_id] = facade.receiver(room_id, peer, pages=pages, num_tokens=num_tokens,
-                                             prefix_tokens=prefix, aux_slot=aux_slot)
-        elif kind == "open":
-            rooms[message[1]] = facade.sender(message[1])
+        if kind == "open":
+            room_id = message[1]
+            with sink.lock:
+                sink.opening.add(room_id)
+            if role == "decode":
+                _, _, peer, pages, num_tokens, prefix, aux_slot = message
+                opened = facade.receiver(room_id, peer, pages=pages, num_tokens=num_tokens, prefix_tokens=prefix,
+                                         aux_slot=aux_slot)
+            else:
+                opened = facade.sender(room_id)
+            sink.opened(room_id, opened)
         elif room is None:
             continue  # the room has ended (or was refused): later calls are moot
         elif kind == "abort":

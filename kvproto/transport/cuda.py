@@ -121,7 +121,9 @@ class Uploads:
         self._host: Any = None
         self._words: np.ndarray | None = None
         self._head = 0
-        self._live: list[tuple[int, int, Any]] = []  # (start, end, event), oldest first
+        self._live: list[list[Any]] = []
+        """[start, end, event] of every slot in use, oldest first; event None: its kernel is not
+        launched yet (a write of several kernels holds several slots before its one event)."""
 
     def put(self, tiles: np.ndarray, device: Any) -> tuple[Any, Any]:
         """``tiles`` where a kernel on ``device`` reads them; returns (tensor-like, slot)."""
@@ -136,18 +138,21 @@ class Uploads:
             return torch.from_numpy(tiles.reshape(-1)).pin_memory().to(device, non_blocking=True), None
         assert self._words is not None
         self._words[start:start + n] = tiles.reshape(-1)
-        return Pointer(self._host.data_ptr() + 8 * start), (start, start + n + (n & 1))
+        slot = [start, start + n + (n & 1), None]
+        self._live.append(slot)  # held from now: the next put of the same write must not reuse it
+        return Pointer(self._host.data_ptr() + 8 * start), slot
 
     def used(self, slot: Any, event: Any) -> None:
+        """The kernel reading ``slot`` is launched: the slot is free once ``event`` has completed."""
         if slot is not None:
-            self._live.append((slot[0], slot[1], event))
+            slot[2] = event
 
     def _reserve(self, n: int) -> int | None:
         """The start of ``n`` free words, or None. Slots are released oldest first (their writes
         run in order on one stream); the free space is after the newest slot and before the oldest."""
         if n > self.ENTRIES // 4:
             return None
-        while self._live and self._live[0][2].query():
+        while self._live and self._live[0][2] is not None and self._live[0][2].query():
             self._live.pop(0)
         if not self._live:
             start = 0

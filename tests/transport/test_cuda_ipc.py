@@ -232,3 +232,38 @@ def test_cuda_ipc_post_plan_page_outside_registered_memory_is_refused() -> None:
     finally:
         a.close()
         b.close()
+
+
+class _Event:
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_uploads_keep_every_table_of_a_write_until_its_event() -> None:
+    """A write of several kernels (``post_parts``) puts a table per kernel before its one event
+    exists: no two tables of in-flight kernels share words of the ring, and a slot is reused only
+    once the event of its write has completed."""
+    import torch
+
+    from kvproto.transport.cuda import Uploads
+
+    up = Uploads()
+    up._host = torch.zeros(Uploads.ENTRIES, dtype=torch.int64)  # pinned on a GPU host; plain memory here
+    up._words = up._host.numpy()
+    a, b = np.arange(10, dtype=np.int64), np.arange(100, 110, dtype=np.int64)
+    _, first = up.put(a, "cpu")
+    _, second = up.put(b, "cpu")  # the same write: the first kernel may not have read its table yet
+    assert first[1] <= second[0]
+    assert (up._words[first[0]:first[0] + 10] == a).all() and (up._words[second[0]:second[0] + 10] == b).all()
+    event = _Event(False)
+    up.used(first, event)
+    up.used(second, event)
+    _, third = up.put(a, "cpu")
+    assert third[0] >= second[1]  # the write still runs: its slots are not reused
+    event.done = True
+    up.used(third, _Event(True))
+    _, fourth = up.put(b, "cpu")
+    assert fourth[0] == 0  # every write has run: the ring starts over
