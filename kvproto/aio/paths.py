@@ -39,9 +39,14 @@ import numpy as np
 
 from kvproto.aio.memory import KVCache, StateCache
 from kvproto.geometry import KVGeometry, PairPlan
+from kvproto.geometry.plan import PageListError
 from kvproto.geometry.groups import StateRun
 from kvproto.kernels.pattern import pair_extents
 from kvproto.transport.base import DescList, MemKind, Route, Transport, Xfer
+
+
+SMALL_WRITE_PAGES = 8
+"""A direct write of at most this many pages is planned with plain integers (``_post_few_pages``)."""
 
 
 def page_rows(bases: Sequence[int], num_blocks: int, page_bytes: int, device_id: int) -> np.ndarray:
@@ -184,6 +189,8 @@ class LinkPath:
             xfer = self.transport.post_plan(self.peer, *part.plan, tag)  # type: ignore[attr-defined,misc]
             return Posted(xfer, part.nbytes, 0)
         first, local_bases, remote_bases = self._regions(layers)
+        if self.plan.direct and end - start <= SMALL_WRITE_PAGES * self.plan.src.block_size:
+            return self._post_few_pages(tag, src_pages, dst_pages, start, end, first, len(local_bases))
         pattern = self._pattern(src_pages, dst_pages, start, end)
         regions = len(local_bases)
         nbytes = int(pattern[:, 2].sum()) * regions
@@ -242,6 +249,30 @@ class LinkPath:
             a, b = layers[0] * planes, layers[1] * planes
             cached = self._layer_regions[layers] = (a, self.local_bases[a:b], self.remote_bases[a:b])
         return cached
+
+    def _post_few_pages(self, tag: bytes, src_pages: Sequence[int], dst_pages: Sequence[int], start: int, end: int,
+                        region0: int, count: int) -> Posted:
+        """``_post_pages`` of a write of a few whole pages, with plain integers: what a small room
+        costs the prefill rank is mostly fixed costs, and array operations on a handful of pages
+        cost more than the arithmetic (the transport merges consecutive pages as before)."""
+        src_g, dst_g = self.local.kv.geometry, self.remote
+        first, last = start // src_g.block_size, (end - 1) // src_g.block_size
+        if last >= len(src_pages) or last >= len(dst_pages):
+            side, pages = ("source", src_pages) if last >= len(src_pages) else ("destination", dst_pages)
+            raise PageListError(f"{side} page list has {len(pages)} pages, but tokens [{start}, {end}) in blocks "
+                                f"of {src_g.block_size} need page index {last}")
+        src = [int(p) for p in src_pages[first:last + 1]]
+        dst = [int(p) for p in dst_pages[first:last + 1]]
+        for side, pages, pool in (("source", src, src_g.num_blocks), ("destination", dst, dst_g.num_blocks)):
+            for i, p in enumerate(pages):
+                if not 0 <= p < pool:
+                    raise PageListError(f"{side} page {p} at index {first + i} is outside the pool [0, {pool})")
+        local_idx = [r * src_g.num_blocks + p for r in range(region0, region0 + count) for p in src]
+        remote_idx = [r * dst_g.num_blocks + p for r in range(region0, region0 + count) for p in dst]
+        xfer = self.transport.post_prepared(self.peer, self.local.pages(), np.array(local_idx, dtype=np.int64),
+                                            self.prepare(), np.array(remote_idx, dtype=np.int64), tag)
+        runs = 1 + sum(1 for i in range(1, len(src)) if src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1)
+        return Posted(xfer, len(src) * src_g.page_bytes * count, runs * count)
 
     def _post_pages(self, tag: bytes, pattern: np.ndarray, nbytes: int, region0: int = 0,
                     count: int | None = None) -> Posted:
