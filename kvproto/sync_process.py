@@ -23,10 +23,9 @@ work. One mechanism joins the two processes:
   (``torch.cuda.Event(interprocess=True)``);
 * **room events come up a pipe, raw.** The child writes every state a room enters and every
   end (room id, state, code) as 17-byte records, never blocking (what the pipe cannot take now
-  waits in the child until it can), and counts the bytes in a shared counter. The engine drains
-  the pipe only when the counter moved, inside ``poll`` and ``get_finished``; while calls keep
-  coming the helper thread, awake anyway, reads the counter every 0.5 ms and raises a flag, so
-  that a ``poll`` with nothing new reads two attributes and no shared memory or clock. Why a room failed travels beside, as text, read only by
+  waits in the child until it can), and counts the bytes in a shared counter. The engine reads
+  the counter (no system call) and drains the pipe only when it moved, inside ``poll`` and
+  ``get_finished``. Why a room failed travels beside, as text, read only by
   ``failure_exception``;
 * **the cache is shared, not copied.** The child builds its ``KVCache`` from the engine's own
   tensors, passed through ``torch.multiprocessing``: CUDA tensors arrive as CUDA IPC mappings of
@@ -87,18 +86,13 @@ class _ProcessRoom:
         self._code: ErrorCode | int | None = None
 
     def poll(self) -> RoomState:
-        """The room's state, without waiting. An engine polls every live room every step, so when
-        nothing changed this is a few attribute reads: while calls keep coming, the helper thread
-        watches the event counter and the liveness clock every 0.5 ms and raises ``_news``; else
-        one shared-counter read and one clock read."""
+        """The room's state, without waiting (one shared-counter read when nothing changed: an
+        engine polls every live room every step, so this path is kept to a few attribute reads)."""
         state = self._state
         if state is _FAILED or state is _SUCCESS:
             return state
         facade = self._facade
-        if facade._watched:  # the helper thread reads the counter and the clock for us
-            if facade._news or facade._pending:
-                facade._drain()
-        elif facade._pending or facade._written.value != facade._read or \
+        if facade._pending or facade._written.value != facade._read or \
                 time.monotonic() >= facade._next_alive_check:
             facade._drain()
         return self._state
@@ -202,9 +196,6 @@ class _ProcessFacade:
         self._parked = True
         """The helper thread sleeps on ``_kick`` (else it looks for waiting calls by itself)."""
         self._called = 0
-        self._watched = False
-        """The helper thread is awake and raises ``_news`` when events wait or a liveness check is due."""
-        self._news = True
         self._closed = False
         self._dead_since: float | None = None
         self._next_alive_check = 0.0
@@ -294,23 +285,18 @@ class _ProcessFacade:
                 pass  # the child has died: its rooms fail through _drain
 
     def _flush_later(self) -> None:
-        """A thread that sends the calls the engine left waiting for ``_LINGER_S`` and, while it is
-        awake, tells ``poll`` when there is news (events written, a liveness check due): it looks
-        every ``_LINGER_S`` until no call came for ``_AWAKE_S``, then sleeps until a call wakes it."""
+        """A thread that sends the calls the engine left waiting for ``_LINGER_S``: it looks every
+        ``_LINGER_S`` until no call came for ``_AWAKE_S``, then sleeps until a call wakes it."""
         while not self._closed:
             self._kick.wait()
             self._kick.clear()
-            self._news = self._watched = True
             quiet, seen = 0.0, -1
             while not self._closed and quiet < _AWAKE_S:
                 time.sleep(_LINGER_S)
                 if self._pending:
                     self._flush()
-                if self._written.value != self._read or time.monotonic() >= self._next_alive_check:
-                    self._news = True
                 quiet = 0.0 if self._called != seen else quiet + _LINGER_S
                 seen = self._called
-            self._watched = False
             self._parked = True
             if self._pending:  # a call came as it parked, and saw it awake: look once more
                 self._parked = False
@@ -319,7 +305,6 @@ class _ProcessFacade:
     def _drain(self, final: bool = False) -> None:
         """Send the calls waiting, then apply the room events the child wrote since the last drain
         (cheap when none)."""
-        self._news = False  # before reading: what is written from now on raises it again
         if self._pending:
             self._flush()
         if self._written.value != self._read or final:
