@@ -58,6 +58,8 @@ _EVENT = struct.Struct("<QBq")
 """One room event: room id, state (``RoomState``), code (-1: none)."""
 _NO_CODE = -1
 _FAILED, _SUCCESS = RoomState.FAILED, RoomState.SUCCESS
+_STATES = tuple(sorted(RoomState, key=int))
+"""``RoomState`` by value (their values are 0..4)."""
 _BATCH = 64
 _LINGER_S = 0.0005
 """Calls wait in the engine's process until its next ``poll``/``get_finished`` (every step makes
@@ -331,8 +333,19 @@ class _ProcessFacade:
             self._read += len(chunk)
             self._buffer += chunk
         usable = len(self._buffer) - len(self._buffer) % _EVENT.size
-        for room_id, state, code in _EVENT.iter_unpack(self._buffer[:usable]):
-            self._event(room_id, RoomState(state), _code(code))
+        rooms, finished, states = self._rooms, self._finished, _STATES
+        for room_id, value, code in _EVENT.iter_unpack(self._buffer[:usable]):  # _event, inlined: a step may bring hundreds
+            state = states[value]
+            if state is _FAILED or state is _SUCCESS:
+                result = None if code == _NO_CODE else _code(code)
+                finished.append((room_id, state, result))
+                room = rooms.pop(room_id, None)
+                if room is not None:
+                    room._code, room._state = result, state
+            else:
+                room = rooms.get(room_id)
+                if room is not None:
+                    room._state = state
         self._buffer = self._buffer[usable:]
 
     def _event(self, room_id: int, state: RoomState, code: ErrorCode | int | None) -> None:
