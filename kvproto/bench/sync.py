@@ -14,6 +14,11 @@ polls themselves, which an engine does not pay; both figures are printed.) Last,
 facade sits idle for a second with its endpoint started and the process's CPU time over that
 second is reported (an idle facade should cost next to nothing).
 
+The prefill side's calls (``sender``, ``init``, ``send``, ``abort``, ``poll``, ``get_finished``)
+are timed the same way in a run of their own (``run_prefill``): the scheduler thread drives the
+prefill facade while a decode rank in another process opens the rooms; every 50th room is
+aborted after ``init`` (the decode must see exactly those fail).
+
 Then an *engine-shaped loop* (``run_engine``): the same thread runs steps of a model step of
 ``--engine-step-ms`` (many small launches and a synchronize on a GPU; CPU matrix products
 otherwise) plus that step's facade calls, in three phases: no kvproto, the facade idle, and
@@ -30,7 +35,7 @@ import multiprocessing as mp
 import time
 from typing import Any
 
-from kvproto.bench.rooms import BLOCK, _cache, _config, _page, _pct, _prefill_child
+from kvproto.bench.rooms import BLOCK, LAYERS, _cache, _config, _page, _pct, _prefill_child
 
 
 def _facade(process: bool) -> Any:
@@ -200,6 +205,130 @@ def _model_step(step_ms: float) -> tuple[Any, str]:
     return (lambda: launches(n)), what.format(n=n)
 
 
+ABORT_EVERY = 50
+"""The prefill-side run aborts every ``ABORT_EVERY``-th room right after ``init`` (timing ``abort``)."""
+
+
+def _decode_child(transport: str, blocks: int, address: str, rooms: int, window: int, aborted: list[int],
+                  conn: Any) -> None:
+    """The decode rank of the prefill-side run, in a process of its own: opens rooms 1..``rooms``
+    keeping ``window`` in flight, checks the pages of the last rooms that were not aborted, and
+    reports how many rooms failed."""
+    import asyncio
+
+    async def serve() -> int:
+        import torch
+
+        from kvproto.aio import DecodeEndpoint, TransferFailed
+
+        src, _ = _cache(1, blocks)
+        dst, kv = _cache(2, blocks)
+        failed = 0
+        async with DecodeEndpoint(kv, config=_config(transport)) as decode:
+            sem = asyncio.Semaphore(window)
+
+            async def one(room_id: int) -> None:
+                nonlocal failed
+                try:
+                    room = decode.open_room(room_id, address, pages=[_page(room_id, blocks)], num_tokens=BLOCK)
+                    await room.wait()
+                except TransferFailed:
+                    failed += 1
+                finally:
+                    sem.release()
+
+            tasks = []
+            for room_id in range(1, rooms + 1):
+                await sem.acquire()
+                tasks.append(asyncio.ensure_future(one(room_id)))
+                await asyncio.sleep(0)
+            await asyncio.gather(*tasks)
+        skip = set(aborted)
+        for room_id in [r for r in range(max(1, rooms - blocks + 1), rooms + 1) if r not in skip]:
+            page = _page(room_id, blocks)
+            if not all(torch.equal(src[p][layer][page], dst[p][layer][page]) for p in range(2)
+                       for layer in range(LAYERS)):
+                raise AssertionError(f"room {room_id}: page {page} differs from the source")
+        return failed
+
+    try:
+        conn.send(("done", asyncio.run(serve())))
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the run
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def run_prefill(rooms: int, window: int, step_ms: float, blocks: int, transport: str,
+                process: bool = False) -> dict[str, Any]:
+    """The prefill side's calls, timed on a synchronous scheduler thread driving ``SyncPrefill``
+    (``ProcessPrefill`` with ``process``) while a decode rank in another process opens the rooms:
+    per step, open rooms up to ``window`` (``sender``, ``init``, then ``send`` of the room's page,
+    or ``abort`` for every ``ABORT_EVERY``-th room), poll every live room, drain ``get_finished``."""
+    from kvproto.core import RoomState
+
+    if process:
+        from kvproto.sync_process import ProcessPrefill as facade
+    else:
+        from kvproto.sync import SyncPrefill as facade  # type: ignore[assignment]
+    _, kv = _cache(1, blocks)
+    calls: dict[str, list[float]] = {name: [] for name in ("sender", "init", "send", "abort", "poll", "get_finished")}
+    aborted = [r for r in range(1, rooms + 1) if r % ABORT_EVERY == 0]
+    ctx = mp.get_context("spawn")
+    with facade(kv, config=_config(transport)) as prefill:
+        conn, child_conn = ctx.Pipe()
+        child = ctx.Process(target=_decode_child, args=(transport, blocks, prefill.bootstrap_address or prefill.address,
+                                                        rooms, window, aborted, child_conn), daemon=True)
+        child.start()
+        pc = time.perf_counter
+        live: dict[int, Any] = {}
+        next_room, ended, failed = 1, 0, 0
+        started = pc()
+        while ended < rooms:
+            while len(live) < window and next_room <= rooms:
+                room_id = next_room
+                c0 = pc()
+                room = prefill.sender(room_id)
+                c1 = pc()
+                room.init(BLOCK)
+                c2 = pc()
+                if room_id % ABORT_EVERY == 0:
+                    room.abort()
+                    calls["abort"].append(pc() - c2)
+                else:
+                    room.send([_page(room_id, blocks)])
+                    calls["send"].append(pc() - c2)
+                calls["sender"].append(c1 - c0)
+                calls["init"].append(c2 - c1)
+                live[room_id] = room
+                next_room += 1
+            for room_id, room in list(live.items()):
+                c0 = pc()
+                state = room.poll()
+                calls["poll"].append(pc() - c0)
+                if state is RoomState.SUCCESS or state is RoomState.FAILED:
+                    failed += state is RoomState.FAILED and room_id % ABORT_EVERY != 0
+                    ended += 1
+                    del live[room_id]
+            c0 = pc()
+            prefill.get_finished()
+            calls["get_finished"].append(pc() - c0)
+            time.sleep(step_ms / 1000)
+        seconds = pc() - started
+        if not conn.poll(120):
+            raise RuntimeError("the decode process did not finish")
+        status, value = conn.recv()
+        child.join(timeout=10)
+    if status != "done":
+        raise RuntimeError(f"the decode process failed: {value}")
+    if failed or value != len(aborted):
+        raise RuntimeError(f"{failed} prefill rooms failed; the decode saw {value} failures for {len(aborted)} aborts")
+    result: dict[str, Any] = {"prefill_rooms_per_s": rooms / seconds, "prefill_aborted": len(aborted)}
+    for name, values in calls.items():
+        result[f"prefill_{name}_p50_us"] = _pct(values, 0.5) * 1e6
+        result[f"prefill_{name}_p99_us"] = _pct(values, 0.99) * 1e6
+        result[f"prefill_{name}_max_us"] = max(values, default=0.0) * 1e6
+    return result
+
+
 def run_engine(rooms: int, window: int, step_ms: float, steps: int, blocks: int, transport: str,
                process: bool = False) -> dict[str, Any]:
     """An engine-shaped loop: a scheduler thread whose step is a model step of ``step_ms`` plus the
@@ -278,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-steps", type=int, default=100, help="steps per phase of the engine loop (0: skip it)")
     ap.add_argument("--process", action="store_true",
                     help="the decode endpoint in a process of its own (kvproto.sync_process.ProcessDecode)")
+    ap.add_argument("--prefill-rooms", type=int, default=4000,
+                    help="rooms of the prefill-side run (sender, init, send, abort timed; 0: skip it)")
     ap.add_argument("--json", help="write every figure to this file")
     args = ap.parse_args(argv)
     r = run(args.rooms, args.window, args.step_ms, args.blocks, args.transport, args.process)
@@ -293,6 +424,16 @@ def main(argv: list[str] | None = None) -> int:
           f"max {r['step_overhead_max_ms']:.3f} ms (the steps that time each call: p50 "
           f"{r['timed_step_overhead_p50_ms']:.3f} ms, p99 {r['timed_step_overhead_p99_ms']:.3f} ms)")
     print(f"idle facade (endpoint started, no rooms): {r['idle_cpu_fraction'] * 100:.1f}% of a core")
+    if args.prefill_rooms:
+        r.update(run_prefill(args.prefill_rooms, args.window, args.step_ms, args.blocks, args.transport, args.process))
+        print(f"prefill side: synchronous scheduler thread driving "
+              f"{'ProcessPrefill' if args.process else 'SyncPrefill'}, decode in another process, "
+              f"{args.prefill_rooms} 1-page rooms ({r['prefill_aborted']} aborted), {args.window} in flight: "
+              f"{r['prefill_rooms_per_s']:.0f} rooms/s")
+        print(f"{'call':>14} {'p50 us':>8} {'p99 us':>8} {'max us':>8}")
+        for name in ("sender", "init", "send", "abort", "poll", "get_finished"):
+            print(f"{name:>14} {r[f'prefill_{name}_p50_us']:>8.1f} {r[f'prefill_{name}_p99_us']:>8.1f} "
+                  f"{r[f'prefill_{name}_max_us']:>8.1f}")
     if args.engine_steps:
         r.update(run_engine(args.engine_rooms, args.window, args.engine_step_ms, args.engine_steps, args.blocks,
                             args.transport, args.process))

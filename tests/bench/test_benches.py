@@ -103,16 +103,20 @@ def test_bench_layers_on_cpu_streams_the_tail_down_to_a_layer(tmp_path: Path) ->
 
 
 def test_bench_sync_engine_loop_reports_every_phase(tmp_path: Path) -> None:
-    """``bench sync`` times the facade's calls and runs the engine-shaped loop: no kvproto, the
-    facade idle, rooms moving (every room ends SUCCESS, else the run fails), idle again; each
-    phase has its step distribution and the process's CPU."""
+    """``bench sync`` times the facade's calls (both sides', every kind: the prefill side aborts
+    every 50th room) and runs the engine-shaped loop: no kvproto, the facade idle, rooms moving
+    (every room ends SUCCESS, else the run fails), idle again; each phase has its step
+    distribution and the process's CPU."""
     from kvproto.bench import sync
 
     out = tmp_path / "sync.json"
     assert sync.main(["--rooms", "60", "--window", "16", "--blocks", "64", "--engine-rooms", "80",
-                      "--engine-steps", "5", "--engine-step-ms", "2", "--json", str(out)]) == 0
+                      "--engine-steps", "5", "--engine-step-ms", "2", "--prefill-rooms", "120", "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["rooms_per_s"] > 0 and r["engine_rooms_per_s"] > 0
+    assert r["prefill_rooms_per_s"] > 0 and r["prefill_aborted"] == 2  # rooms 50 and 100: the decode saw both fail
+    for name in ("sender", "init", "send", "abort", "poll", "get_finished"):
+        assert 0 < r[f"prefill_{name}_p50_us"] <= r[f"prefill_{name}_p99_us"] <= r[f"prefill_{name}_max_us"]
     for name in ("bare", "idle", "moving", "idle_after"):
         assert r[f"engine_{name}_steps"] >= 5
         assert 0 < r[f"engine_{name}_p50_ms"] <= r[f"engine_{name}_p99_ms"] <= r[f"engine_{name}_max_ms"]
