@@ -334,7 +334,8 @@ class _ProcessFacade:
             self._buffer += chunk
         usable = len(self._buffer) - len(self._buffer) % _EVENT.size
         rooms, finished, states = self._rooms, self._finished, _STATES
-        for room_id, value, code in _EVENT.iter_unpack(self._buffer[:usable]):  # _event, inlined: a step may bring hundreds
+        # ``_event``, inlined: one drain may bring hundreds of events
+        for room_id, value, code in _EVENT.iter_unpack(self._buffer[:usable]):
             state = states[value]
             if state is _FAILED or state is _SUCCESS:
                 result = None if code == _NO_CODE else _code(code)

@@ -158,9 +158,9 @@ class KVCache:
             if isinstance(g, KVCache) and (g.groups or g.aux is not None):
                 raise ValueError(f"group {g.name!r}: a group beyond the first has no groups or aux buffer of its own")
             if (g.mem_kind, g.device_id) != (self.mem_kind, self.device_id):
-                raise ValueError(f"group {g.name!r} is in {g.mem_kind.name} of device {g.device_id}, the first group in "
-                                 f"{self.mem_kind.name} of device {self.device_id}: a cache's groups share one device "
-                                 f"(a write carries several groups at once)")
+                raise ValueError(f"group {g.name!r} is in {g.mem_kind.name} of device {g.device_id}, the first "
+                                 f"group in {self.mem_kind.name} of device {self.device_id}: a cache's groups share "
+                                 f"one device (a write carries several groups at once)")
         cache = replace(self, groups=tuple(groups))
         cache.cache_geometry  # noqa: B018 - raises GeometryError for an inconsistent cache
         cache.layer_map()

@@ -596,8 +596,8 @@ class PrefillEndpoint(EndpointBase):
             if isinstance(part, StatePart):
                 out.append(path.part(part.src_slot, part.dst_slot, part.layers))  # type: ignore[call-arg]
             else:
-                out.append(path.part(part.src_pages, part.dst_pages, part.start_token, part.end_token,  # type: ignore[call-arg]
-                                     part.layers))
+                out.append(path.part(part.src_pages, part.dst_pages,  # type: ignore[call-arg]
+                                     part.start_token, part.end_token, part.layers))
             kinds[path.label] = None
         return out, tuple(kinds)
 

@@ -40,7 +40,17 @@ from dataclasses import dataclass, field, replace
 
 from kvproto.core.base import CoreBase, RoomBase, Tombstone, duplicate_page
 from kvproto.core.cost import PathCost, page_runs
-from kvproto.core.events import LinkKey, PagedPart, Part, PostAux, PostGroups, PostStaged, PostWrite, StatePart, Timeouts
+from kvproto.core.events import (
+    LinkKey,
+    PagedPart,
+    Part,
+    PostAux,
+    PostGroups,
+    PostStaged,
+    PostWrite,
+    StatePart,
+    Timeouts,
+)
 from kvproto.core.groups import (
     GroupSpec,
     LinkGroup,

@@ -42,8 +42,9 @@ def _path() -> tuple[LinkPath, _Recorder]:
     kv = KVCache.from_tensors(planes, num_kv_heads=2)
     rec = _Recorder()
     g = kv.geometry
-    path = LinkPath(transport=rec, local=LocalLists(rec, kv), peer="peer", plan=plan_pair(g, g), remote=g,  # type: ignore[arg-type]
-                    remote_bases=[1 << 20] * g.num_regions, remote_kind=MemKind.DRAM, remote_device=0, remote_aux=None)
+    path = LinkPath(transport=rec, local=LocalLists(rec, kv),  # type: ignore[arg-type]
+                    peer="peer", plan=plan_pair(g, g), remote=g, remote_bases=[1 << 20] * g.num_regions,
+                    remote_kind=MemKind.DRAM, remote_device=0, remote_aux=None)
     return path, rec
 
 

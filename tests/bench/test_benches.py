@@ -111,7 +111,8 @@ def test_bench_sync_engine_loop_reports_every_phase(tmp_path: Path) -> None:
 
     out = tmp_path / "sync.json"
     assert sync.main(["--rooms", "60", "--window", "16", "--blocks", "64", "--engine-rooms", "80",
-                      "--engine-steps", "5", "--engine-step-ms", "2", "--prefill-rooms", "120", "--json", str(out)]) == 0
+                      "--engine-steps", "5", "--engine-step-ms", "2", "--prefill-rooms", "120",
+                      "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["rooms_per_s"] > 0 and r["engine_rooms_per_s"] > 0
     assert r["prefill_rooms_per_s"] > 0 and r["prefill_aborted"] == 2  # rooms 50 and 100: the decode saw both fail
