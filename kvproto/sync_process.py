@@ -333,31 +333,21 @@ class _ProcessFacade:
             self._read += len(chunk)
             self._buffer += chunk
         usable = len(self._buffer) - len(self._buffer) % _EVENT.size
-        rooms, finished, states = self._rooms, self._finished, _STATES
-        # ``_event``, inlined: one drain may bring hundreds of events
         for room_id, value, code in _EVENT.iter_unpack(self._buffer[:usable]):
-            state = states[value]
-            if state is _FAILED or state is _SUCCESS:
-                result = None if code == _NO_CODE else _code(code)
-                finished.append((room_id, state, result))
-                room = rooms.pop(room_id, None)
-                if room is not None:
-                    room._code, room._state = result, state
-            else:
-                room = rooms.get(room_id)
-                if room is not None:
-                    room._state = state
+            self._event(room_id, _STATES[value], _code(code))
         self._buffer = self._buffer[usable:]
 
     def _event(self, room_id: int, state: RoomState, code: ErrorCode | int | None) -> None:
-        room = self._rooms.get(room_id)
-        if state.terminal:
+        """Apply one room event (a drain may bring hundreds: kept to a few operations)."""
+        if state is _FAILED or state is _SUCCESS:
             self._finished.append((room_id, state, code))
+            room = self._rooms.pop(room_id, None)
             if room is not None:
-                del self._rooms[room_id]
                 room._code, room._state = code, state
-        elif room is not None:
-            room._state = state
+        else:
+            room = self._rooms.get(room_id)
+            if room is not None:
+                room._state = state
 
     def _check_alive(self) -> None:
         now = time.monotonic()

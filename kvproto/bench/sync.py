@@ -35,7 +35,7 @@ import multiprocessing as mp
 import time
 from typing import Any
 
-from kvproto.bench.rooms import BLOCK, LAYERS, _cache, _config, _page, _pct, _prefill_child
+from kvproto.bench.rooms import BLOCK, _cache, _check, _config, _decode_rooms, _page, _pct, _prefill_child
 
 
 def _facade(process: bool) -> Any:
@@ -217,39 +217,15 @@ def _decode_child(transport: str, blocks: int, address: str, rooms: int, window:
     import asyncio
 
     async def serve() -> int:
-        import torch
-
-        from kvproto.aio import DecodeEndpoint, TransferFailed
+        from kvproto.aio import DecodeEndpoint
 
         src, _ = _cache(1, blocks)
         dst, kv = _cache(2, blocks)
-        failed = 0
+        failures: list[str] = []
         async with DecodeEndpoint(kv, config=_config(transport)) as decode:
-            sem = asyncio.Semaphore(window)
-
-            async def one(room_id: int) -> None:
-                nonlocal failed
-                try:
-                    room = decode.open_room(room_id, address, pages=[_page(room_id, blocks)], num_tokens=BLOCK)
-                    await room.wait()
-                except TransferFailed:
-                    failed += 1
-                finally:
-                    sem.release()
-
-            tasks = []
-            for room_id in range(1, rooms + 1):
-                await sem.acquire()
-                tasks.append(asyncio.ensure_future(one(room_id)))
-                await asyncio.sleep(0)
-            await asyncio.gather(*tasks)
-        skip = set(aborted)
-        for room_id in [r for r in range(max(1, rooms - blocks + 1), rooms + 1) if r not in skip]:
-            page = _page(room_id, blocks)
-            if not all(torch.equal(src[p][layer][page], dst[p][layer][page]) for p in range(2)
-                       for layer in range(LAYERS)):
-                raise AssertionError(f"room {room_id}: page {page} differs from the source")
-        return failed
+            await _decode_rooms(decode, address, 1, rooms, window, blocks, failures)
+        _check(src, dst, 1, rooms, blocks, skip=frozenset(aborted))
+        return len(failures)
 
     try:
         conn.send(("done", asyncio.run(serve())))
