@@ -41,7 +41,15 @@ from kvproto.transport import (
     TransportStats,
     XferState,
 )
-from kvproto.transport.base import PreparedRows, check_pairs, check_rows, region_index, sorted_regions, take_rows
+from kvproto.transport.base import (
+    BAD_METADATA,
+    PreparedRows,
+    check_pairs,
+    check_rows,
+    region_index,
+    sorted_regions,
+    take_rows,
+)
 
 _FORMAT = "kvproto-vmwrite/1"
 _IOV_MAX = 1024
@@ -131,7 +139,7 @@ class VmWriteTransport:
                 raise ValueError(f"format {doc['format']!r}")
             peer = _Peer(str(doc["agent"]), int(doc["pid"]), bytes.fromhex(doc["sock"]),
                          sorted_regions([(int(a), int(n)) for a, n in doc["regions"]]))
-        except (ValueError, KeyError, TypeError) as e:
+        except BAD_METADATA as e:
             raise TransportError(f"add_peer: not vmwrite metadata ({e})") from e
         if peer.name == self.name:
             raise TransportError(f"add_peer: {peer.name!r} is this agent itself")

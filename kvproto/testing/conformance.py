@@ -44,7 +44,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -218,6 +218,31 @@ class TransportConformance:
         """Bytes that are not metadata raise TransportError."""
         with pytest.raises(TransportError):
             pair.a.add_peer(b"not metadata")
+
+    def test_add_peer_rejects_hostile_metadata(self, pair: Pair) -> None:
+        """Metadata that parses but is not what it claims (JSON ``Infinity`` where a number goes, a
+        list where an object goes) raises TransportError, never another exception: a REGISTER
+        carries it from a peer."""
+        import json
+
+        blobs = [b"[1, 2]", b"Infinity", b'{"format": Infinity}', b'{"regions": [[Infinity, 1, 0, 0]]}']
+        try:
+            doc = json.loads(pair.b.metadata())
+        except ValueError:
+            doc = None  # not JSON (an adapter's own format): the generic blobs only
+
+        def infinite(value: Any) -> Any:
+            if isinstance(value, dict):
+                return {k: infinite(v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [infinite(v) for v in value]
+            return float("inf") if isinstance(value, int) and not isinstance(value, bool) else value
+
+        if isinstance(doc, dict):
+            blobs.append(json.dumps(infinite(doc)).encode())
+        for blob in blobs:
+            with pytest.raises(TransportError):
+                pair.a.add_peer(blob)
 
 
     def test_post_prepared_scattered_indices_land_exactly(self, pair: Pair) -> None:

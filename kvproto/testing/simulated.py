@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvproto.transport.base import MemKind, Notification, TransportError, XferState
+from kvproto.transport.base import BAD_METADATA, MemKind, Notification, TransportError, XferState
 from kvproto.transport.loopback import (
     _FORMAT as _LOOPBACK_FORMAT,
 )
@@ -229,7 +229,7 @@ class SimulatedTransport(LoopbackTransport):
             if doc["format"] != _FORMAT:
                 raise ValueError(f"format {doc['format']!r}")
             doc["format"] = _LOOPBACK_FORMAT
-        except (ValueError, KeyError, TypeError) as e:
+        except BAD_METADATA as e:
             raise TransportError(f"add_peer: not simulated metadata ({e})") from e
         return super().add_peer(json.dumps(doc).encode())
 

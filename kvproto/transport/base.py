@@ -63,6 +63,12 @@ class TransportError(RuntimeError):
     """An adapter call failed (bad descriptor, unknown peer, backend error)."""
 
 
+BAD_METADATA = (ValueError, KeyError, TypeError, AttributeError, OverflowError)
+"""What parsing a peer's metadata may raise on hostile bytes (JSON ``Infinity`` read as an int
+overflows; a list where an object was expected has no keys): adapters turn these into
+``TransportError`` in ``add_peer``, so a bad REGISTER fails its link, never the endpoint."""
+
+
 class TransportClosed(TransportError):
     """The adapter was closed; no call but ``close`` is allowed."""
 

@@ -64,6 +64,7 @@ from typing import Any
 import numpy as np
 
 from kvproto.transport.base import (
+    BAD_METADATA,
     MemKind,
     MemoryRegion,
     Notification,
@@ -272,7 +273,7 @@ class CudaIpcTransport:
                 raise ValueError(f"format {doc.get('format')!r}")
             inner = base64.b64decode(doc["fallback"])
             regions = [(int(r["address"]), int(r["length"]), int(r["kind"])) for r in doc["regions"]]
-        except (ValueError, KeyError, TypeError) as exc:
+        except BAD_METADATA as exc:
             raise TransportError(f"add_peer: not {_FORMAT} metadata ({exc})") from None
         name = self._fallback.add_peer(inner)
         if name != doc.get("agent"):

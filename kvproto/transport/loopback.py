@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvproto.transport.base import (
+    BAD_METADATA,
     MemKind,
     MemoryRegion,
     Notification,
@@ -208,7 +209,7 @@ class LoopbackTransport:
                 raise ValueError(f"format {doc['format']!r}")
             name, token = str(doc["agent"]), int(doc["token"])
             regions = np.array(doc["regions"], dtype=np.int64).reshape(-1, 4)
-        except (ValueError, KeyError, TypeError) as e:
+        except BAD_METADATA as e:
             raise TransportError(f"add_peer: not loopback metadata ({e})") from e
         if name == self.name:
             raise TransportError(f"add_peer: metadata names this agent {name!r} itself")

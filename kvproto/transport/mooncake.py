@@ -46,6 +46,7 @@ import numpy as np
 import zmq
 
 from kvproto.transport.base import (
+    BAD_METADATA,
     MemKind,
     MemoryRegion,
     Notification,
@@ -178,7 +179,7 @@ class MooncakeTransport:
                 raise ValueError(f"format {doc['format']!r}")
             name, session, tags = str(doc["agent"]), str(doc["session"]), str(doc["tags"])
             regions = sorted_regions([(int(a), int(n)) for a, n in doc["regions"]])
-        except (ValueError, KeyError, TypeError) as e:
+        except BAD_METADATA as e:
             raise TransportError(f"add_peer: not Mooncake adapter metadata ({e})") from e
         if name == self.name:
             raise TransportError(f"add_peer: {name!r} is this agent itself")
