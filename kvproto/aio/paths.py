@@ -105,16 +105,33 @@ class Posted:
     descriptors: int
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class SlotRows:
+    """A state group's rows of slot 0, one per region and run, and how far each row moves per slot
+    on each side: slot ``s`` into slot ``d`` is ``src + s * src_stride`` into ``dst + d *
+    dst_stride``. A link keeps one for its lifetime, so a pattern route checks it once."""
+
+    src: np.ndarray
+    src_stride: np.ndarray
+    dst: np.ndarray
+    dst_stride: np.ndarray
+    length: np.ndarray
+
+
 @dataclass(frozen=True, slots=True)
 class Part:
-    """One path's share of a write of several parts: descriptor ``rows`` (local, remote), or on a
-    pattern route ``plan``, the arguments of the adapter's ``post_plan`` after the peer."""
+    """One path's share of a write of several parts: descriptor ``rows`` (local, remote); or on a
+    pattern route, ``plan``, the arguments of the adapter's ``post_plan`` after the peer, or a
+    state group's ``slots`` with the two slot numbers."""
 
     nbytes: int
     local_kind: MemKind
     remote_kind: MemKind
     rows: tuple[np.ndarray, np.ndarray] | None = None
     plan: tuple[Any, ...] | None = None
+    slots: SlotRows | None = None
+    src_slot: int = 0
+    dst_slot: int = 0
 
 
 def post_parts(transport: Transport, peer: str, route: Route | None, parts: Sequence[Part], tag: bytes) -> Posted:
@@ -124,7 +141,8 @@ def post_parts(transport: Transport, peer: str, route: Route | None, parts: Sequ
     nbytes = sum(p.nbytes for p in parts)
     if route is not None and route.pattern:
         xfer = transport.post_parts(peer, parts, tag)  # type: ignore[attr-defined]
-        return Posted(xfer, nbytes, sum(len(p.rows[0]) for p in parts if p.rows is not None))
+        return Posted(xfer, nbytes, sum(len(p.rows[0]) if p.rows is not None else
+                                        len(p.slots.length) if p.slots is not None else 0 for p in parts))
     kinds = {(p.local_kind, p.remote_kind) for p in parts}
     if len(kinds) != 1 or any(p.rows is None for p in parts):
         raise ValueError(f"one write cannot join parts of memory kinds {sorted(kinds)}")
@@ -334,12 +352,14 @@ class StatePath:
 
     def __init__(self, *, transport: Transport, peer: str, local: StateCache, runs: Sequence[StateRun],
                  remote_bases: Sequence[int], remote_kind: MemKind, remote_device: int,
-                 remote_slot_bytes: Sequence[int]) -> None:
+                 remote_slot_bytes: Sequence[int], route: Route | None = None) -> None:
         self.transport = transport
         self.peer = peer
         self.local = local
         self.remote_kind = remote_kind
         self.remote_device = remote_device
+        self.route = route
+        self._slot_rows: dict[tuple[int, int] | None, SlotRows] = {}
         tensors = len(local.group.tensors)
         runs_arr = np.asarray([tuple(r) for r in runs], dtype=np.int64).reshape(-1, 4)  # region, src, dst, length
         self._region = runs_arr[:, 0]
@@ -358,6 +378,15 @@ class StatePath:
         """Slot ``src_slot`` into the decode rank's ``dst_slot``, of the group's ``layers``
         (``(first, end)``, its own) or of all of them, as a part of a write (``post_parts``)."""
         pick = slice(None) if layers is None else (self._layer >= layers[0]) & (self._layer < layers[1])
+        if self.route is not None and self.route.pattern:
+            rows = self._slot_rows.get(layers)
+            if rows is None:
+                rows = self._slot_rows[layers] = SlotRows(self._src[pick], self._src_slot[pick], self._dst[pick],
+                                                          self._dst_slot[pick], self._length[pick])
+            if not len(rows.length):
+                raise ValueError("the state write moves no bytes")
+            return Part(int(rows.length.sum()), self.local.mem_kind, self.remote_kind, slots=rows,
+                        src_slot=src_slot, dst_slot=dst_slot)
         length = self._length[pick]
         if not len(length):
             raise ValueError("the state write moves no bytes")

@@ -488,7 +488,7 @@ class PrefillEndpoint(EndpointBase):
                 runs = plan_state(self._cache, remote.cache, mine.name) if writes else []
                 paths.append(StatePath(transport=self.transport, peer=agent, local=extra, runs=runs, remote_bases=bases,
                                        remote_kind=remote.kind, remote_device=remote.device,
-                                       remote_slot_bytes=theirs.slot_bytes(remote.cache.tp_size)))
+                                       remote_slot_bytes=theirs.slot_bytes(remote.cache.tp_size), route=route))
                 groups.append(LinkGroup(writes, theirs.num_slots))
         return tuple(paths), tuple(groups)
 

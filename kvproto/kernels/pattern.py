@@ -241,17 +241,27 @@ def plan_rows(plan: PairPlan, start: int, end: int, *, regions: int, base_align:
                     constants=constants, nbytes=num_rows * row_bytes * regions)
 
 
+def rows_key(plan: PairPlan) -> tuple[Any, ...]:
+    """What ``plan_rows`` reads of ``plan``: groups whose plans have one key (their page geometry,
+    not their pools) can share a rows launch, each region reading its own group's page lists."""
+    src, dst = plan.src, plan.dst
+    return (src.layout, dst.layout, src.head_bytes, plan.head_count, src.block_size, dst.block_size,
+            src.local_heads, dst.local_heads, plan.src_head_offset, plan.dst_head_offset, src.page_bytes,
+            dst.page_bytes)
+
+
 def launch_rows(plan: RowsPlan, src_table: torch.Tensor, dst_table: Any, src_pages: Any, dst_pages: Any, *,
-                stream: Any = None) -> None:
+                stream: Any = None, lists: Any = None) -> None:
     """Run a ``RowsPlan`` with Triton (CPU tensors: the interpreter); ``src_pages``/``dst_pages``
-    are int64 page lists from token 0, where the kernel reads them."""
+    are int64 page lists from token 0, where the kernel reads them; ``lists``, where regions of
+    several groups share the launch, each region's offsets into them (``copy_paged``)."""
     from kvproto.kernels import triton_kernels
 
     if src_table.device.type == "cuda" and stream is not None:
         with torch.cuda.stream(stream):
-            triton_kernels.copy_paged(plan, src_table, dst_table, src_pages, dst_pages)
+            triton_kernels.copy_paged(plan, src_table, dst_table, src_pages, dst_pages, lists)
     else:
-        triton_kernels.copy_paged(plan, src_table, dst_table, src_pages, dst_pages)
+        triton_kernels.copy_paged(plan, src_table, dst_table, src_pages, dst_pages, lists)
 
 
 def copy_reference(pattern: np.ndarray, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> None:

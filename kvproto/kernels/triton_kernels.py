@@ -375,8 +375,8 @@ def copy_pattern(plan: Any, src_table: torch.Tensor, dst_table: torch.Tensor, ti
 
 
 # --- paged-to-paged rows (the kernel path's conversions: ``kvproto.kernels.pattern.plan_rows``) --------
-def _copy_paged(src_table, dst_table, src_pages, dst_pages, start_token, num_rows, word_ptr,
-                HEAD_COUNT: tl.constexpr, HEAD_WORDS: tl.constexpr, ROW_WORDS: tl.constexpr,
+def _copy_paged(src_table, dst_table, src_pages, dst_pages, lists, start_token, num_rows, word_ptr,
+                LISTS: tl.constexpr, HEAD_COUNT: tl.constexpr, HEAD_WORDS: tl.constexpr, ROW_WORDS: tl.constexpr,
                 ROW_BLOCK: tl.constexpr, ROWS: tl.constexpr, ALIGN: tl.constexpr,
                 SRC_BLOCK: tl.constexpr, SRC_HEADS: tl.constexpr, SRC_HEAD0: tl.constexpr,
                 SRC_PAGE_WORDS: tl.constexpr, SRC_HND: tl.constexpr,
@@ -387,6 +387,9 @@ def _copy_paged(src_table, dst_table, src_pages, dst_pages, start_token, num_row
     live = rows < num_rows
     token = start_token + rows // HEAD_COUNT
     head = rows % HEAD_COUNT
+    if LISTS:  # each region reads its own group's page lists: offsets lists[r] and lists[regions + r]
+        src_pages += tl.load(lists + region)
+        dst_pages += tl.load(lists + tl.num_programs(1) + region)
     s_page = tl.load(src_pages + token // SRC_BLOCK, mask=live, other=0)
     s_slot = token % SRC_BLOCK
     d_page = tl.load(dst_pages + token // DST_BLOCK, mask=live, other=0)
@@ -419,13 +422,17 @@ def _paged_kernel(interpret: bool) -> Any:
     return JITFunction(_copy_paged, do_not_specialize=("start_token", "num_rows"))
 
 
-def copy_paged(plan: Any, src_table: torch.Tensor, dst_table: Any, src_pages: Any, dst_pages: Any) -> None:
+def copy_paged(plan: Any, src_table: torch.Tensor, dst_table: Any, src_pages: Any, dst_pages: Any,
+               lists: Any = None) -> None:
     """Launch one ``kvproto.kernels.pattern.RowsPlan`` on the current stream (grid: row tiles x
-    regions); tables and page lists are where the kernel reads them (CPU: the interpreter)."""
+    regions); tables and page lists are where the kernel reads them (CPU: the interpreter).
+    ``lists``: where regions of several groups share a launch, int64 offsets into the page lists,
+    ``regions`` for the source lists then ``regions`` for the destination lists."""
     interpret = src_table.device.type != "cuda"
     constants = dict(plan.constants)
+    constants["LISTS"] = int(lists is not None)
     if not interpret:
         constants["num_warps"] = NUM_WARPS
     _paged_kernel(interpret)[(plan.programs_x, plan.regions)](
-        src_table, dst_table, src_pages, dst_pages, plan.start, plan.num_rows,
-        _word_tensor(plan.word, src_table.device), **constants)
+        src_table, dst_table, src_pages, dst_pages, src_pages if lists is None else lists, plan.start,
+        plan.num_rows, _word_tensor(plan.word, src_table.device), **constants)

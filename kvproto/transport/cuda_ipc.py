@@ -201,7 +201,12 @@ class CudaIpcTransport:
         self._lists: set[Any] = set()
         self._stream: Any = None
         self._bases_cache: dict[tuple[Any, ...], _Bases] = {}
-        self._last_bases: tuple[Any, Any, _Bases, MemKind] | None = None
+        self._seen_bases: dict[tuple[int, int], tuple[Any, Any, _Bases, MemKind]] = {}
+        """Checked bases by the identity of the two arrays a link passes (a hybrid link: one pair
+        per group)."""
+        self._joined: dict[tuple[Any, ...], tuple[tuple[Any, ...], _Bases]] = {}
+        self._slot_rows: dict[int, tuple[Any, ...]] = {}
+        """Checked slot rows (``_slots_launch``) by the identity of the link's ``SlotRows``."""
         self._uploads = Uploads()
         self._running: collections.deque[KernelXfer] = collections.deque()
         """Kernel writes not yet seen finished, in launch order (see ``_advance``)."""
@@ -383,7 +388,9 @@ class CudaIpcTransport:
         mapped.queue.clear()
         mapped.gone = why
         self._bases_cache = {k: v for k, v in self._bases_cache.items() if v.peer is not mapped}
-        self._last_bases = None
+        self._seen_bases = {k: v for k, v in self._seen_bases.items() if v[2].peer is not mapped}
+        self._joined = {k: v for k, v in self._joined.items() if v[1].peer is not mapped}
+        self._slot_rows = {k: v for k, v in self._slot_rows.items() if v[1] is not mapped}
         for address in mapped.opened:
             try:
                 driver().close(address)
@@ -496,9 +503,23 @@ class CudaIpcTransport:
         mapped = self._mapped(peer, "post_parts")
         if not parts:
             raise TransportError("post_parts: a write needs at least one part")
-        launches = [self._plan_launch(mapped, *p.plan) if p.plan is not None else
-                    self._descs_launch(mapped, p.rows[0], p.local_kind, p.rows[1], p.remote_kind, "post_parts")
-                    for p in parts]
+        launches, i = [], 0
+        while i < len(parts):
+            if getattr(parts[i], "slots", None) is not None:
+                launches.append(self._slots_launch(mapped, parts[i]))
+                i += 1
+                continue
+            if parts[i].plan is None:
+                p = parts[i]
+                launches.append(self._descs_launch(mapped, p.rows[0], p.local_kind, p.rows[1], p.remote_kind,
+                                                   "post_parts"))
+                i += 1
+                continue
+            j = i + 1  # the plans that follow with the same page geometry, token range and kinds join it
+            while j < len(parts) and parts[j].plan is not None and _joinable(parts[i].plan, parts[j].plan):
+                j += 1
+            launches.append(self._plans_launch(mapped, [p.plan for p in parts[i:j]]))
+            i = j
         if len({launch.bases.table.device for launch in launches}) != 1:
             raise TransportError("post_parts: the parts are on different devices")
         return self._run(mapped, launches, tag)
@@ -507,35 +528,124 @@ class CudaIpcTransport:
     def _plan_launch(self, mapped: _Peer, plan: PairPlan, local_bases: Sequence[int], local_kind: MemKind,
                      remote_bases: Sequence[int], remote_kind: MemKind, src_pages: Sequence[int],
                      dst_pages: Sequence[int], start: int, end: int) -> _Launch:
+        return self._plans_launch(mapped, [(plan, local_bases, local_kind, remote_bases, remote_kind, src_pages,
+                                            dst_pages, start, end)])
+
+    def _plans_launch(self, mapped: _Peer, plans: Sequence[tuple[Any, ...]]) -> _Launch:
+        """One rows kernel for ``post_plan`` argument tuples of one page geometry and token range
+        (``_joinable``): the groups of a hybrid cache whose pages look alike move in one launch,
+        their regions side by side, each reading its own group's page lists. Every group's pages
+        are checked against its own regions."""
         from kvproto.kernels import pattern as kernels
 
-        bases = self._bases(mapped, local_bases, local_kind, remote_bases, remote_kind)
+        plan, _, local_kind, _, remote_kind, _, _, start, end = plans[0]
         if not 0 <= start < end:
             raise TransportError(f"post_plan: bad token range [{start}, {end})")
-        pages = []
-        for side, g, listed, room in (("local", plan.src, src_pages, bases.src_room),
-                                      ("remote", plan.dst, dst_pages, bases.dst_room)):
-            arr = np.asarray(listed, dtype=np.int64)
-            last = (end - 1) // g.block_size
-            if last >= len(arr):
-                raise TransportError(f"post_plan: {len(arr)} {side} pages, tokens [{start}, {end}) need {last + 1}")
-            used = arr[start // g.block_size:last + 1]
-            if used.min() < 0 or (int(used.max()) + 1) * g.page_bytes > room:
-                raise TransportError(f"post_plan: a {side} page of {used.tolist()} is not inside registered memory "
-                                     f"({room // g.page_bytes} pages of {g.page_bytes} bytes from each region base)")
-            pages.append(arr[:last + 1])
+        src_lists, dst_lists, counts = [], [], []
+        for one, local_bases, local_kind, remote_bases, remote_kind, src_pages, dst_pages, _, _ in plans:
+            bases = self._bases(mapped, local_bases, local_kind, remote_bases, remote_kind)
+            for side, g, listed, room, out in (("local", one.src, src_pages, bases.src_room, src_lists),
+                                               ("remote", one.dst, dst_pages, bases.dst_room, dst_lists)):
+                arr = np.asarray(listed, dtype=np.int64)
+                last = (end - 1) // g.block_size
+                if last >= len(arr):
+                    raise TransportError(f"post_plan: {len(arr)} {side} pages, tokens [{start}, {end}) need "
+                                         f"{last + 1}")
+                used = arr[start // g.block_size:last + 1]
+                if used.min() < 0 or (int(used.max()) + 1) * g.page_bytes > room:
+                    raise TransportError(f"post_plan: a {side} page of {used.tolist()} is not inside registered "
+                                         f"memory ({room // g.page_bytes} pages of {g.page_bytes} bytes from each "
+                                         f"region base)")
+                out.append(arr[:last + 1])
+            counts.append(bases.regions)
+        if len(plans) > 1:
+            bases = self._joined_bases(mapped, plans)
         rows = plan_rows(plan, start, end, regions=bases.regions, base_align=bases.align)
         src_table, dst_table = bases.table[:bases.regions], bases.table[bases.regions:]
-        split = len(pages[0])
+        table = np.concatenate(src_lists + dst_lists)
+        n_src = sum(len(a) for a in src_lists)
+        if len(plans) > 1:  # each region's offsets into the source lists, then into the destination lists
+            regions = np.repeat(np.arange(len(plans)), counts)
+            starts = [np.cumsum([0] + [len(a) for a in lists[:-1]]) for lists in (src_lists, dst_lists)]
+            table = np.concatenate([table, starts[0][regions], starts[1][regions]])
+        split, lists_at = n_src, len(table) - 2 * bases.regions if len(plans) > 1 else None
 
         def go(table: Any) -> None:
             if isinstance(table, Pointer):
                 src, dst = table, Pointer(table.address + 8 * split)
+                lists = None if lists_at is None else Pointer(table.address + 8 * lists_at)
             else:
                 src, dst = table[:split], table[split:]
-            kernels.launch_rows(rows, src_table, dst_table, src, dst)
+                lists = None if lists_at is None else table[lists_at:]
+            kernels.launch_rows(rows, src_table, dst_table, src, dst, lists=lists)
 
-        return _Launch(bases, np.concatenate(pages), go, rows.nbytes, 0)
+        return _Launch(bases, table, go, rows.nbytes, 0)
+
+    def _joined_bases(self, mapped: _Peer, plans: Sequence[tuple[Any, ...]]) -> _Bases:
+        """The region bases of several plans side by side, remembered by the identity of each
+        plan's base arrays (a link passes the same arrays for every write)."""
+        arrays = tuple(a for p in plans for a in (p[1], p[3]))
+        key = (mapped.name, plans[0][2], tuple(map(id, arrays)))
+        hit = self._joined.get(key)
+        if hit is not None and all(a is b for a, b in zip(hit[0], arrays)) and hit[1].peer is mapped:
+            return hit[1]
+        bases = self._bases(mapped, np.concatenate([np.asarray(p[1], dtype=np.int64) for p in plans]), plans[0][2],
+                            np.concatenate([np.asarray(p[3], dtype=np.int64) for p in plans]), plans[0][4])
+        if len(self._joined) >= 64:
+            self._joined.clear()
+        self._joined[key] = (arrays, bases)
+        return bases
+
+    def _slots_launch(self, mapped: _Peer, part: Any) -> _Launch:
+        """A part of slot rows (``kvproto.aio.paths.SlotRows``: a state group's slot in every
+        region): the rows of slot 0 are checked against registered memory and translated once per
+        link, with how many slots further each row stays inside its region; a write then checks
+        two integers and makes its rows with two multiply-adds."""
+        rows = part.slots
+        kind = part.local_kind
+        if kind is not part.remote_kind or not self._kernel_kind(kind):
+            raise TransportError(f"post_parts: kernels copy {self._kernel_kinds()} to the same kind, not "
+                                 f"{kind.name} to {part.remote_kind.name}")
+        if mapped.gone:
+            raise TransportError(f"post_parts: {mapped.gone}")
+        known = self._slot_rows.get(id(rows))
+        if known is None or known[0] is not rows or known[1] is not mapped:
+            known = (rows, mapped, *self._check_slot_rows(mapped, rows, kind))
+            if len(self._slot_rows) >= 64:
+                self._slot_rows.clear()
+            self._slot_rows[id(rows)] = known
+        _, _, here, src_slots, dst_slots = known
+        src_slot, dst_slot = part.src_slot, part.dst_slot
+        if not (0 <= src_slot < src_slots and 0 <= dst_slot < dst_slots):
+            raise TransportError(f"post_parts: state slot {src_slot} -> {dst_slot} is not inside registered memory "
+                                 f"({src_slots} local, {dst_slots} remote slots fit the registered regions)")
+        pattern = np.stack([rows.src + src_slot * rows.src_stride, here + dst_slot * rows.dst_stride, rows.length],
+                           axis=1)
+        return self._pattern_launch(pattern, self._zero_bases(kind), int(rows.length.sum()),
+                                    descriptors=len(rows.length))
+
+    def _check_slot_rows(self, mapped: _Peer, rows: Any, kind: MemKind) -> tuple[np.ndarray, int, int]:
+        """(slot 0's destination rows here, slots that fit locally, slots that fit remotely)."""
+        fits = []
+        for base, stride, regions, whose in ((rows.src, rows.src_stride, self._local_regions(), "this agent's"),
+                                             (rows.dst, rows.dst_stride, mapped.regions, f"peer {mapped.name!r}'s")):
+            first = np.stack([base, rows.length, np.zeros_like(base)], axis=1)
+            j = _inside(first, regions, kind, "post_parts: state row", whose)
+            room = regions[j, 0] + regions[j, 1] - (base + rows.length)  # bytes past each row's end
+            fits.append(int((room // np.maximum(stride, 1)).min()) + 1)
+            if base is rows.dst:
+                here = mapped.local[j] + (base - regions[j, 0])
+        return here, fits[0], fits[1]
+
+    def _zero_bases(self, kind: MemKind) -> _Bases:
+        """One region pair of base 0: rows of absolute addresses as a pattern."""
+        key = ("", kind, (0,), (0,))
+        bases = self._bases_cache.get(key)
+        if bases is None:
+            zero = np.zeros(1, np.int64)
+            bases = self._bases_cache[key] = _Bases(None, zero, zero, 0, 0, align=16,
+                                                    table=self._table(np.zeros(2, np.int64), kind))
+        return bases
 
     def _descs_launch(self, mapped: _Peer, local_rows: np.ndarray, local_kind: MemKind, remote_rows: np.ndarray,
                       remote_kind: MemKind, op: str) -> _Launch:
@@ -551,13 +661,7 @@ class CudaIpcTransport:
         """Rows as a pattern of absolute addresses over one region of base 0."""
         nbytes = check_pairs(src, dst_here)
         pattern = np.stack([src[:, 0], dst_here[:, 0], src[:, 1]], axis=1)
-        zero = np.zeros(1, np.int64)
-        key = ("", kind, (0,), (0,))
-        bases = self._bases_cache.get(key)
-        if bases is None:
-            bases = self._bases_cache[key] = _Bases(None, zero, zero, 0, 0, align=16,
-                                                    table=self._table(np.zeros(2, np.int64), kind))
-        return self._pattern_launch(pattern, bases, nbytes, descriptors=len(src))
+        return self._pattern_launch(pattern, self._zero_bases(kind), nbytes, descriptors=len(src))
 
     @staticmethod
     def _pattern_launch(pattern: np.ndarray, bases: _Bases, nbytes: int, descriptors: int) -> _Launch:
@@ -610,14 +714,14 @@ class CudaIpcTransport:
                remote_kind: MemKind) -> _Bases:
         """The checked, translated and uploaded form of a (local, remote) list of region bases.
         A link passes the same two arrays every time: they are recognised by identity first."""
-        last = self._last_bases
-        if last is not None and last[0] is local_bases and last[1] is remote_bases and last[2].peer is mapped \
-                and last[3] is local_kind:
-            return last[2]
+        seen = self._seen_bases.get((id(local_bases), id(remote_bases)))
+        if seen is not None and seen[0] is local_bases and seen[1] is remote_bases and seen[2].peer is mapped \
+                and seen[3] is local_kind:
+            return seen[2]
         key = (mapped.name, local_kind, tuple(np.asarray(local_bases).tolist()), tuple(np.asarray(remote_bases).tolist()))
         bases = self._bases_cache.get(key)
         if bases is not None and bases.peer is mapped:
-            self._last_bases = (local_bases, remote_bases, bases, local_kind)
+            self._remember(local_bases, remote_bases, bases, local_kind)
             return bases
         if not (self._kernel_kind(local_kind) and local_kind is remote_kind):
             raise TransportError(f"post_pattern: kernels move {self._kernel_kinds()} memory, not "
@@ -640,8 +744,13 @@ class CudaIpcTransport:
         if len(self._bases_cache) >= 256:
             self._bases_cache.pop(next(iter(self._bases_cache)))
         self._bases_cache[key] = bases
-        self._last_bases = (local_bases, remote_bases, bases, local_kind)
+        self._remember(local_bases, remote_bases, bases, local_kind)
         return bases
+
+    def _remember(self, local_bases: Any, remote_bases: Any, bases: _Bases, kind: MemKind) -> None:
+        if len(self._seen_bases) >= 64:
+            self._seen_bases.clear()
+        self._seen_bases[(id(local_bases), id(remote_bases))] = (local_bases, remote_bases, bases, kind)
 
     def _table(self, values: np.ndarray, kind: MemKind) -> Any:
         """``values`` as an int64 tensor where the kernel runs (uploaded once, on this agent's stream)."""
@@ -833,6 +942,14 @@ class _Done:
     @staticmethod
     def synchronize() -> None:
         return None
+
+
+def _joinable(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Two ``post_plan`` argument tuples one rows launch can carry: one page geometry (``rows_key``),
+    one token range, one memory kind per side."""
+    from kvproto.kernels.pattern import rows_key
+
+    return (a[2], a[4], a[7], a[8]) == (b[2], b[4], b[7], b[8]) and rows_key(a[0]) == rows_key(b[0])
 
 
 def _inside(rows: np.ndarray, regions: np.ndarray, kind: MemKind, what: str, whose: str) -> np.ndarray:

@@ -209,6 +209,95 @@ def test_cuda_ipc_post_plan_converts_heads_blocks_and_layouts_byte_exact(dst) ->
         b.close()
 
 
+@pytest.mark.parametrize("dst", [(2, 1, 4, "NHD"), (1, 0, 8, "HND")])
+def test_cuda_ipc_post_parts_joins_groups_of_one_page_geometry_in_one_launch(dst, monkeypatch) -> None:
+    """Two groups whose pages look alike (own pools of different sizes, own page lists) and a
+    third of another geometry, as one ``post_parts`` write: the first two share one rows launch,
+    each region reading its own group's pages, the third has its own; every byte lands as the
+    torch reference puts it, nothing else changes, one tag. A page outside the smaller pool is
+    refused although the larger pool would hold it."""
+    import dataclasses
+
+    import torch
+
+    from kvproto.aio.paths import Part
+    from kvproto.geometry import plan_pair
+
+    src_a, dst_a = _geometry(1, 0, 4, "NHD", blocks=8), _geometry(*dst, blocks=8)
+    src_b, dst_b = (dataclasses.replace(g, num_blocks=5) for g in (src_a, dst_a))
+    src_c, dst_c = _geometry(1, 0, 2, "NHD", blocks=16), _geometry(1, 0, 2, "NHD", blocks=16)
+    groups = [(src_a, dst_a, 2, [5, 2, 7, 0], [3, 6, 1, 4, 0, 2, 5, 7]),
+              (src_b, dst_b, 3, [4, 0, 3, 1], [2, 4, 0, 3, 1, 2, 4, 0]),
+              (src_c, dst_c, 1, [9, 3, 14, 0, 7, 5, 11, 2], [1, 15, 4, 8, 0, 12, 6, 3])]
+    launches = []
+    real = kernels.launch_rows
+    monkeypatch.setattr(kernels, "launch_rows", lambda rows, *a, **k: (launches.append(rows.regions),
+                                                                      real(rows, *a, **k)))
+    a, b = _agents(**KERNELS)
+    try:
+        parts, want, dst_all, src_all = [], [], [], []
+        for i, (sg, dg, n, sp, dp) in enumerate(groups):
+            src = _regions(n, sg.num_blocks * sg.page_bytes, 10 * i)
+            src_all += src  # registered memory must outlive the write
+            dst_bufs = [np.zeros(dg.num_blocks * dg.page_bytes, np.uint8) for _ in range(n)]
+            a.register([region(x) for x in src])
+            b.register([region(x) for x in dst_bufs])
+            plan = plan_pair(sg, dg)
+            dp = dp[:-(-15 // dg.block_size)]
+            ref = [torch.zeros_like(torch.from_numpy(d)) for d in dst_bufs]
+            kernels.copy_reference(kernels.pair_extents(dataclasses.replace(plan, direct=False), sp, dp, 3, 15),
+                                   [torch.from_numpy(x) for x in src], ref)
+            moved = 12 * plan.head_count * sg.head_bytes * n
+            parts.append(Part(moved, DRAM, DRAM, plan=(plan, np.array([x.ctypes.data for x in src]), DRAM,
+                                                       np.array([x.ctypes.data for x in dst_bufs]), DRAM, sp, dp,
+                                                       3, 15)))
+            want += ref
+            dst_all += dst_bufs
+        a.add_peer(b.metadata())
+        xfer = a.post_parts("b", parts, b"groups")
+        assert [n.tag for n in _finish(a, b, xfer)] == [b"groups"]
+        assert launches == [5, 1]  # groups a and b side by side, then c
+        for d, w in zip(dst_all, want, strict=True):
+            assert np.array_equal(d, w.numpy())
+        bad = parts[1].plan
+        parts[1] = dataclasses.replace(parts[1], plan=bad[:5] + ([4, 0, 5, 1],) + bad[6:])  # page 5: pool of 5
+        with pytest.raises(TransportError, match="not inside registered memory"):
+            a.post_parts("b", parts, b"bad")
+    finally:
+        a.close()
+        b.close()
+
+
+def test_cuda_ipc_slot_rows_move_one_slot_of_every_region_and_stay_inside() -> None:
+    """A state part (``SlotRows``: slot 0's rows and per-row strides) moves exactly slot ``s`` of
+    every region into slot ``d`` on the peer; a slot past what the registered regions hold, on
+    either side, raises TransportError before anything moves."""
+    from kvproto.aio.paths import Part, SlotRows
+
+    a, b = _agents(**KERNELS)
+    try:
+        src = [pattern(4 * 96, seed=i) for i in range(3)]  # 4 slots of 96 bytes; 3 regions
+        dst = [np.zeros(6 * 48, np.uint8) for _ in range(3)]  # 6 slots of 48 bytes: this rank's half
+        a.register([region(x) for x in src])
+        b.register([region(x) for x in dst])
+        a.add_peer(b.metadata())
+        rows = SlotRows(np.array([x.ctypes.data + 48 for x in src]), np.full(3, 96),
+                        np.array([x.ctypes.data for x in dst]), np.full(3, 48), np.full(3, 48))
+        xfer = a.post_parts("b", [Part(144, DRAM, DRAM, slots=rows, src_slot=2, dst_slot=5)], b"state")
+        assert [n.tag for n in _finish(a, b, xfer)] == [b"state"]
+        for s, d in zip(src, dst, strict=True):
+            want = np.zeros_like(d)
+            want[5 * 48:6 * 48] = s[2 * 96 + 48:3 * 96]
+            assert np.array_equal(d, want)
+        for src_slot, dst_slot in ((4, 0), (0, 6), (-1, 0)):
+            with pytest.raises(TransportError, match="not inside registered memory"):
+                a.post_parts("b", [Part(144, DRAM, DRAM, slots=rows, src_slot=src_slot, dst_slot=dst_slot)], b"x")
+        assert a.stats.writes == 1
+    finally:
+        a.close()
+        b.close()
+
+
 def test_cuda_ipc_post_plan_page_outside_registered_memory_is_refused() -> None:
     """A destination page past the peer's registered region (or a page list too short) raises
     TransportError before any kernel runs."""
