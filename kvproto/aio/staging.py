@@ -20,7 +20,10 @@ after the WRITE from it is DONE (``Stager.release``).
 A piece of a cache of several groups is a block per group (``PiecePart``): the first group's, then
 each group beyond it that the pair stages (``kvproto.geometry.groups.staged_groups``), back to back,
 each ``tokens x unit`` bytes; ``gather_parts`` and ``scatter_parts`` move every block of a piece,
-on both endpoints the same way.
+on both endpoints the same way. Consecutive blocks whose pages look alike (a hybrid model's
+full-attention and linear-attention layers often share a page shape) are one block of their
+regions side by side, so on a CUDA cache they move in one kernel launch reading one page table
+per room (``JointTables``: every group's pages, then each region's offset into them).
 """
 
 from __future__ import annotations
@@ -211,7 +214,7 @@ def warm_kernels(kv: KVCache, regions: kernels.Regions, *, gather: bool, host: b
     def run() -> None:
         try:
             kernels.warm_up(regions, layout=kv.geometry.layout, head_counts=counts, to_staging=gather,
-                            host_staging=host)
+                            host_staging=host, joined=any(isinstance(g, KVCache) for g in kv.groups))
         except Exception:  # noqa: BLE001 - a failed warm-up only means the first room compiles
             log.warning("staging kernel warm-up failed; the first staged room will compile", exc_info=True)
 
@@ -260,11 +263,47 @@ class Stager:
             start(grant.offset, key)
 
 
+class JointTables:
+    """Each room's page table for blocks that move in one launch (``gather_parts``): the groups'
+    pages from token 0 back to back, then each region's offset into them; made once per room
+    and set of groups, uploaded as one pinned tensor, forgotten when the room ends."""
+
+    def __init__(self) -> None:
+        self._tables: dict[tuple[int, tuple[int, ...]], tuple[tuple[tuple[int, ...], ...], torch.Tensor]] = {}
+
+    def get(self, room_id: int, parts: Sequence[PiecePart], pages: Sequence[Sequence[int]], *,
+            keep: bool = True) -> torch.Tensor:
+        key = (room_id, tuple(part.group for part in parts))
+        lists = tuple(tuple(pages[part.group]) for part in parts)
+        known = self._tables.get(key)
+        if known is not None and known[0] == lists:
+            return known[1]
+        starts, at = [], 0
+        for part, listed in zip(parts, lists, strict=True):
+            starts += [at] * len(part.regions)
+            at += len(listed)
+        kv = parts[0].kv
+        table = _pages([page for listed in lists for page in listed] + starts, kv)
+        if kv.tensors and kv.tensors[0].device.type == "cuda":
+            table = table.to(kv.tensors[0].device, non_blocking=True)
+        if keep:
+            self._tables[key] = (lists, table)
+        return table
+
+    def forget(self, room_id: int) -> None:
+        for key in [k for k in self._tables if k[0] == room_id]:
+            del self._tables[key]
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
+
 class CacheKernels:
     """The staging kernels' view of a rank's paged groups: per group (0: the first) its cache, its
     regions and its page tables; ``part`` makes a pair's block of one group."""
 
     def __init__(self, kv: KVCache) -> None:
+        self.joint = JointTables()
         self.groups: dict[int, tuple[KVCache, kernels.Regions, PageTables]] = {
             0: (kv, kernels.Regions(kv.tensors), PageTables(kv))}
         for g, extra in enumerate(kv.groups, start=1):
@@ -281,14 +320,15 @@ class CacheKernels:
 
     def part(self, group: int, piece: PieceShape, head_offset: int) -> PiecePart:
         kv, regions, tables = self.groups[group]
-        return PiecePart(group, kv, regions, tables, piece, head_offset)
+        return PiecePart(group, kv, regions, tables, piece, head_offset, self.joint)
 
     def forget(self, room_id: int) -> None:
         for _kv, _regions, tables in self.groups.values():
             tables.forget(room_id)
+        self.joint.forget(room_id)
 
     def __len__(self) -> int:
-        return sum(len(tables) for _kv, _regions, tables in self.groups.values())
+        return sum(len(tables) for _kv, _regions, tables in self.groups.values()) + len(self.joint)
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,6 +343,15 @@ class PiecePart:
     tables: PageTables
     piece: PieceShape
     head_offset: int
+    joint: JointTables | None = None
+    """The rank's tables for blocks that move in one launch with their neighbours."""
+
+    def joins(self, other: PiecePart) -> bool:
+        """Whether ``other``'s block can move in one launch with this one's (``gather_parts``)."""
+        a, b = self.regions, other.regions
+        return (a.shape[1:], a.page_stride, a.dtype, a.device, self.kv.geometry.layout, self.piece.head_count,
+                self.head_offset) == (b.shape[1:], b.page_stride, b.dtype, b.device, other.kv.geometry.layout,
+                                      other.piece.head_count, other.head_offset)
 
 
 def piece_parts(kernels_: CacheKernels, prefill: CacheGeometry, decode: CacheGeometry, *,
@@ -329,24 +378,52 @@ def gather_parts(parts: Sequence[PiecePart], buf: StagingBuffer, offset: int, ro
                  pages: Sequence[Sequence[int]], *, start: int, end: int, keep: bool, stream: Any) -> None:
     """Gather tokens ``[start, end)`` of every part into the piece at ``offset``; ``pages[g]``: the
     room's pages of group ``g`` from token 0 (0: the first group)."""
-    for part, at in _blocks(parts, offset, end - start):
-        table = part.tables.get(room_id, pages[part.group], keep=keep)
-        gather_piece(part.kv, part.regions, buf, at, part.piece, pages=table, start=start, end=end,
-                     head_offset=part.head_offset, stream=stream)
+    _copy_parts(parts, buf, offset, room_id, pages, start=start, end=end, keep=keep, stream=stream, gather=True)
 
 
 def scatter_parts(parts: Sequence[PiecePart], buf: StagingBuffer, offset: int, room_id: int,
                   pages: Sequence[Sequence[int]], *, start: int, end: int, keep: bool, stream: Any) -> None:
     """Scatter the piece at ``offset`` (tokens ``[start, end)``) into every part's pages."""
-    for part, at in _blocks(parts, offset, end - start):
-        table = part.tables.get(room_id, pages[part.group], keep=keep)
-        scatter_piece(part.kv, part.regions, buf, at, part.piece, pages=table, start=start, end=end,
-                      head_offset=part.head_offset, stream=stream)
+    _copy_parts(parts, buf, offset, room_id, pages, start=start, end=end, keep=keep, stream=stream, gather=False)
 
 
-def _blocks(parts: Sequence[PiecePart], offset: int, tokens: int) -> list[tuple[PiecePart, int]]:
-    out = []
+def _copy_parts(parts: Sequence[PiecePart], buf: StagingBuffer, offset: int, room_id: int,
+                pages: Sequence[Sequence[int]], *, start: int, end: int, keep: bool, stream: Any,
+                gather: bool) -> None:
+    for run, at in _blocks(parts, offset, end - start, joint=_joins(buf)):
+        first = run[0]
+        if len(run) > 1:
+            assert first.joint is not None
+            table = first.joint.get(room_id, run, pages, keep=keep)
+            regions = sum(len(part.regions) for part in run)
+            staging = buf.view(at, (regions, end - start, first.piece.head_count, first.piece.head_dim),
+                               first.kv.torch_dtype)
+            kernels.copy_joined([part.regions for part in run], staging, table, layout=first.kv.geometry.layout,
+                                start_token=start, end_token=end, head_offset=first.head_offset, to_staging=gather,
+                                stream=stream)
+            continue
+        table = first.tables.get(room_id, pages[first.group], keep=keep)
+        copy = gather_piece if gather else scatter_piece
+        copy(first.kv, first.regions, buf, at, first.piece, pages=table, start=start, end=end,
+             head_offset=first.head_offset, stream=stream)
+
+
+def _joins(buf: StagingBuffer) -> bool:
+    """Whether blocks that look alike move in one launch: Triton kernels on a CUDA cache, the
+    staging on its device (host staging copies region by region: ``kernels.gather``)."""
+    device = buf.tensor.device
+    return device.type == "cuda" and kernels.triton_available()
+
+
+def _blocks(parts: Sequence[PiecePart], offset: int, tokens: int, *, joint: bool = False
+            ) -> list[tuple[tuple[PiecePart, ...], int]]:
+    """The piece's blocks at their offsets, runs of consecutive blocks that one launch moves
+    joined (``joint``: runs of one block otherwise)."""
+    out: list[tuple[tuple[PiecePart, ...], int]] = []
     for part in parts:
-        out.append((part, offset))
+        if joint and out and part.joint is not None and out[-1][0][-1].joins(part):
+            out[-1] = (out[-1][0] + (part,), out[-1][1])
+        else:
+            out.append(((part,), offset))
         offset += tokens * part.piece.unit
     return out

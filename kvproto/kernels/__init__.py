@@ -40,7 +40,8 @@ import torch
 from kvproto.geometry.model import Layout
 from kvproto.kernels.plan import CopyPlan, Regions, StagingError, plan_copy
 
-__all__ = ["Backend", "CopyPlan", "Regions", "StagingError", "gather", "plan_copy", "scatter", "warm_up"]
+__all__ = ["Backend", "CopyPlan", "Regions", "StagingError", "copy_joined", "gather", "plan_copy", "scatter",
+           "triton_available", "warm_up"]
 
 Backend = Literal["auto", "triton", "torch", "cpu"]
 
@@ -124,8 +125,38 @@ def scatter(
             reference.scatter(staging, dst, **args)
 
 
+def copy_joined(
+    groups: Sequence[Regions],
+    staging: torch.Tensor,
+    table: torch.Tensor,
+    *,
+    layout: Layout | int,
+    start_token: int,
+    end_token: int,
+    head_offset: int,
+    to_staging: bool,
+    stream: torch.cuda.Stream | None = None,
+) -> None:
+    """:func:`gather` (``to_staging``) or :func:`scatter` of several groups whose pages look
+    alike, in one Triton launch: ``staging`` holds their blocks back to back; ``table`` is every
+    group's pages from token 0, then each region's offset into them
+    (``kvproto.kernels.triton_kernels.copy_joined``). CPU tensors run in Triton's interpreter."""
+    device = _device(groups[0])
+    with _on(device, stream):
+        from kvproto.kernels import triton_kernels
+
+        triton_kernels.copy_joined(groups, staging, table, layout=layout, start_token=start_token,
+                                   end_token=end_token, head_offset=head_offset, to_staging=to_staging,
+                                   interpret=device.type != "cuda")
+
+
+def triton_available() -> bool:
+    """Whether the Triton kernels can run on CUDA tensors here."""
+    return _have_triton()
+
+
 def warm_up(regions: Regions, *, layout: Layout | int, head_counts: Sequence[int], to_staging: bool,
-            host_staging: bool = False) -> int:
+            host_staging: bool = False, joined: bool = False) -> int:
     """Compile the Triton kernels that staged copies of ``regions`` will launch, by running each
     once on small dummy tensors of the same dtype, page shape and page stride (so the cache
     itself is never touched), on a stream of their own; returns how many variants ran.
@@ -133,7 +164,8 @@ def warm_up(regions: Regions, *, layout: Layout | int, head_counts: Sequence[int
     The kernels specialize on the head count moved and on the tile of rows a launch covers, so
     one copy of at least a tile's rows per head count compiles what a piece of any size uses.
     Meant to run in a background thread when an endpoint starts, so that the first room of a
-    new link does not pay for compilation; CUDA regions with Triton only (else returns 0)."""
+    new link does not pay for compilation; CUDA regions with Triton only (else returns 0).
+    ``joined``: also the variant that moves several groups in one launch (``copy_joined``)."""
     device = regions.device
     if device.type != "cuda" or not _have_triton():
         return 0
@@ -161,6 +193,11 @@ def warm_up(regions: Regions, *, layout: Layout | int, head_counts: Sequence[int
                 scatter(staging, dummy, layout=layout, pages=table, start_token=0, end_token=tokens, head_offset=0,
                         stream=stream)
             ran += 1
+            if joined and not host_staging:
+                both = torch.empty((2, tokens, count, head_dim), dtype=regions.dtype, device=device)
+                copy_joined([dummy, dummy], both, torch.cat([table, table, torch.tensor([0, pages])]), layout=layout,
+                            start_token=0, end_token=tokens, head_offset=0, to_staging=to_staging, stream=stream)
+                ran += 1
     stream.synchronize()
     return ran
 

@@ -63,10 +63,12 @@ def _copy_rows(
     table_ptr,
     stage_ptr,
     pages_ptr,
+    lists_ptr,
     start_token,
     num_rows,
     head_offset,
     first_region,
+    LISTS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEADS: tl.constexpr,
     HEAD_COUNT: tl.constexpr,
@@ -83,6 +85,8 @@ def _copy_rows(
     live = rows < num_rows
     token = start_token + rows // HEAD_COUNT
     head = head_offset + rows % HEAD_COUNT
+    if LISTS:  # regions of several groups (``copy_joined``): region r's pages start at lists[r]
+        pages_ptr += tl.load(lists_ptr + region)
     page = tl.load(pages_ptr + token // BLOCK_SIZE, mask=live, other=0).to(tl.int64)
     slot = token % BLOCK_SIZE
     if HND:
@@ -127,17 +131,22 @@ _tables: OrderedDict[tuple[str, tuple[int, ...]], _Table] = OrderedDict()
 _tables_lock = threading.Lock()
 
 
-def region_table(cache: Sequence[torch.Tensor]) -> _Table:
-    """The region table of ``cache``: remembered by a :class:`Regions`, else found by address."""
-    regions = as_regions(cache)
-    table = regions.table
-    if not isinstance(table, _Table):
-        table = regions.table = _lookup(regions)
+def region_table(cache: Sequence[torch.Tensor], joined: Sequence[Regions] = ()) -> _Table:
+    """The region table of ``cache``: remembered by a :class:`Regions`, else found by address;
+    with ``joined``, the table of those groups' regions side by side (found by address)."""
+    if joined:
+        with _tables_lock:
+            table = _lookup_locked([region for regions in joined for region in regions])
+    else:
+        regions = as_regions(cache)
+        table = regions.table
+        if not isinstance(table, _Table):
+            table = regions.table = _lookup(regions)
     if table.ready is not None:
         if table.ready.query():
             table.ready, table.host = None, None
         else:
-            torch.cuda.current_stream(regions.device).wait_event(table.ready)
+            torch.cuda.current_stream(table.tensor.device).wait_event(table.ready)
     return table
 
 
@@ -146,18 +155,19 @@ def _lookup(regions: Regions) -> _Table:
         return _lookup_locked(regions)
 
 
-def _lookup_locked(regions: Regions) -> _Table:
-    key = (str(regions.device), tuple(region.data_ptr() for region in regions))
+def _lookup_locked(regions: Sequence[torch.Tensor]) -> _Table:
+    device = regions[0].device
+    key = (str(device), tuple(region.data_ptr() for region in regions))
     table = _tables.get(key)
     if table is not None:
         _tables.move_to_end(key)
         return table
     host = torch.tensor(key[1], dtype=torch.int64)
     align = _alignment(key[1])
-    if regions.device.type == "cuda":
+    if device.type == "cuda":
         host = host.pin_memory()
         event = torch.cuda.Event()
-        table = _Table(tensor=host.to(regions.device, non_blocking=True), align=align, host=host, ready=event)
+        table = _Table(tensor=host.to(device, non_blocking=True), align=align, host=host, ready=event)
         event.record()
     else:
         table = _Table(tensor=host, align=align, host=None, ready=None)
@@ -254,6 +264,48 @@ def scatter(
         launch.run(first, last)
 
 
+def copy_joined(
+    groups: Sequence[Regions],
+    staging: torch.Tensor,
+    table: torch.Tensor,
+    *,
+    layout: Layout | int,
+    start_token: int,
+    end_token: int,
+    head_offset: int,
+    to_staging: bool,
+    interpret: bool = False,
+    tile_bytes: int = TILE_BYTES,
+    num_warps: int = NUM_WARPS,
+) -> None:
+    """One launch for the staged blocks of several groups whose pages look alike (same page shape,
+    page stride and dtype; pools of any size): ``staging`` is their blocks back to back, ``(sum of
+    regions, T, head_count, head_dim)`` on the cache's device; ``table`` (int64, where the kernel
+    reads it) is every group's pages from token 0 back to back, then each region's offset into
+    them. The pages are trusted (checked when they entered the core), as a device table is."""
+    first = groups[0]
+    for g, regions in enumerate(groups):
+        if (regions.shape[1:], regions.page_stride, regions.dtype, regions.device) != \
+                (first.shape[1:], first.page_stride, first.dtype, first.device):
+            raise StagingError(f"group {g}'s regions are {tuple(regions.shape)} {regions.dtype} on {regions.device}, "
+                               f"group 0's {tuple(first.shape)} {first.dtype}: they cannot share a launch")
+    total = sum(len(regions) for regions in groups)
+    plan = plan_copy(first, layout=layout, pages=table, start_token=start_token, end_token=end_token,
+                     head_offset=head_offset, head_count=staging_heads(staging))
+    want = (total, plan.num_tokens, plan.head_count, plan.head_dim)
+    if tuple(staging.shape) != want or staging.dtype != plan.dtype or staging.device != plan.device \
+            or not staging.is_contiguous():
+        raise StagingError(f"staging is {tuple(staging.shape)} {staging.dtype} on {staging.device}, the groups "
+                           f"need {want} {plan.dtype} on {plan.device}, contiguous")
+    if table.dim() != 1 or table.dtype != torch.int64 or len(table) < total:
+        raise StagingError(f"the joined page table must be 1-D int64 ending in {total} region offsets")
+    if plan.num_tokens:
+        table = table.to(plan.device, non_blocking=True)
+        lists = table[len(table) - total:]
+        _Launch(plan, staging, table, to_staging, interpret, tile_bytes, num_warps, joined=groups,
+                lists=lists).run(0, total)
+
+
 class _Launch:
     """One copy's kernel arguments, launched for a range of regions at a time."""
 
@@ -266,9 +318,11 @@ class _Launch:
         interpret: bool,
         tile_bytes: int,
         num_warps: int,
+        joined: Sequence[Regions] = (),
+        lists: torch.Tensor | None = None,
     ) -> None:
         itemsize = plan.dtype.itemsize
-        table = region_table(plan.regions)
+        table = region_table(plan.regions, joined)
         align = table.align
         word = min(8, align, _alignment([staging.data_ptr(), plan.row_bytes, plan.page_stride * itemsize]))
         row_words = plan.row_bytes // word
@@ -276,15 +330,18 @@ class _Launch:
         rows = min(_floor_pow2(max(1, tile_bytes // plan.row_bytes)), _ceil_pow2(self.num_rows))
         self.tiles = -(-self.num_rows // rows)
         self.kernel = _kernel(interpret)
+        pages = pages.to(device=plan.device, non_blocking=True).contiguous()
         self.args = (
             table.tensor,
             staging.view(_WORDS[word]),
-            pages.to(device=plan.device, non_blocking=True).contiguous(),
+            pages,
+            pages if lists is None else lists,
             plan.start_token,
             self.num_rows,
             plan.head_offset,
         )
         self.constants: dict[str, Any] = {
+            "LISTS": lists is not None,
             "BLOCK_SIZE": plan.block_size,
             "HEADS": plan.heads,
             "HEAD_COUNT": plan.head_count,

@@ -265,6 +265,38 @@ async def test_hybrid_room_makes_one_write_per_chunk_and_link(transport: str, mo
         assert pieces and writes == [len(pieces)], (writes, pieces)  # no write of the state's own
 
 
+@pytest.mark.parametrize("tps", [(1, 1), (2, 1), (1, 2)], ids=["tp1-1", "tp2-1", "tp1-2"])
+async def test_hybrid_staged_groups_of_one_page_shape_move_in_one_launch(tps: tuple[int, int],
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two paged groups of one page shape (own pools, own pages) and a state group on a staged link
+    (block 16 -> 32): each piece's two blocks are gathered and scattered in one launch reading
+    one page table per room (``kvproto.aio.staging``; on a CUDA cache with Triton, here in Triton's
+    interpreter), and every group lands byte-exact."""
+    from kvproto import kernels
+    from kvproto.aio import staging
+
+    joined: list[tuple[int, bool]] = []
+    real = kernels.copy_joined
+
+    def counted(groups: Any, *args: Any, **kwargs: Any) -> None:
+        joined.append((len(groups), kwargs["to_staging"]))
+        real(groups, *args, **kwargs)
+
+    monkeypatch.setattr(staging, "_joins", lambda buf: True)
+    monkeypatch.setattr(kernels, "copy_joined", counted)
+    cfg = DemoConfig(rooms=1, layers=2, kv_heads=2, head_dim=8, prefill_tp=tps[0], decode_tp=tps[1],
+                     prefill_block=16, decode_block=32, blocks=24, tokens=70, chunk_tokens=32, seed=3,
+                     transport="loopback")
+    shapes = (PagedShape("full", (0, 3), 2, 8, False), PagedShape("lin", (1, 2, 4, 5), 2, 8, False, salt=1),
+              StateShape("state", (1, 2, 4, 5), ((4, 3),), ("bf16",), (0,), salt=2))
+    case = Case(cfg, shapes, {"full": 16, "lin": 16}, {"full": 32, "lin": 32}, {"full": "NHD", "lin": "NHD"},
+                {"full": "HND", "lin": "HND"}, 1 << 20)
+    paths = await run_hybrid_room(case, room_id=31)
+    assert "staged-cpu" in paths, paths
+    assert joined and all(n == 2 for n, _ in joined), joined
+    assert {to for _, to in joined} == {True, False}  # the prefill's gathers and the decode's scatters
+
+
 async def test_hybrid_layerwise_moves_each_group_with_its_layers() -> None:
     """Layer-wise chunks name model layers: a GDN hybrid streamed one model layer at a time lands
     every group (the state with the last range's layers)."""

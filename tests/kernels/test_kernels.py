@@ -284,6 +284,52 @@ def test_triton_gather_matches_reference(interpret: None, case: Case) -> None:
     assert same_bytes(got, want)
 
 
+def _joint_table(caches: list[Cache]) -> torch.Tensor:
+    """Every cache's pages back to back, then each region's offset into them (``copy_joined``)."""
+    starts, at = [], 0
+    for cache in caches:
+        starts += [at] * len(cache.regions)
+        at += len(cache.pages)
+    return torch.cat([c.pages.to(torch.int64) for c in caches] + [torch.tensor(starts, dtype=torch.int64)])
+
+
+@needs_triton
+@FAST
+@given(case=cases(), other_pool=st.integers(0, 3), other_regions=st.integers(1, 3))
+def test_triton_joined_copy_of_two_groups_matches_reference(interpret: None, case: Case, other_pool: int,
+                                                            other_regions: int) -> None:
+    """Two groups of one page shape, own pools (sizes differ) and own page tables, gathered in one
+    launch equal the two reference gathers back to back; the joined scatter of random staging
+    equals the two reference scatters."""
+    first = case.cache()
+    second = make_cache(seed=case.seed + 7, layout=case.layout, block_size=case.block_size, heads=case.heads,
+                        head_dim=case.head_dim, dtype=case.dtype, num_tokens=case.end, num_regions=other_regions,
+                        spare_pages=other_pool)
+    if first.regions[0].stride(0) != second.regions[0].stride(0):  # interleaved planes: another page stride
+        second = make_cache(seed=case.seed + 7, layout=case.layout, block_size=case.block_size, heads=case.heads,
+                            head_dim=case.head_dim, dtype=case.dtype, num_tokens=case.end, num_regions=other_regions,
+                            spare_pages=other_pool, interleaved=True)
+    caches = [first, second]
+    groups = [kernels.Regions(c.regions) for c in caches]
+    if len({(g.shape[1:], g.page_stride) for g in groups}) != 1:
+        return  # one interleaved tensor per region pair: an odd count leaves a region of its own
+    span = dict(layout=case.layout, start_token=case.start, end_token=case.end, head_offset=case.head_offset)
+    want = torch.cat([kernels.gather(c.regions, pages=c.pages, **span, head_count=case.head_count, backend="torch")
+                      for c in caches])
+    got = torch.empty_like(want)
+    kernels.copy_joined(groups, got, _joint_table(caches), **span, to_staging=True)
+    assert same_bytes(got, want)
+    staging = random_bits(tuple(want.shape), case.dtype, torch.Generator().manual_seed(case.seed + 1))
+    twins = [[region.clone() for region in c.regions] for c in caches]
+    kernels.copy_joined(groups, staging, _joint_table(caches), **span, to_staging=False)
+    at = 0
+    for cache, twin in zip(caches, twins, strict=True):
+        n = len(cache.regions)
+        kernels.scatter(staging[at:at + n], twin, pages=cache.pages, **span, backend="torch")
+        at += n
+        assert all_same_bytes(cache.regions, twin)
+
+
 @needs_triton
 @FAST
 @given(case=cases())
