@@ -614,18 +614,26 @@ class CudaIpcTransport:
             if len(self._slot_rows) >= 64:
                 self._slot_rows.clear()
             self._slot_rows[id(rows)] = known
-        _, _, here, src_slots, dst_slots = known
+        _, _, src_slots, dst_slots, plan, src_step, dst_step = known
         src_slot, dst_slot = part.src_slot, part.dst_slot
         if not (0 <= src_slot < src_slots and 0 <= dst_slot < dst_slots):
             raise TransportError(f"post_parts: state slot {src_slot} -> {dst_slot} is not inside registered memory "
                                  f"({src_slots} local, {dst_slots} remote slots fit the registered regions)")
-        pattern = np.stack([rows.src + src_slot * rows.src_stride, here + dst_slot * rows.dst_stride, rows.length],
-                           axis=1)
-        return self._pattern_launch(pattern, self._zero_bases(kind), int(rows.length.sum()),
-                                    descriptors=len(rows.length))
+        tiles = plan.tiles.copy()
+        tiles[:, 0] += src_slot * src_step
+        tiles[:, 1] += dst_slot * dst_step
+        bases = self._zero_bases(kind)
+        from kvproto.kernels import pattern as kernels
 
-    def _check_slot_rows(self, mapped: _Peer, rows: Any, kind: MemKind) -> tuple[np.ndarray, int, int]:
-        """(slot 0's destination rows here, slots that fit locally, slots that fit remotely)."""
+        return _Launch(bases, tiles, lambda t: kernels.launch(plan, bases.table[:1], bases.table[1:], t), plan.nbytes,
+                       len(rows.length))
+
+    def _check_slot_rows(self, mapped: _Peer, rows: Any, kind: MemKind) -> tuple[Any, ...]:
+        """(slots that fit locally, slots that fit remotely, the pattern plan of slot 0 into slot 0
+        (absolute addresses here), and per tile how far a slot moves it on each side, in the plan's
+        vectors): the strides are multiples of the plan's alignment, so one plan serves every slot."""
+        from kvproto.kernels import pattern as kernels
+
         fits = []
         for base, stride, regions, whose in ((rows.src, rows.src_stride, self._local_regions(), "this agent's"),
                                              (rows.dst, rows.dst_stride, mapped.regions, f"peer {mapped.name!r}'s")):
@@ -635,7 +643,13 @@ class CudaIpcTransport:
             fits.append(int((room // np.maximum(stride, 1)).min()) + 1)
             if base is rows.dst:
                 here = mapped.local[j] + (base - regions[j, 0])
-        return here, fits[0], fits[1]
+        strides = np.concatenate([rows.src_stride, rows.dst_stride])
+        plan = kernels.plan_pattern(np.stack([rows.src, here, rows.length], axis=1), regions=1,
+                                    base_align=kernels.alignment(strides[strides > 0]))
+        align = plan.word * plan.vec
+        tile_vecs = plan.tile_words // plan.vec
+        row = np.repeat(np.arange(len(rows.length)), -(-(rows.length // align) // tile_vecs))
+        return fits[0], fits[1], plan, rows.src_stride[row] // align, rows.dst_stride[row] // align
 
     def _zero_bases(self, kind: MemKind) -> _Bases:
         """One region pair of base 0: rows of absolute addresses as a pattern."""

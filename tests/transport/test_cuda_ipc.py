@@ -268,31 +268,37 @@ def test_cuda_ipc_post_parts_joins_groups_of_one_page_geometry_in_one_launch(dst
         b.close()
 
 
-def test_cuda_ipc_slot_rows_move_one_slot_of_every_region_and_stay_inside() -> None:
+@pytest.mark.parametrize("half", [48, 6, 4096], ids=["48B", "6B", "4KiB-split-in-tiles"])
+def test_cuda_ipc_slot_rows_move_one_slot_of_every_region_and_stay_inside(half: int) -> None:
     """A state part (``SlotRows``: slot 0's rows and per-row strides) moves exactly slot ``s`` of
-    every region into slot ``d`` on the peer; a slot past what the registered regions hold, on
-    either side, raises TransportError before anything moves."""
+    every region into slot ``d`` on the peer, whatever the rows' alignment and whether a row spans
+    several tiles; a slot past what the registered regions hold, on either side, raises
+    TransportError before anything moves."""
     from kvproto.aio.paths import Part, SlotRows
 
     a, b = _agents(**KERNELS)
     try:
-        src = [pattern(4 * 96, seed=i) for i in range(3)]  # 4 slots of 96 bytes; 3 regions
-        dst = [np.zeros(6 * 48, np.uint8) for _ in range(3)]  # 6 slots of 48 bytes: this rank's half
+        src = [pattern(4 * 2 * half, seed=i) for i in range(3)]  # 4 slots of 2 halves; 3 regions
+        dst = [np.zeros(6 * half, np.uint8) for _ in range(3)]  # 6 slots of one half: this rank's
         a.register([region(x) for x in src])
         b.register([region(x) for x in dst])
         a.add_peer(b.metadata())
-        rows = SlotRows(np.array([x.ctypes.data + 48 for x in src]), np.full(3, 96),
-                        np.array([x.ctypes.data for x in dst]), np.full(3, 48), np.full(3, 48))
-        xfer = a.post_parts("b", [Part(144, DRAM, DRAM, slots=rows, src_slot=2, dst_slot=5)], b"state")
-        assert [n.tag for n in _finish(a, b, xfer)] == [b"state"]
+        rows = SlotRows(np.array([x.ctypes.data + half for x in src]), np.full(3, 2 * half),
+                        np.array([x.ctypes.data for x in dst]), np.full(3, half), np.full(3, half))
+        for src_slot, dst_slot in ((2, 5), (0, 1)):
+            xfer = a.post_parts("b", [Part(3 * half, DRAM, DRAM, slots=rows, src_slot=src_slot, dst_slot=dst_slot)],
+                                b"state")
+            assert [n.tag for n in _finish(a, b, xfer)] == [b"state"]
         for s, d in zip(src, dst, strict=True):
             want = np.zeros_like(d)
-            want[5 * 48:6 * 48] = s[2 * 96 + 48:3 * 96]
+            want[5 * half:6 * half] = s[2 * 2 * half + half:3 * 2 * half]
+            want[1 * half:2 * half] = s[half:2 * half]
             assert np.array_equal(d, want)
         for src_slot, dst_slot in ((4, 0), (0, 6), (-1, 0)):
             with pytest.raises(TransportError, match="not inside registered memory"):
-                a.post_parts("b", [Part(144, DRAM, DRAM, slots=rows, src_slot=src_slot, dst_slot=dst_slot)], b"x")
-        assert a.stats.writes == 1
+                a.post_parts("b", [Part(3 * half, DRAM, DRAM, slots=rows, src_slot=src_slot, dst_slot=dst_slot)],
+                             b"x")
+        assert a.stats.writes == 2
     finally:
         a.close()
         b.close()
