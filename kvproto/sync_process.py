@@ -30,7 +30,9 @@ work. One mechanism joins the two processes:
 * **the cache is shared, not copied.** The child builds its ``KVCache`` from the engine's own
   tensors, passed through ``torch.multiprocessing``: CUDA tensors arrive as CUDA IPC mappings of
   the same memory; CPU tensors are moved into shared memory first (their storage is replaced in
-  place, contents kept: the engine's tensors keep working, at a new address).
+  place, contents kept: the engine's tensors keep working, at a new address). A hybrid model's
+  cache crosses the same way, group by group (``_recipe``: each group's tensors and the
+  arguments of its ``from_tensors``), and is joined again in the child (``with_groups``).
 
 What the facade promises holds unchanged: calls never block, ``get_finished()`` lists each room
 once, and FAILED means no write can land, because the child's endpoint reports it. If the child
@@ -47,10 +49,10 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvproto.aio import EndpointConfig, KVCache, TransferFailed
+from kvproto.aio import EndpointConfig, KVCache, StateCache, TransferFailed
 from kvproto.core import RoomState
 from kvproto.wire import ErrorCode, LocalProtocolError
 
@@ -114,23 +116,35 @@ class _ProcessRoom:
         self._facade._call(("abort", self.room_id))
 
 
+def _groups(group_pages: Mapping[str, Sequence[int]] | None) -> dict[str, list[int]] | None:
+    return None if group_pages is None else {name: list(pages) for name, pages in group_pages.items()}
+
+
+def _slots(state_slots: Mapping[str, int] | None) -> dict[str, int] | None:
+    return None if state_slots is None else dict(state_slots)
+
+
 class ProcessReceiver(_ProcessRoom):
     """A decode room, shaped like SGLang's ``KVReceiver`` (as ``kvproto.sync.KVReceiver``)."""
 
     def init(self, pages: Sequence[int], num_tokens: int, *, prefix_tokens: int = 0,
-             aux_slot: int | None = None) -> None:
-        """Where the room's KV goes (see ``ReceiverRoomHandle.set_destination``)."""
-        self._facade._call(("init", self.room_id, list(pages), num_tokens, prefix_tokens, aux_slot))
+             aux_slot: int | None = None, group_pages: Mapping[str, Sequence[int]] | None = None,
+             state_slots: Mapping[str, int] | None = None) -> None:
+        """Where the room's KV goes (see ``ReceiverRoomHandle.set_destination``); a hybrid cache's
+        ``group_pages`` and ``state_slots`` as for ``kvproto.sync.KVReceiver.init``."""
+        self._facade._call(("init", self.room_id, list(pages), num_tokens, prefix_tokens, aux_slot,
+                            _groups(group_pages), _slots(state_slots)))
 
 
 class ProcessSender(_ProcessRoom):
     """A prefill room, shaped like SGLang's ``KVSender`` (as ``kvproto.sync.KVSender``)."""
 
-    def init(self, num_tokens: int, aux_slot: int | None = None) -> None:
-        self._facade._call(("init", self.room_id, num_tokens, aux_slot))
+    def init(self, num_tokens: int, aux_slot: int | None = None, *,
+             state_slots: Mapping[str, int] | None = None) -> None:
+        self._facade._call(("init", self.room_id, num_tokens, aux_slot, _slots(state_slots)))
 
     def send(self, pages: Sequence[int], end_token: int | None = None, *, layers: range | None = None,
-             ready: Any = None) -> None:
+             ready: Any = None, group_pages: Mapping[str, Sequence[int]] | None = None) -> None:
         """As ``kvproto.sync.KVSender.send``. ``ready`` must be a CUDA event made with
         ``torch.cuda.Event(interprocess=True)``: the endpoint's process opens it by its IPC handle."""
         event = None
@@ -141,7 +155,7 @@ class ProcessSender(_ProcessRoom):
                 raise LocalProtocolError(f"ready must be torch.cuda.Event(interprocess=True) with the endpoint in "
                                          f"another process ({exc})") from None
         span = None if layers is None else (layers.start, layers.stop)
-        self._facade._call(("send", self.room_id, list(pages), end_token, span, event))
+        self._facade._call(("send", self.room_id, list(pages), end_token, span, event, _groups(group_pages)))
 
 
 class _ProcessFacade:
@@ -155,16 +169,8 @@ class _ProcessFacade:
         """``loop_factory`` makes the child's event loop (e.g. ``uvloop.new_event_loop``; picklable)."""
         import torch.multiprocessing as tmp
 
-        planes, aux = kv.owner if isinstance(kv.owner, tuple) and len(kv.owner) == 2 else (None, None)
-        if planes is None:
-            raise LocalProtocolError(f"Process{self.ROLE.title()} needs a cache built by KVCache.from_tensors (its "
-                                     "tensors are shared with the endpoint's process)")
-        if kv.groups:
-            raise LocalProtocolError(f"Process{self.ROLE.title()} does not carry a cache of several groups to its "
-                                     f"child yet: use kvproto.sync.Sync{self.ROLE.title()} for a hybrid model's cache")
-        g = kv.geometry
-        layout = dict(tp_size=g.tp_size, tp_rank=g.tp_rank, num_kv_heads=None if g.mla else g.num_kv_heads,
-                      layout=g.layout, mla=g.mla, kv_fused=g.kv_fused)
+        recipe = [_recipe(kv, f"Process{self.ROLE.title()}")]
+        recipe += [_recipe(group, f"Process{self.ROLE.title()}") for group in kv.groups]
         self.config = config or EndpointConfig()
         ctx = tmp.get_context("spawn")
         calls_r, self._calls = ctx.Pipe(duplex=False)
@@ -175,7 +181,7 @@ class _ProcessFacade:
         self._read = 0
         self._buffer = b""
         self._proc = ctx.Process(target=_child, name=f"kvproto-{self.ROLE}",
-                                 args=(self.ROLE, planes, aux, layout, self.config, bootstrap, loop_factory, calls_r,
+                                 args=(self.ROLE, recipe, self.config, bootstrap, loop_factory, calls_r,
                                        events_w, reasons_w, ready_w, self._written), daemon=True)
         self._proc.start()
         for end in (calls_r, events_w, reasons_w, ready_w):
@@ -382,6 +388,38 @@ class _ProcessFacade:
         return TransferFailed(room_id, code, text)
 
 
+def _recipe(group: KVCache | StateCache, who: str) -> tuple[str, Any, dict[str, Any]]:
+    """What the child needs to build ``group`` again over the same memory: its kind, the tensors
+    its ``from_tensors`` was given, and that call's other arguments."""
+    if isinstance(group, StateCache):
+        if not group.owner:
+            raise LocalProtocolError(f"{who} needs state group {group.name!r} built by StateCache.from_tensors (its "
+                                     f"tensors are shared with the endpoint's process)")
+        return "state", group.owner, dict(name=group.name, shard_dims=[t.shard_dim for t in group.group.tensors],
+                                          tp_size=group.tp_size, tp_rank=group.tp_rank, model_layers=group.layers)
+    planes, aux = group.owner if isinstance(group.owner, tuple) and len(group.owner) == 2 else (None, None)
+    if planes is None:
+        raise LocalProtocolError(f"{who} needs a cache built by KVCache.from_tensors (its tensors are shared with "
+                                 f"the endpoint's process)")
+    g = group.geometry
+    return "paged", planes, dict(aux=aux, tp_size=g.tp_size, tp_rank=g.tp_rank,
+                                 num_kv_heads=None if g.mla else g.num_kv_heads, layout=g.layout, mla=g.mla,
+                                 kv_fused=g.kv_fused, name=group.name, window=group.window, model_layers=group.layers)
+
+
+def _rebuild(recipe: Sequence[tuple[str, Any, dict[str, Any]]]) -> KVCache:
+    """The cache ``_recipe`` described, group by group, in the endpoint's process."""
+    built: list[Any] = []
+    for kind, tensors, kwargs in recipe:
+        if kind == "state":
+            kwargs = dict(kwargs)
+            built.append(StateCache.from_tensors(kwargs.pop("name"), tensors, **kwargs))
+        else:
+            built.append(KVCache.from_tensors(tensors, **kwargs))
+    first, *groups = built
+    return first.with_groups(*groups) if groups else first
+
+
 class ProcessDecode(_ProcessFacade):
     """A decode rank for a synchronous scheduler, its endpoint in a child process."""
 
@@ -392,11 +430,13 @@ class ProcessDecode(_ProcessFacade):
         super().__init__(kv, config=config, loop_factory=loop_factory, start_timeout=start_timeout)
 
     def receiver(self, room_id: int, bootstrap: str, *, pages: Sequence[int] | None = None,
-                 num_tokens: int | None = None, prefix_tokens: int = 0, aux_slot: int | None = None) -> ProcessReceiver:
+                 num_tokens: int | None = None, prefix_tokens: int = 0, aux_slot: int | None = None,
+                 group_pages: Mapping[str, Sequence[int]] | None = None,
+                 state_slots: Mapping[str, int] | None = None) -> ProcessReceiver:
         """Open the decode side of ``room_id`` (as ``SyncDecode.receiver``); returns at once."""
         room = ProcessReceiver(self, room_id)
         self._open(room, ("open", room_id, bootstrap, None if pages is None else list(pages), num_tokens,
-                          prefix_tokens, aux_slot))
+                          prefix_tokens, aux_slot, _groups(group_pages), _slots(state_slots)))
         return room
 
 
@@ -508,12 +548,12 @@ class _Writer:
                 self.loop.remove_writer(self.fd)
 
 
-def _child(role: str, planes: Any, aux: Any, layout: dict[str, Any], config: EndpointConfig, bootstrap: str | None,
-           loop_factory: Any, calls: Any, events: Any, reasons: Any, ready: Any, written: Any) -> None:
+def _child(role: str, recipe: Any, config: EndpointConfig, bootstrap: str | None, loop_factory: Any, calls: Any,
+           events: Any, reasons: Any, ready: Any, written: Any) -> None:
     from kvproto.sync import EngineLoop, SyncDecode, SyncPrefill
 
     try:
-        kv = KVCache.from_tensors(planes, aux=aux, **layout)
+        kv = _rebuild(recipe)
         loop = EngineLoop(loop_factory=loop_factory)
         facade: Any = (SyncPrefill(kv, bootstrap=bootstrap, config=config, loop=loop) if role == "prefill"
                        else SyncDecode(kv, config=config, loop=loop))
@@ -555,9 +595,9 @@ def _perform(role: str, facade: Any, rooms: dict[int, Any], batch: list[tuple[An
             with sink.lock:
                 sink.opening.add(room_id)
             if role == "decode":
-                _, _, peer, pages, num_tokens, prefix, aux_slot = message
+                _, _, peer, pages, num_tokens, prefix, aux_slot, groups, slots = message
                 opened = facade.receiver(room_id, peer, pages=pages, num_tokens=num_tokens, prefix_tokens=prefix,
-                                         aux_slot=aux_slot)
+                                         aux_slot=aux_slot, group_pages=groups, state_slots=slots)
             else:
                 opened = facade.sender(room_id)
             sink.opened(room_id, opened)
@@ -566,18 +606,21 @@ def _perform(role: str, facade: Any, rooms: dict[int, Any], batch: list[tuple[An
         elif kind == "abort":
             room.abort()
         elif kind == "init" and role == "decode":
-            _, _, pages, num_tokens, prefix, aux_slot = message
-            room.init(pages, num_tokens, prefix_tokens=prefix, aux_slot=aux_slot)
+            _, _, pages, num_tokens, prefix, aux_slot, groups, slots = message
+            room.init(pages, num_tokens, prefix_tokens=prefix, aux_slot=aux_slot, group_pages=groups,
+                      state_slots=slots)
         elif kind == "init":
-            room.init(message[2], message[3])
+            _, _, num_tokens, aux_slot, slots = message
+            room.init(num_tokens, aux_slot, state_slots=slots)
         elif kind == "send":
-            _, _, pages, end_token, span, event = message
+            _, _, pages, end_token, span, event, groups = message
             ready_event = None
             if event is not None:
                 import torch
 
                 ready_event = torch.cuda.Event.from_ipc_handle(torch.device("cuda", event[0]), event[1])
-            room.send(pages, end_token, layers=None if span is None else range(*span), ready=ready_event)
+            room.send(pages, end_token, layers=None if span is None else range(*span), ready=ready_event,
+                      group_pages=groups)
     return True
 
 

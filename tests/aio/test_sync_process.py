@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from kvproto.aio import EndpointConfig, KVCache, TransferFailed
+from kvproto.aio import EndpointConfig, KVCache, StateCache, TransferFailed
 from kvproto.core import RoomState, Timeouts
 from kvproto.sync import SyncPrefill
 from kvproto.sync_process import ProcessDecode, ProcessPrefill
@@ -148,6 +148,45 @@ def test_a_dead_endpoint_process_fails_its_rooms_only_after_the_drain() -> None:
                 rx.failure_exception()
         finally:
             decode.close()
+
+
+def hybrid(seed: int) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]], list[list[torch.Tensor]], KVCache]:
+    """A hybrid model's cache: full attention on model layers 0 and 3 (K/V pages), another paged
+    group on layers 1 and 2, and a state group (two tensors per layer, 6 slots) on 1 and 2."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def pages() -> list[list[torch.Tensor]]:
+        return [[torch.randint(0, 256, (32, BLOCK, HEADS, DIM), dtype=torch.uint8, generator=gen) for _ in range(2)]
+                for _ in range(2)]
+
+    full, lin = pages(), pages()
+    state = [[torch.randint(0, 256, (6, 4, 3), dtype=torch.uint8, generator=gen),
+              torch.randint(0, 256, (6, 5), dtype=torch.uint8, generator=gen)] for _ in range(2)]
+    kv = KVCache.from_tensors(full, model_layers=[0, 3]).with_groups(
+        KVCache.from_tensors(lin, name="lin", model_layers=[1, 2]),
+        StateCache.from_tensors("state", state, shard_dims=[0, None], model_layers=[1, 2]))
+    return full, lin, state, kv
+
+
+def test_hybrid_caches_cross_to_the_endpoints_processes_and_land_byte_exact() -> None:
+    """A hybrid model's cache (two paged groups and a state group) through ProcessPrefill and
+    ProcessDecode: the children rebuild it over the engine's own tensors, and a room in two
+    chunks lands every group byte-exact, the state in the decode's slot."""
+    s_full, s_lin, s_state, skv = hybrid(14)
+    d_full, d_lin, d_state, dkv = hybrid(15)
+    with ProcessPrefill(skv, config=config()) as prefill, ProcessDecode(dkv, config=config()) as decode:
+        rx = decode.receiver(31, prefill.bootstrap_address, pages=[9, 2, 17], num_tokens=11,
+                             group_pages={"lin": [30, 0, 5]}, state_slots={"state": 4})
+        tx = prefill.sender(31)
+        tx.init(11, state_slots={"state": 1})
+        tx.send([4, 5], 8, group_pages={"lin": [7, 8]})
+        tx.send([6], 11, group_pages={"lin": [12]})
+        assert wait(rx) is RoomState.SUCCESS and wait(tx) is RoomState.SUCCESS
+    for src, dst, s_pages, d_pages in ((s_full, d_full, [4, 5, 6], [9, 2, 17]), (s_lin, d_lin, [7, 8, 12],
+                                                                                   [30, 0, 5])):
+        assert all(torch.equal(a, b) for a, b in zip(tokens(src, s_pages, 11), tokens(dst, d_pages, 11)))
+    for s_layer, d_layer in zip(s_state, d_state, strict=True):
+        assert all(torch.equal(s[1], d[4]) for s, d in zip(s_layer, d_layer, strict=True))
 
 
 def test_a_cache_without_tensors_is_refused() -> None:
