@@ -21,7 +21,7 @@ Everything here is pure Python over ints: no torch, no I/O.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class Layout(enum.IntEnum):
@@ -78,6 +78,8 @@ class KVGeometry:
     num_blocks: int
     kv_fused: bool = False
     """One plane per layer holding each head's K and V side by side (``head_dim`` = K + V)."""
+    _sizes: tuple[int, int, int] = field(init=False, repr=False, compare=False, default=(0, 0, 0))
+    """(local heads, head bytes, page bytes), computed once: every write plans with them."""
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks"):
@@ -98,6 +100,9 @@ class KVGeometry:
                 raise GeometryError(f"TP {t} is not a multiple of {h} KV heads")
         object.__setattr__(self, "dtype", DType(self.dtype))
         object.__setattr__(self, "layout", Layout(self.layout))
+        heads = 1 if self.mla else max(1, self.num_kv_heads // self.tp_size)
+        head_bytes = self.head_dim * self.dtype.itemsize
+        object.__setattr__(self, "_sizes", (heads, head_bytes, self.block_size * heads * head_bytes))
 
     # --- derived sizes -------------------------------------------------------------------
     @property
@@ -111,9 +116,7 @@ class KVGeometry:
 
     @property
     def local_heads(self) -> int:
-        if self.mla:
-            return 1
-        return max(1, self.num_kv_heads // self.tp_size)
+        return self._sizes[0]
 
     @property
     def head_start(self) -> int:
@@ -138,16 +141,16 @@ class KVGeometry:
     @property
     def head_bytes(self) -> int:
         """Bytes of one head of one token."""
-        return self.head_dim * self.itemsize
+        return self._sizes[1]
 
     @property
     def token_bytes(self) -> int:
         """Bytes of one token's local heads in one plane."""
-        return self.local_heads * self.head_bytes
+        return self._sizes[0] * self._sizes[1]
 
     @property
     def page_bytes(self) -> int:
-        return self.block_size * self.token_bytes
+        return self._sizes[2]
 
     @property
     def region_bytes(self) -> int:
