@@ -62,12 +62,18 @@ def _tp_choices(heads: int, mla: bool) -> list[int]:
 
 
 @st.composite
-def hybrid_cases(draw: st.DrawFn) -> Case:
-    """A first paged group and 1-3 more (paged or state), their model layers interleaved."""
+def hybrid_cases(draw: st.DrawFn, alike: bool = False) -> Case:
+    """A first paged group and 1-3 more (paged or state), their model layers interleaved.
+    ``alike``: at least one more paged group, and every paged group has the first one's heads,
+    head size, block sizes and layouts and no window (their pages look alike: shared launches)."""
     extra = draw(st.lists(st.sampled_from(["paged", "state"]), min_size=1, max_size=3))
+    if alike and "paged" not in extra:
+        extra[0] = "paged"
     heads_of = [draw(st.sampled_from([1, 2, 4])) for _ in range(1 + len(extra))]
-    mla = draw(st.booleans())
+    mla = draw(st.booleans()) and not alike
     heads_of[0] = 1 if mla else heads_of[0]
+    if alike:
+        heads_of = [heads_of[0] if kind == "paged" else h for kind, h in zip(["paged", *extra], heads_of)]
     tps = set.intersection(*(set(_tp_choices(h, mla and i == 0)) for i, h in enumerate(heads_of)))
     p_tp, d_tp = draw(st.sampled_from(sorted(tps))), draw(st.sampled_from(sorted(tps)))
     per_group = [draw(st.integers(1, 2)) for _ in range(1 + len(extra))]
@@ -78,9 +84,9 @@ def hybrid_cases(draw: st.DrawFn) -> Case:
     shapes: list[PagedShape | StateShape] = [PagedShape("g0", layers[0], heads_of[0], draw(st.sampled_from([2, 4])), mla)]
     for k, kind in enumerate(extra, start=1):
         if kind == "paged":
-            window = draw(st.one_of(st.none(), st.integers(1, 40)))
-            shapes.append(PagedShape(f"g{k}", layers[k], heads_of[k], draw(st.sampled_from([2, 3, 4])), False,
-                                     window=window, salt=k))
+            window = None if alike else draw(st.one_of(st.none(), st.integers(1, 40)))
+            head_dim = shapes[0].head_dim if alike else draw(st.sampled_from([2, 3, 4]))
+            shapes.append(PagedShape(f"g{k}", layers[k], heads_of[k], head_dim, False, window=window, salt=k))
         else:
             tensors = []
             for _ in range(draw(st.integers(1, 2))):
@@ -96,6 +102,9 @@ def hybrid_cases(draw: st.DrawFn) -> Case:
     blocks = [1, 2, 4, 8]
     p_blocks = {n: draw(st.sampled_from(blocks)) for n in names}
     d_blocks = {n: draw(st.sampled_from(blocks)) for n in names}
+    if alike:
+        p_blocks = dict.fromkeys(names, p_blocks["g0"])
+        d_blocks = dict.fromkeys(names, d_blocks["g0"])
     tokens = draw(st.integers(1, 50))
     cfg = DemoConfig(rooms=1, layers=len(layers[0]), kv_heads=heads_of[0], head_dim=shapes[0].head_dim,
                      dtype=draw(st.sampled_from(["bf16", "u8"])), prefill_tp=p_tp, decode_tp=d_tp,
@@ -104,9 +113,12 @@ def hybrid_cases(draw: st.DrawFn) -> Case:
                      chunk_tokens=max(p_blocks.values()) * draw(st.integers(1, 4)), seed=draw(st.integers(0, 2**16)),
                      transport="loopback", path=draw(st.sampled_from(["auto", "sliced"])))
     layouts = ["NHD", "HND"]
-    return Case(cfg, tuple(shapes), p_blocks, d_blocks, {n: draw(st.sampled_from(layouts)) for n in names},
-                {n: draw(st.sampled_from(layouts)) for n in names}, draw(st.sampled_from([0, 4096, 1 << 20])),
-                draw(st.booleans()))
+    p_layouts = {n: draw(st.sampled_from(layouts)) for n in names}
+    d_layouts = {n: draw(st.sampled_from(layouts)) for n in names}
+    if alike:
+        p_layouts, d_layouts = dict.fromkeys(names, p_layouts["g0"]), dict.fromkeys(names, d_layouts["g0"])
+    return Case(cfg, tuple(shapes), p_blocks, d_blocks, p_layouts, d_layouts,
+                draw(st.sampled_from([0, 4096, 1 << 20])), draw(st.booleans()))
 
 
 def _prefix(case: Case) -> int:
@@ -320,6 +332,45 @@ async def test_hybrid_random_geometry_over_the_kernel_path(case: Case) -> None:
     paths = await run_hybrid_room(case, room_id=1 + case.cfg.seed, transport="cuda-ipc",
                                   options={"fallback": "loopback", "cpu_kernels": True})
     assert paths <= {"direct-kernel", "sliced-kernel", "state", "aux"}, paths
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(case=hybrid_cases(alike=True))
+async def test_hybrid_groups_that_look_alike_share_launches_byte_exact(case: Case) -> None:
+    """Paged groups with one page shape (own pages): over the kernel path their regions share one
+    rows kernel per write; over loopback with staging, the staged blocks share one gather and one
+    scatter launch (as on a CUDA cache; here Triton's interpreter). Every group lands byte-exact.
+    (Layer-wise chunks name model layers, each one group's: nothing to share there.)"""
+    from unittest import mock
+
+    from kvproto import kernels
+    from kvproto.aio import staging
+    from kvproto.transport.cuda_ipc import CudaIpcTransport
+
+    joined: list[int] = []
+    plans_launch, copy_joined = CudaIpcTransport._plans_launch, kernels.copy_joined
+
+    def counted_plans(self: Any, mapped: Any, plans: Any) -> Any:
+        joined.append(len(plans))
+        return plans_launch(self, mapped, plans)
+
+    def counted_copy(groups: Any, *args: Any, **kwargs: Any) -> None:
+        joined.append(len(groups))
+        copy_joined(groups, *args, **kwargs)
+
+    with mock.patch.object(CudaIpcTransport, "_plans_launch", counted_plans):
+        paths = await run_hybrid_room(case, room_id=1 + case.cfg.seed, transport="cuda-ipc",
+                                      options={"fallback": "loopback", "cpu_kernels": True})
+    assert paths <= {"direct-kernel", "sliced-kernel", "state", "aux"}, paths
+    moves = not case.layerwise and _prefix(case) < case.cfg.tokens  # pages to move, every group in each chunk
+    if moves:  # (a layer-wise chunk holds one model layer: one group's)
+        assert joined and max(joined) >= 2, joined  # a write carries the alike groups in one launch
+    joined.clear()
+    with mock.patch.object(staging, "_joins", lambda buf: True), mock.patch.object(kernels, "copy_joined",
+                                                                                 counted_copy):
+        paths = await run_hybrid_room(case, room_id=2 + case.cfg.seed)
+    if any(p.startswith("staged") for p in paths) and moves:
+        assert joined and min(joined) >= 2, (paths, joined)
 
 
 # --- what must be refused ---------------------------------------------------------------------------
