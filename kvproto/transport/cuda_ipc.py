@@ -546,17 +546,22 @@ class CudaIpcTransport:
             bases = self._bases(mapped, local_bases, local_kind, remote_bases, remote_kind)
             for side, g, listed, room, out in (("local", one.src, src_pages, bases.src_room, src_lists),
                                                ("remote", one.dst, dst_pages, bases.dst_room, dst_lists)):
-                arr = np.asarray(listed, dtype=np.int64)
                 last = (end - 1) // g.block_size
-                if last >= len(arr):
-                    raise TransportError(f"post_plan: {len(arr)} {side} pages, tokens [{start}, {end}) need "
+                if last >= len(listed):
+                    raise TransportError(f"post_plan: {len(listed)} {side} pages, tokens [{start}, {end}) need "
                                          f"{last + 1}")
-                used = arr[start // g.block_size:last + 1]
-                if used.min() < 0 or (int(used.max()) + 1) * g.page_bytes > room:
-                    raise TransportError(f"post_plan: a {side} page of {used.tolist()} is not inside registered "
+                used = listed[start // g.block_size:last + 1]
+                if isinstance(used, (list, tuple)) and len(used) <= _FEW_PAGES:
+                    low, high = min(used), max(used)  # a few pages: plain integers cost less than arrays
+                    arr = np.array(listed[:last + 1], dtype=np.int64)
+                else:
+                    arr = np.asarray(listed, dtype=np.int64)[:last + 1]
+                    low, high = int(arr[start // g.block_size:].min()), int(arr[start // g.block_size:].max())
+                if low < 0 or (high + 1) * g.page_bytes > room:
+                    raise TransportError(f"post_plan: a {side} page of {list(used)} is not inside registered "
                                          f"memory ({room // g.page_bytes} pages of {g.page_bytes} bytes from each "
                                          f"region base)")
-                out.append(arr[:last + 1])
+                out.append(arr)
             counts.append(bases.regions)
         if len(plans) > 1:
             bases = self._joined_bases(mapped, plans)
@@ -565,9 +570,13 @@ class CudaIpcTransport:
         table = np.concatenate(src_lists + dst_lists)
         n_src = sum(len(a) for a in src_lists)
         if len(plans) > 1:  # each region's offsets into the source lists, then into the destination lists
-            regions = np.repeat(np.arange(len(plans)), counts)
-            starts = [np.cumsum([0] + [len(a) for a in lists[:-1]]) for lists in (src_lists, dst_lists)]
-            table = np.concatenate([table, starts[0][regions], starts[1][regions]])
+            offsets: list[int] = []
+            for lists in (src_lists, dst_lists):
+                at = 0
+                for arr, count in zip(lists, counts):
+                    offsets += [at] * count
+                    at += len(arr)
+            table = np.concatenate([table, np.array(offsets, dtype=np.int64)])
         split, lists_at = n_src, len(table) - 2 * bases.regions if len(plans) > 1 else None
 
         def go(table: Any) -> None:
@@ -956,6 +965,10 @@ class _Done:
     @staticmethod
     def synchronize() -> None:
         return None
+
+
+_FEW_PAGES = 32
+"""A write's page lists up to this long are checked with plain integers (``_plans_launch``)."""
 
 
 def _joinable(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:

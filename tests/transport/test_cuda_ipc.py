@@ -304,9 +304,12 @@ def test_cuda_ipc_slot_rows_move_one_slot_of_every_region_and_stay_inside(half: 
         b.close()
 
 
-def test_cuda_ipc_post_plan_page_outside_registered_memory_is_refused() -> None:
+@pytest.mark.parametrize("kind", [list, tuple, np.array, lambda pages: list(range(40)) + list(pages)],
+                         ids=["list", "tuple", "array", "long-list"])
+def test_cuda_ipc_post_plan_page_outside_registered_memory_is_refused(kind) -> None:
     """A destination page past the peer's registered region (or a page list too short) raises
-    TransportError before any kernel runs."""
+    TransportError before any kernel runs, whatever holds the page numbers (short lists are
+    checked with plain integers, long ones and arrays with numpy)."""
     from kvproto.geometry import plan_pair
 
     src_g, dst_g = _geometry(1, 0, 4, "NHD"), _geometry(2, 0, 4, "NHD")
@@ -319,10 +322,13 @@ def test_cuda_ipc_post_plan_page_outside_registered_memory_is_refused() -> None:
         b.register([region(dst)])
         a.add_peer(b.metadata())
         args = ("b", plan, [src[0].ctypes.data], DRAM, [dst.ctypes.data], DRAM)
+        skip = 40 * 4 if kind not in (list, tuple, np.array) else 0  # the long list's tokens start at page 40
         with pytest.raises(TransportError, match="not inside registered memory"):
-            a.post_plan(*args, [0, 1], [1, 5], 0, 8, b"t")
+            a.post_plan(*args, kind([0, 1]), kind([1, 5]), skip, skip + 8, b"t")
+        with pytest.raises(TransportError, match="not inside registered memory"):
+            a.post_plan(*args, kind([0, 1]), kind([-1, 2]), skip, skip + 8, b"t")
         with pytest.raises(TransportError, match="pages"):
-            a.post_plan(*args, [0, 1], [1], 0, 8, b"t")
+            a.post_plan(*args, kind([0, 1]), kind([1]), skip, skip + 8, b"t")
         assert not dst.any() and a.stats.writes == 0
     finally:
         a.close()
