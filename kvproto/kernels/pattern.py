@@ -251,17 +251,18 @@ def rows_key(plan: PairPlan) -> tuple[Any, ...]:
 
 
 def launch_rows(plan: RowsPlan, src_table: torch.Tensor, dst_table: Any, src_pages: Any, dst_pages: Any, *,
-                stream: Any = None, lists: Any = None) -> None:
+                stream: Any = None, lists: Any = None, slots: tuple[Any, Any, Any] | None = None) -> None:
     """Run a ``RowsPlan`` with Triton (CPU tensors: the interpreter); ``src_pages``/``dst_pages``
     are int64 page lists from token 0, where the kernel reads them; ``lists``, where regions of
-    several groups share the launch, each region's offsets into them (``copy_paged``)."""
+    several groups share the launch, each region's offsets into them; ``slots``, a state slot's
+    pattern copy in the same launch (``copy_paged``)."""
     from kvproto.kernels import triton_kernels
 
     if src_table.device.type == "cuda" and stream is not None:
         with torch.cuda.stream(stream):
-            triton_kernels.copy_paged(plan, src_table, dst_table, src_pages, dst_pages, lists)
+            triton_kernels.copy_paged(plan, src_table, dst_table, src_pages, dst_pages, lists, slots)
     else:
-        triton_kernels.copy_paged(plan, src_table, dst_table, src_pages, dst_pages, lists)
+        triton_kernels.copy_paged(plan, src_table, dst_table, src_pages, dst_pages, lists, slots)
 
 
 def copy_reference(pattern: np.ndarray, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> None:

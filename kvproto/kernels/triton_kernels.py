@@ -432,8 +432,10 @@ def copy_pattern(plan: Any, src_table: torch.Tensor, dst_table: torch.Tensor, ti
 
 
 # --- paged-to-paged rows (the kernel path's conversions: ``kvproto.kernels.pattern.plan_rows``) --------
-def _copy_paged(src_table, dst_table, src_pages, dst_pages, lists, start_token, num_rows, word_ptr,
-                LISTS: tl.constexpr, HEAD_COUNT: tl.constexpr, HEAD_WORDS: tl.constexpr, ROW_WORDS: tl.constexpr,
+def _copy_paged(src_table, dst_table, src_pages, dst_pages, lists, start_token, num_rows, num_regions, word_ptr,
+                slot_tiles, num_slot_tiles, slot_base, slot_word_ptr,
+                LISTS: tl.constexpr, SLOTS: tl.constexpr, S_TILE_WORDS: tl.constexpr, S_VEC: tl.constexpr,
+                S_ALIGN: tl.constexpr, HEAD_COUNT: tl.constexpr, HEAD_WORDS: tl.constexpr, ROW_WORDS: tl.constexpr,
                 ROW_BLOCK: tl.constexpr, ROWS: tl.constexpr, ALIGN: tl.constexpr,
                 SRC_BLOCK: tl.constexpr, SRC_HEADS: tl.constexpr, SRC_HEAD0: tl.constexpr,
                 SRC_PAGE_WORDS: tl.constexpr, SRC_HND: tl.constexpr,
@@ -441,12 +443,25 @@ def _copy_paged(src_table, dst_table, src_pages, dst_pages, lists, start_token, 
                 DST_PAGE_WORDS: tl.constexpr, DST_HND: tl.constexpr):
     region = tl.program_id(1)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    live = rows < num_rows
+    limit = num_rows
+    if SLOTS:  # the grid's last row copies a state slot's tiles (absolute addresses, ``copy_paged``)
+        t = tl.minimum(tl.program_id(0).to(tl.int64), num_slot_tiles - 1)  # a tile there is (no scalar masks)
+        on = ((region == num_regions) & (tl.program_id(0) < num_slot_tiles)).to(tl.int64)
+        s_src = tl.load(slot_tiles + t * 3) * S_VEC
+        s_dst = tl.load(slot_tiles + t * 3 + 1) * S_VEC
+        s_count = tl.load(slot_tiles + t * 3 + 2) * S_VEC * on  # 0 words outside the state's own programs
+        zero = tl.multiple_of(tl.load(slot_base).to(tl.pointer_type(slot_word_ptr.dtype.element_ty)), S_ALIGN)
+        s_words = tl.arange(0, S_TILE_WORDS)
+        s_mask = s_words < s_count
+        tl.store(zero + s_dst + s_words, tl.load(zero + s_src + s_words, mask=s_mask), mask=s_mask)
+        limit = num_rows * (region < num_regions).to(tl.int64)  # the state's row copies no paged rows
+        region = tl.minimum(region, num_regions - 1)  # and its loads below stay in the tables
+    live = rows < limit
     token = start_token + rows // HEAD_COUNT
     head = rows % HEAD_COUNT
     if LISTS:  # each region reads its own group's page lists: offsets lists[r] and lists[regions + r]
         src_pages += tl.load(lists + region)
-        dst_pages += tl.load(lists + tl.num_programs(1) + region)
+        dst_pages += tl.load(lists + num_regions + region)
     s_page = tl.load(src_pages + token // SRC_BLOCK, mask=live, other=0)
     s_slot = token % SRC_BLOCK
     d_page = tl.load(dst_pages + token // DST_BLOCK, mask=live, other=0)
@@ -476,20 +491,34 @@ def _copy_paged(src_table, dst_table, src_pages, dst_pages, lists, start_token, 
 def _paged_kernel(interpret: bool) -> Any:
     if interpret:
         return InterpretedFunction(_copy_paged)
-    return JITFunction(_copy_paged, do_not_specialize=("start_token", "num_rows"))
+    return JITFunction(_copy_paged, do_not_specialize=("start_token", "num_rows", "num_regions", "num_slot_tiles"))
 
 
 def copy_paged(plan: Any, src_table: torch.Tensor, dst_table: Any, src_pages: Any, dst_pages: Any,
-               lists: Any = None) -> None:
+               lists: Any = None, slots: tuple[Any, Any, Any] | None = None) -> None:
     """Launch one ``kvproto.kernels.pattern.RowsPlan`` on the current stream (grid: row tiles x
     regions); tables and page lists are where the kernel reads them (CPU: the interpreter).
     ``lists``: where regions of several groups share a launch, int64 offsets into the page lists,
-    ``regions`` for the source lists then ``regions`` for the destination lists."""
-    interpret = src_table.device.type != "cuda"
+    ``regions`` for the source lists then ``regions`` for the destination lists. ``slots``: a
+    state slot's copy in the same launch, ``(PatternPlan, its tiles, a table whose first entry is
+    0)``: one more grid row copies those tiles as ``copy_pattern`` does over one region of base 0."""
+    device = src_table.device
+    interpret = device.type != "cuda"
     constants = dict(plan.constants)
-    constants["LISTS"] = int(lists is not None)
+    constants.update(LISTS=int(lists is not None), SLOTS=int(slots is not None))
+    programs, regions = plan.programs_x, plan.regions
+    if slots is None:
+        slot_plan, tiles, base = None, src_table, src_table
+        constants.update(S_TILE_WORDS=1, S_VEC=1, S_ALIGN=1)
+    else:
+        slot_plan, tiles, base = slots
+        constants.update(S_TILE_WORDS=slot_plan.tile_words, S_VEC=slot_plan.vec,
+                         S_ALIGN=slot_plan.word * slot_plan.vec)
+        programs, regions = max(programs, len(slot_plan.tiles)), regions + 1
     if not interpret:
         constants["num_warps"] = NUM_WARPS
-    _paged_kernel(interpret)[(plan.programs_x, plan.regions)](
+    word = _word_tensor(plan.word, device)
+    _paged_kernel(interpret)[(programs, regions)](
         src_table, dst_table, src_pages, dst_pages, src_pages if lists is None else lists, plan.start,
-        plan.num_rows, _word_tensor(plan.word, src_table.device), **constants)
+        plan.num_rows, plan.regions, word, tiles, 0 if slot_plan is None else len(slot_plan.tiles), base,
+        word if slot_plan is None else _word_tensor(slot_plan.word, device), **constants)

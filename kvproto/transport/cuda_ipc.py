@@ -503,23 +503,27 @@ class CudaIpcTransport:
         mapped = self._mapped(peer, "post_parts")
         if not parts:
             raise TransportError("post_parts: a write needs at least one part")
-        launches, i = [], 0
-        while i < len(parts):
-            if getattr(parts[i], "slots", None) is not None:
-                launches.append(self._slots_launch(mapped, parts[i]))
-                i += 1
-                continue
-            if parts[i].plan is None:
-                p = parts[i]
+        slot_parts = [p for p in parts if getattr(p, "slots", None) is not None]
+        rest = [p for p in parts if getattr(p, "slots", None) is None]
+        launches, runs, i = [], [], 0
+        while i < len(rest):
+            if rest[i].plan is None:
+                p = rest[i]
                 launches.append(self._descs_launch(mapped, p.rows[0], p.local_kind, p.rows[1], p.remote_kind,
                                                    "post_parts"))
                 i += 1
                 continue
             j = i + 1  # the plans that follow with the same page geometry, token range and kinds join it
-            while j < len(parts) and parts[j].plan is not None and _joinable(parts[i].plan, parts[j].plan):
+            while j < len(rest) and rest[j].plan is not None and _joinable(rest[i].plan, rest[j].plan):
                 j += 1
-            launches.append(self._plans_launch(mapped, [p.plan for p in parts[i:j]]))
+            runs.append([p.plan for p in rest[i:j]])
             i = j
+        for k, run in enumerate(runs):  # a state slot rides in the last rows launch (one launch less)
+            last = k == len(runs) - 1 and slot_parts and slot_parts[0].local_kind is run[0][2]
+            fused = slot_parts.pop(0) if last else None
+            launches.append(self._plans_launch(mapped, run, None if fused is None else
+                                               self._slot_tiles(mapped, fused)))
+        launches += [self._slots_launch(mapped, p) for p in slot_parts]
         if len({launch.bases.table.device for launch in launches}) != 1:
             raise TransportError("post_parts: the parts are on different devices")
         return self._run(mapped, launches, tag)
@@ -531,11 +535,13 @@ class CudaIpcTransport:
         return self._plans_launch(mapped, [(plan, local_bases, local_kind, remote_bases, remote_kind, src_pages,
                                             dst_pages, start, end)])
 
-    def _plans_launch(self, mapped: _Peer, plans: Sequence[tuple[Any, ...]]) -> _Launch:
+    def _plans_launch(self, mapped: _Peer, plans: Sequence[tuple[Any, ...]],
+                      slots: tuple[Any, np.ndarray, int, int] | None = None) -> _Launch:
         """One rows kernel for ``post_plan`` argument tuples of one page geometry and token range
         (``_joinable``): the groups of a hybrid cache whose pages look alike move in one launch,
         their regions side by side, each reading its own group's page lists. Every group's pages
-        are checked against its own regions."""
+        are checked against its own regions. ``slots`` (``_slot_tiles``): a state slot's copy, in
+        the same launch."""
         from kvproto.kernels import pattern as kernels
 
         plan, _, local_kind, _, remote_kind, _, _, start, end = plans[0]
@@ -578,17 +584,26 @@ class CudaIpcTransport:
                     at += len(arr)
             table = np.concatenate([table, np.array(offsets, dtype=np.int64)])
         split, lists_at = n_src, len(table) - 2 * bases.regions if len(plans) > 1 else None
+        nbytes, descriptors, tiles_at = rows.nbytes, 0, None
+        if slots is not None:  # the slot's tiles after the lists
+            slot_plan, tiles, slot_bytes, descriptors = slots
+            tiles_at, nbytes = len(table), nbytes + slot_bytes
+            table = np.concatenate([table, tiles.reshape(-1)])
+            zero = self._zero_bases(local_kind).table
 
         def go(table: Any) -> None:
             if isinstance(table, Pointer):
                 src, dst = table, Pointer(table.address + 8 * split)
                 lists = None if lists_at is None else Pointer(table.address + 8 * lists_at)
+                at = None if tiles_at is None else Pointer(table.address + 8 * tiles_at)
             else:
                 src, dst = table[:split], table[split:]
                 lists = None if lists_at is None else table[lists_at:]
-            kernels.launch_rows(rows, src_table, dst_table, src, dst, lists=lists)
+                at = None if tiles_at is None else table[tiles_at:]
+            slot = None if at is None else (slot_plan, at, zero)
+            kernels.launch_rows(rows, src_table, dst_table, src, dst, lists=lists, slots=slot)
 
-        return _Launch(bases, table, go, rows.nbytes, 0)
+        return _Launch(bases, table, go, nbytes, descriptors)
 
     def _joined_bases(self, mapped: _Peer, plans: Sequence[tuple[Any, ...]]) -> _Bases:
         """The region bases of several plans side by side, remembered by the identity of each
@@ -606,10 +621,20 @@ class CudaIpcTransport:
         return bases
 
     def _slots_launch(self, mapped: _Peer, part: Any) -> _Launch:
+        """A state slot's part as a pattern launch of its own (``_slot_tiles``)."""
+        from kvproto.kernels import pattern as kernels
+
+        plan, tiles, nbytes, descriptors = self._slot_tiles(mapped, part)
+        bases = self._zero_bases(part.local_kind)
+        return _Launch(bases, tiles, lambda t: kernels.launch(plan, bases.table[:1], bases.table[1:], t), nbytes,
+                       descriptors)
+
+    def _slot_tiles(self, mapped: _Peer, part: Any) -> tuple[Any, np.ndarray, int, int]:
         """A part of slot rows (``kvproto.aio.paths.SlotRows``: a state group's slot in every
-        region): the rows of slot 0 are checked against registered memory and translated once per
-        link, with how many slots further each row stays inside its region; a write then checks
-        two integers and makes its rows with two multiply-adds."""
+        region) as (pattern plan, its tiles for this write's two slots, bytes, rows): the rows of
+        slot 0 are checked against registered memory and translated once per link, with how many
+        slots further each row stays inside its region; a write then checks two integers and
+        shifts the plan's tiles."""
         rows = part.slots
         kind = part.local_kind
         if kind is not part.remote_kind or not self._kernel_kind(kind):
@@ -631,11 +656,7 @@ class CudaIpcTransport:
         tiles = plan.tiles.copy()
         tiles[:, 0] += src_slot * src_step
         tiles[:, 1] += dst_slot * dst_step
-        bases = self._zero_bases(kind)
-        from kvproto.kernels import pattern as kernels
-
-        return _Launch(bases, tiles, lambda t: kernels.launch(plan, bases.table[:1], bases.table[1:], t), plan.nbytes,
-                       len(rows.length))
+        return plan, tiles, plan.nbytes, len(rows.length)
 
     def _check_slot_rows(self, mapped: _Peer, rows: Any, kind: MemKind) -> tuple[Any, ...]:
         """(slots that fit locally, slots that fit remotely, the pattern plan of slot 0 into slot 0

@@ -350,9 +350,9 @@ async def test_hybrid_groups_that_look_alike_share_launches_byte_exact(case: Cas
     joined: list[int] = []
     plans_launch, copy_joined = CudaIpcTransport._plans_launch, kernels.copy_joined
 
-    def counted_plans(self: Any, mapped: Any, plans: Any) -> Any:
+    def counted_plans(self: Any, mapped: Any, plans: Any, *rest: Any) -> Any:
         joined.append(len(plans))
-        return plans_launch(self, mapped, plans)
+        return plans_launch(self, mapped, plans, *rest)
 
     def counted_copy(groups: Any, *args: Any, **kwargs: Any) -> None:
         joined.append(len(groups))

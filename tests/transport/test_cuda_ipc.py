@@ -268,6 +268,64 @@ def test_cuda_ipc_post_parts_joins_groups_of_one_page_geometry_in_one_launch(dst
         b.close()
 
 
+@pytest.mark.parametrize("half", [48, 4096], ids=["48B", "4KiB-split-in-tiles"])
+def test_cuda_ipc_state_slot_rides_in_the_rows_launch(half: int, monkeypatch) -> None:
+    """A write of a paged group and a state slot (``post_parts``) is one kernel launch: the rows
+    kernel's grid gets one more row that copies the slot's tiles. Pages and slot land as the
+    references put them, nothing else changes; a second state group gets a launch of its own."""
+    import dataclasses
+
+    import torch
+
+    from kvproto.aio.paths import Part, SlotRows
+    from kvproto.geometry import plan_pair
+
+    launches = []
+    rows_launch, pattern_launch = kernels.launch_rows, kernels.launch
+    monkeypatch.setattr(kernels, "launch_rows", lambda rows, *a, **k: (
+        launches.append(("rows", k.get("slots") is not None)), rows_launch(rows, *a, **k)))
+    monkeypatch.setattr(kernels, "launch", lambda *a, **k: (launches.append(("pattern", False)),
+                                                           pattern_launch(*a, **k)))
+    src_g, dst_g = _geometry(1, 0, 4, "NHD"), _geometry(2, 1, 8, "HND")
+    plan = plan_pair(src_g, dst_g)
+    a, b = _agents(**KERNELS)
+    try:
+        src = _regions(2, src_g.num_blocks * src_g.page_bytes, 3)
+        dst = [np.zeros(dst_g.num_blocks * dst_g.page_bytes, np.uint8) for _ in range(2)]
+        s_src = [pattern(4 * 2 * half, seed=20 + i) for i in range(3)]
+        s_dst = [np.zeros(6 * half, np.uint8) for _ in range(3)]
+        a.register([region(x) for x in src + s_src])
+        b.register([region(x) for x in dst + s_dst])
+        a.add_peer(b.metadata())
+        src_pages, dst_pages = [5, 2, 7, 0], [3, 6]
+        want = [torch.zeros_like(torch.from_numpy(d)) for d in dst]
+        kernels.copy_reference(kernels.pair_extents(dataclasses.replace(plan, direct=False), src_pages, dst_pages,
+                                                    3, 15), [torch.from_numpy(x) for x in src], want)
+        paged = Part(1, DRAM, DRAM, plan=(plan, np.array([x.ctypes.data for x in src]), DRAM,
+                                          np.array([x.ctypes.data for x in dst]), DRAM, src_pages, dst_pages, 3, 15))
+        rows = SlotRows(np.array([x.ctypes.data + half for x in s_src]), np.full(3, 2 * half),
+                        np.array([x.ctypes.data for x in s_dst]), np.full(3, half), np.full(3, half))
+        state = Part(3 * half, DRAM, DRAM, slots=rows, src_slot=2, dst_slot=5)
+        xfer = a.post_parts("b", [paged, state], b"one-launch")
+        assert [n.tag for n in _finish(a, b, xfer)] == [b"one-launch"]
+        assert launches == [("rows", True)]
+        for d, w in zip(dst, want, strict=True):
+            assert np.array_equal(d, w.numpy())
+        for x, d in zip(s_src, s_dst, strict=True):
+            expect = np.zeros_like(d)
+            expect[5 * half:6 * half] = x[2 * 2 * half + half:3 * 2 * half]
+            assert np.array_equal(d, expect)
+        launches.clear()
+        other = dataclasses.replace(state, src_slot=0, dst_slot=1)
+        xfer = a.post_parts("b", [paged, state, other], b"two-states")
+        assert [n.tag for n in _finish(a, b, xfer)] == [b"two-states"]
+        assert launches == [("rows", True), ("pattern", False)]
+        assert all(np.array_equal(d[half:2 * half], x[half:2 * half]) for x, d in zip(s_src, s_dst, strict=True))
+    finally:
+        a.close()
+        b.close()
+
+
 @pytest.mark.parametrize("half", [48, 6, 4096], ids=["48B", "6B", "4KiB-split-in-tiles"])
 def test_cuda_ipc_slot_rows_move_one_slot_of_every_region_and_stay_inside(half: int) -> None:
     """A state part (``SlotRows``: slot 0's rows and per-row strides) moves exactly slot ``s`` of
