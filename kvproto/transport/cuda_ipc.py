@@ -519,7 +519,7 @@ class CudaIpcTransport:
             runs.append([p.plan for p in rest[i:j]])
             i = j
         for k, run in enumerate(runs):  # a state slot rides in the last rows launch (one launch less)
-            last = k == len(runs) - 1 and slot_parts and slot_parts[0].local_kind is run[0][2]
+            last = _FUSE_SLOTS and k == len(runs) - 1 and slot_parts and slot_parts[0].local_kind is run[0][2]
             fused = slot_parts.pop(0) if last else None
             launches.append(self._plans_launch(mapped, run, None if fused is None else
                                                self._slot_tiles(mapped, fused)))
@@ -600,8 +600,18 @@ class CudaIpcTransport:
                 src, dst = table[:split], table[split:]
                 lists = None if lists_at is None else table[lists_at:]
                 at = None if tiles_at is None else table[tiles_at:]
-            slot = None if at is None else (slot_plan, at, zero)
-            kernels.launch_rows(rows, src_table, dst_table, src, dst, lists=lists, slots=slot)
+            if at is None:
+                kernels.launch_rows(rows, src_table, dst_table, src, dst, lists=lists)
+                return
+            try:
+                kernels.launch_rows(rows, src_table, dst_table, src, dst, lists=lists, slots=(slot_plan, at, zero))
+            except Exception as exc:  # noqa: BLE001 - the kernel variant failed to build: nothing was launched
+                global _FUSE_SLOTS
+                _FUSE_SLOTS = False
+                log.warning("the rows kernel with a state slot failed (%s: %s); state slots get launches of "
+                            "their own from now on", type(exc).__name__, exc)
+                kernels.launch_rows(rows, src_table, dst_table, src, dst, lists=lists)
+                kernels.launch(slot_plan, zero[:1], zero[1:], at)
 
         return _Launch(bases, table, go, nbytes, descriptors)
 
@@ -988,6 +998,9 @@ class _Done:
         return None
 
 
+_FUSE_SLOTS = True
+"""Whether a write's state slot rides in its rows launch (``post_parts``); turned off for the
+process if that kernel variant ever fails to build, the slot then getting a launch of its own."""
 _FEW_PAGES = 32
 """A write's page lists up to this long are checked with plain integers (``_plans_launch``)."""
 

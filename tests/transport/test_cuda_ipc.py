@@ -268,11 +268,14 @@ def test_cuda_ipc_post_parts_joins_groups_of_one_page_geometry_in_one_launch(dst
         b.close()
 
 
-@pytest.mark.parametrize("half", [48, 4096], ids=["48B", "4KiB-split-in-tiles"])
-def test_cuda_ipc_state_slot_rides_in_the_rows_launch(half: int, monkeypatch) -> None:
+@pytest.mark.parametrize("half,fail", [(48, False), (4096, False), (48, True)],
+                         ids=["48B", "4KiB-split-in-tiles", "variant-fails-to-build"])
+def test_cuda_ipc_state_slot_rides_in_the_rows_launch(half: int, fail: bool, monkeypatch) -> None:
     """A write of a paged group and a state slot (``post_parts``) is one kernel launch: the rows
     kernel's grid gets one more row that copies the slot's tiles. Pages and slot land as the
-    references put them, nothing else changes; a second state group gets a launch of its own."""
+    references put them, nothing else changes; a second state group gets a launch of its own.
+    If that kernel variant fails to build, the write still lands (the slot launched apart) and
+    later writes launch it apart at once."""
     import dataclasses
 
     import torch
@@ -317,6 +320,30 @@ def test_cuda_ipc_state_slot_rides_in_the_rows_launch(half: int, monkeypatch) ->
             assert np.array_equal(d, expect)
         launches.clear()
         other = dataclasses.replace(state, src_slot=0, dst_slot=1)
+        if fail:  # the fused variant fails to build: this write and later ones launch the slot apart
+            from kvproto.kernels import triton_kernels
+            from kvproto.transport import cuda_ipc
+
+            real = triton_kernels.copy_paged
+
+            def broken(*args, **kwargs):
+                if len(args) > 6 and args[6] is not None:
+                    raise RuntimeError("no such kernel")
+                return real(*args, **kwargs)
+
+            monkeypatch.setattr(triton_kernels, "copy_paged", broken)
+            monkeypatch.setattr(cuda_ipc, "_FUSE_SLOTS", True)
+            for d in s_dst:
+                d[:] = 0
+            xfer = a.post_parts("b", [paged, state], b"fallback")
+            assert [n.tag for n in _finish(a, b, xfer)] == [b"fallback"]
+            assert launches == [("rows", True), ("rows", False), ("pattern", False)] and not cuda_ipc._FUSE_SLOTS
+            assert all(np.array_equal(d[5 * half:], x[2 * 2 * half + half:3 * 2 * half]) for x, d in zip(s_src, s_dst))
+            launches.clear()
+            xfer = a.post_parts("b", [paged, state], b"apart")
+            assert [n.tag for n in _finish(a, b, xfer)] == [b"apart"]
+            assert launches == [("rows", False), ("pattern", False)]
+            return
         xfer = a.post_parts("b", [paged, state, other], b"two-states")
         assert [n.tag for n in _finish(a, b, xfer)] == [b"two-states"]
         assert launches == [("rows", True), ("pattern", False)]
