@@ -583,8 +583,20 @@ class PrefillEndpoint(EndpointBase):
         except (TransportError, ValueError) as exc:
             self.core.write_failed(out.room_id, out.link, out.seq, str(exc), self._now(), tag=out.tag)
             return
+        except Exception as exc:  # noqa: BLE001 - a bug, or a kernel that failed to build: this room fails now
+            self._internal_error(out, exc, "posting a write")
+            return
         trace.mark("posted", out.room_id, out.seq)
         self._posted(out, link, posted, kinds)
+
+    def _internal_error(self, out: Any, exc: Exception, what: str) -> None:
+        """An unexpected exception while moving one write of ``out``'s room: logged and counted as
+        the endpoint's error, and the write fails, so that its room fails at once with the cause
+        (instead of at its deadline) and the other rooms go on."""
+        self.errors += 1
+        log.exception("prefill: unexpected error %s of room %d", what, out.room_id)
+        self.core.write_failed(out.room_id, out.link, out.seq, f"internal error {what}: {type(exc).__name__}: {exc}",
+                               self._now(), tag=out.tag)
 
     @staticmethod
     def _parts(parts: Sequence[Any], link: _DecodeLink) -> tuple[list[Part], tuple[str, ...]]:
@@ -634,7 +646,11 @@ class PrefillEndpoint(EndpointBase):
                 self._staging_time(out.room_id, launched)
                 self._write_piece(out, offset, key, nbytes)
 
-            self._copies.run(gather, gathered)
+            try:
+                self._copies.run(gather, gathered)
+            except Exception as exc:  # noqa: BLE001 - nothing was gathered: the region is free again
+                self._stager.release(key)
+                self._internal_error(out, exc, "gathering a staged piece")
 
         self._stager.acquire(nbytes, start)
 
@@ -652,6 +668,10 @@ class PrefillEndpoint(EndpointBase):
         except (TransportError, ValueError) as exc:
             self._stager.release(key)
             self.core.write_failed(out.room_id, out.link, out.seq, str(exc), self._now(), tag=out.tag)
+            return
+        except Exception as exc:  # noqa: BLE001 - as in _post
+            self._stager.release(key)
+            self._internal_error(out, exc, "writing a staged piece")
             return
         self._posted(out, link, posted, (f"staged-{buf.where}", *kinds), key)
 

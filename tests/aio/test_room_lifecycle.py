@@ -276,3 +276,52 @@ async def test_lifecycle_every_handle_ends_once_and_wait_agrees_with_poll(transp
             assert h.poll() is (RoomState.SUCCESS if code is None else RoomState.FAILED)
         assert not decode._handles and not prefill._handles
         assert prefill.errors == 0 and decode.errors == 0
+
+
+# --- an unexpected error in the data path fails its room at once ----------------------------------------
+@pytest.mark.parametrize("where", ["post", "gather", "piece-write"])
+async def test_lifecycle_unexpected_error_in_a_write_fails_its_room_at_once(where: str, monkeypatch) -> None:
+    """An exception nobody expects (a bug, a kernel that fails to build) while the prefill posts a
+    write, gathers a staged piece or writes it fails that room at once, with the exception's text,
+    not at its transfer deadline (30 s here); the endpoint counts it, frees the staging region, and
+    the next room moves byte-exact."""
+    from kvproto.aio import paths, prefill as prefill_module
+
+    staged = where != "post"
+    src, dst = make_cache(seed=1, block=BLOCK), make_cache(seed=2, block=2 * BLOCK if staged else BLOCK)
+    name, owner = {"post": ("post_kv", paths.LinkPath), "gather": ("gather_parts", prefill_module),
+                   "piece-write": ("post_staged", paths.LinkPath)}[where]
+    real = getattr(owner, name)
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("kernel failed to build")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, broken)
+    slow = config("loopback").timeouts.__class__(bootstrap=30, waiting=30, transfer=30, parked=30)
+    async with PrefillEndpoint(src.kv, config=config("loopback", timeouts=slow)) as prefill, \
+            DecodeEndpoint(dst.kv, config=config("loopback", timeouts=slow)) as decode:
+        first, second = ([3], [7]) if staged else ([3, 4], [7, 8])
+        began = time.monotonic()
+        d = decode.open_room(1, prefill.bootstrap_address, pages=first, num_tokens=2 * BLOCK)
+        p = prefill.open_room(1)
+        p.send([5, 6], 2 * BLOCK, last=True)
+        assert await outcome(p, 5.0) is not None and await outcome(d, 5.0) is not None
+        assert time.monotonic() - began < 5.0
+        with pytest.raises(TransferFailed, match="kernel failed to build"):
+            await p.wait()
+        assert prefill.errors == 1 and calls
+        d = decode.open_room(2, prefill.bootstrap_address, pages=second, num_tokens=2 * BLOCK)
+        p = prefill.open_room(2)
+        p.send([9, 10], 2 * BLOCK, last=True)
+        assert await outcome(p, 5.0) is None and await outcome(d, 5.0) is None
+        assert any(path.startswith("staged") for path in p.stats.paths) == staged, p.stats.paths
+    d_block = 2 * BLOCK if staged else BLOCK
+    for plane in range(2):
+        for layer in range(2):
+            for t in range(2 * BLOCK):
+                want = src.planes[plane][layer][[9, 10][t // BLOCK]][t % BLOCK]
+                assert dst.planes[plane][layer][second[t // d_block]][t % d_block].equal(want), (plane, layer, t)
