@@ -36,6 +36,12 @@ moves the same K/V bytes as the one-group room of its case, plus its state (its 
 in one write per chunk and link carrying every group; its line prints its GB/s against the one-group room's of the
 same case (``vs one``), measured in the same run. Every group's bytes are checked.
 
+A case of a few hundred small rooms lasts well under a second, so two runs of it differ by more
+than the effect being compared. ``--repeat N`` runs each case N times, the cache kinds taking
+turns (one, hybrid, one, hybrid, ...) so that slow and fast spells of the host fall on both,
+and prints the median run of each kind (every run's GB/s beside it); ``vs one`` is then the
+ratio of the two medians.
+
 It is a benchmark: the exit status is non-zero only when a room fails or a byte differs.
 """
 
@@ -137,6 +143,8 @@ class Row:
     groups: str = "one"
     vs_one: float = 0.0
     """A hybrid row: its GB/s over the one-group row's of the same case (0: not measured)."""
+    gbps_runs: list[float] = field(default_factory=list)
+    """With ``--repeat``: the GB/s of every run of this case, in order; the row is the median run."""
 
 
 # --- the schedule every process derives the same way ---------------------------------------------
@@ -641,6 +649,13 @@ def run_case(group: _Group, case: Case, shape: Shape, raw_gbps: float) -> Row:
         groups="hybrid" if case.hybrid else "one")
 
 
+def median_run(runs: list[Row]) -> Row:
+    """The run of median GB/s (the lower middle of an even count), with every run's GB/s."""
+    row = sorted(runs, key=lambda r: r.gbps)[(len(runs) - 1) // 2]
+    row.gbps_runs = [r.gbps for r in runs]
+    return row
+
+
 def raw_reference(group: _Group, size: int, in_flight: int, rounds: int) -> float:
     """GB/s of ``in_flight`` concurrent one-descriptor WRITEs of ``size`` bytes, prefill 0 -> decode 0."""
     prefill, decode = group.by_role("prefill")[0], group.by_role("decode")[0]
@@ -679,7 +694,8 @@ def _print(row: Row) -> None:
     print(f"{row.tp:>5} {row.size_mib:>7.1f} {row.pages:>10} {row.path:>7} {row.groups:>6} {took:>20} "
           f"{row.in_flight:>5} {row.gbps:>7.1f} {row.raw_gbps:>7.1f} {row.ratio:>6.2f} {vs:>6} {row.descriptors_per_room:>9.0f} "
           f"{row.first_room_ms:>9.1f} {row.warm_room_ms:>8.2f} {row.room_p50_ms:>7.2f} {row.room_p99_ms:>7.2f} "
-          f"{'OK' if row.bad_bytes == 0 else row.bad_bytes:>6}", flush=True)
+          f"{'OK' if row.bad_bytes == 0 else row.bad_bytes:>6}"
+          + ("  runs " + " ".join(f"{g:.1f}" for g in row.gbps_runs) if len(row.gbps_runs) > 1 else ""), flush=True)
 
 
 def memory_needed(case: Case, shape: Shape, devices: tuple[str, str]) -> dict[str, int]:
@@ -743,6 +759,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--groups", nargs="+", default=["one"], choices=["one", "hybrid"],
                     help="one: the cache as one group; hybrid: the same layers as three groups, a GDN hybrid's "
                          "(every case of both is printed with the hybrid's GB/s over the one-group's)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of every case, the cache kinds taking turns; the median run is printed")
     ap.add_argument("--tamper", action="store_true", help=argparse.SUPPRESS)  # tests: the byte check must fail
     ap.add_argument("--json", help="write every figure to this file")
     args = ap.parse_args(argv)
@@ -788,28 +806,35 @@ def main(argv: list[str] | None = None) -> int:
                         if path == "direct" and (p_tp != d_tp or shape.block_of("decode") != shape.block
                                                  or shape.decode_layout != "NHD"):
                             continue  # pages differ between the sides: no direct path
-                        one: Row | None = None
-                        for kind in args.groups:
-                            case = Case(p_tp, d_tp, size, pages, path, in_flight, rooms, seed=len(rows) + 1,
-                                        staging_mib=args.staging_mib, tamper=args.tamper, hybrid=kind == "hybrid")
-                            short = {place: (n, memory_available(place))
-                                     for place, n in memory_needed(case, shape, devices).items()
-                                     if n > 0.85 * memory_available(place)}
-                            if short:
-                                print(f"{p_tp}->{d_tp} {size_mib:g} MiB {pages} {path}: skipped, it needs "
-                                      + ", ".join(f"{n / (1 << 30):.1f} GiB of {place} memory ({free / (1 << 30):.1f} "
-                                                  f"free)" for place, (n, free) in short.items()), flush=True)
-                                continue
-                            if key not in raws:
-                                tokens_bytes = case.tokens(shape) * shape.token_bytes
-                                raws[key] = raw_reference(group, tokens_bytes, in_flight, args.raw_rounds)
-                            row = run_case(group, case, shape, raws[key])
-                            if case.hybrid and one is not None and one.gbps:
+                        runs: dict[str, list[Row]] = {}
+                        for turn in range(max(1, args.repeat)):
+                            for kind in args.groups:
+                                case = Case(p_tp, d_tp, size, pages, path, in_flight, rooms, seed=len(rows) + turn + 1,
+                                            staging_mib=args.staging_mib, tamper=args.tamper, hybrid=kind == "hybrid")
+                                short = {place: (n, memory_available(place))
+                                         for place, n in memory_needed(case, shape, devices).items()
+                                         if n > 0.85 * memory_available(place)}
+                                if short:
+                                    if turn == 0:
+                                        print(f"{p_tp}->{d_tp} {size_mib:g} MiB {pages} {path}: skipped, it needs "
+                                              + ", ".join(f"{n / (1 << 30):.1f} GiB of {place} memory "
+                                                          f"({free / (1 << 30):.1f} free)"
+                                                          for place, (n, free) in short.items()), flush=True)
+                                    continue
+                                if key not in raws:
+                                    tokens_bytes = case.tokens(shape) * shape.token_bytes
+                                    raws[key] = raw_reference(group, tokens_bytes, in_flight, args.raw_rounds)
+                                row = run_case(group, case, shape, raws[key])
+                                runs.setdefault(kind, []).append(row)
+                                failed |= row.bad_bytes != 0
+                        medians = {kind: median_run(done) for kind, done in runs.items()}
+                        one = medians.get("one")
+                        for kind, row in medians.items():
+                            if kind == "hybrid" and one is not None and one.gbps:
                                 row.vs_one = row.gbps / one.gbps
-                            one = row if not case.hybrid else one
+                            row.bad_bytes = sum(r.bad_bytes for r in runs[kind])
                             rows.append(row)
                             _print(row)
-                            failed |= row.bad_bytes != 0
         except (RuntimeError, TimeoutError) as exc:
             print(f"bench transfer failed: {exc}", file=sys.stderr, flush=True)
             failed = True

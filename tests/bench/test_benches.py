@@ -67,6 +67,25 @@ def test_bench_transfer_hybrid_case_checks_every_group_and_compares_with_one_gro
         assert "state" in hybrid["paths"] and hybrid["size_mib"] > one["size_mib"]
 
 
+def test_bench_transfer_repeat_prints_the_median_run_of_each_cache_kind(tmp_path: Path) -> None:
+    """--repeat 3: every case runs three times per cache kind, the kinds taking turns; each row is
+    the median run, carries every run's GB/s, and ``vs one`` is the ratio of the two medians."""
+    import statistics
+
+    from kvproto.bench import transfer
+
+    out = tmp_path / "transfer.json"
+    code = transfer.main([*TINY, "--layers", "4", "--tp", "1:1", "--paths", "auto", "--pages", "random",
+                          "--groups", "one", "hybrid", "--repeat", "3", "--json", str(out)])
+    assert code == 0
+    one, hybrid = json.loads(out.read_text())["rows"]
+    assert (one["groups"], hybrid["groups"]) == ("one", "hybrid")
+    for row in (one, hybrid):
+        assert len(row["gbps_runs"]) == 3 and all(g > 0 for g in row["gbps_runs"])
+        assert row["gbps"] == statistics.median(row["gbps_runs"]) and row["bad_bytes"] == 0
+    assert hybrid["vs_one"] == pytest.approx(hybrid["gbps"] / one["gbps"])
+
+
 def test_bench_rooms_tiny_reports_rates_latency_and_loop_lag(tmp_path: Path) -> None:
     """1-page rooms on loopback (one process) and NIXL (peer in another process): rooms/s,
     latency p50/p99 and the ticker's lag are reported for each window."""
