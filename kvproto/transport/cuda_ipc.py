@@ -161,6 +161,26 @@ class _Launch:
     descriptors: int
 
 
+@dataclass(frozen=True, eq=False)
+class _RowsShape:
+    """A rows launch as planned for one link and token range (``_rows_shape``): all of it but
+    the pages."""
+
+    peer: _Peer
+    refs: tuple[tuple[Any, Any, Any], ...]
+    """Each plan's ``PairPlan`` and two base arrays (the cache key holds their ids)."""
+    bases: _Bases
+    rows: Any
+    sides: tuple[list[tuple[int, int, int, int]], list[tuple[int, int, int, int]]]
+    """Per side (source, destination), per plan: first page used, pages listed (from page 0),
+    page bytes, bytes from a base to the end of its registered region."""
+    pages: int
+    offsets: np.ndarray | None
+    """Where plans share the launch: each region's offset into the source then destination lists."""
+    split: int
+    lists_at: int | None
+
+
 @dataclass(eq=False)
 class KernelXfer:
     peer: str
@@ -205,6 +225,8 @@ class CudaIpcTransport:
         """Checked bases by the identity of the two arrays a link passes (a hybrid link: one pair
         per group)."""
         self._joined: dict[tuple[Any, ...], tuple[tuple[Any, ...], _Bases]] = {}
+        self._shapes: dict[tuple[Any, ...], _RowsShape] = {}
+        """Rows launches as planned for a link and token range (``_rows_shape``)."""
         self._slot_rows: dict[int, tuple[Any, ...]] = {}
         """Checked slot rows (``_slots_launch``) by the identity of the link's ``SlotRows``."""
         self._uploads = Uploads()
@@ -391,6 +413,7 @@ class CudaIpcTransport:
         self._seen_bases = {k: v for k, v in self._seen_bases.items() if v[2].peer is not mapped}
         self._joined = {k: v for k, v in self._joined.items() if v[1].peer is not mapped}
         self._slot_rows = {k: v for k, v in self._slot_rows.items() if v[1] is not mapped}
+        self._shapes = {k: v for k, v in self._shapes.items() if v.peer is not mapped}
         for address in mapped.opened:
             try:
                 driver().close(address)
@@ -541,55 +564,32 @@ class CudaIpcTransport:
         (``_joinable``): the groups of a hybrid cache whose pages look alike move in one launch,
         their regions side by side, each reading its own group's page lists. Every group's pages
         are checked against its own regions. ``slots`` (``_slot_tiles``): a state slot's copy, in
-        the same launch."""
+        the same launch. What does not depend on the pages is planned once per link and token
+        range (``_rows_shape``); a write checks and lists its pages."""
         from kvproto.kernels import pattern as kernels
 
-        plan, _, local_kind, _, remote_kind, _, _, start, end = plans[0]
+        start, end = plans[0][7], plans[0][8]
         if not 0 <= start < end:
             raise TransportError(f"post_plan: bad token range [{start}, {end})")
-        src_lists, dst_lists, counts = [], [], []
-        for one, local_bases, local_kind, remote_bases, remote_kind, src_pages, dst_pages, _, _ in plans:
-            bases = self._bases(mapped, local_bases, local_kind, remote_bases, remote_kind)
-            for side, g, listed, room, out in (("local", one.src, src_pages, bases.src_room, src_lists),
-                                               ("remote", one.dst, dst_pages, bases.dst_room, dst_lists)):
-                last = (end - 1) // g.block_size
-                if last >= len(listed):
-                    raise TransportError(f"post_plan: {len(listed)} {side} pages, tokens [{start}, {end}) need "
-                                         f"{last + 1}")
-                used = listed[start // g.block_size:last + 1]
-                if isinstance(used, (list, tuple)) and len(used) <= _FEW_PAGES:
-                    low, high = min(used), max(used)  # a few pages: plain integers cost less than arrays
-                    arr = np.array(listed[:last + 1], dtype=np.int64)
-                else:
-                    arr = np.asarray(listed, dtype=np.int64)[:last + 1]
-                    low, high = int(arr[start // g.block_size:].min()), int(arr[start // g.block_size:].max())
-                if low < 0 or (high + 1) * g.page_bytes > room:
-                    raise TransportError(f"post_plan: a {side} page of {list(used)} is not inside registered "
-                                         f"memory ({room // g.page_bytes} pages of {g.page_bytes} bytes from each "
-                                         f"region base)")
-                out.append(arr)
-            counts.append(bases.regions)
-        if len(plans) > 1:
-            bases = self._joined_bases(mapped, plans)
-        rows = plan_rows(plan, start, end, regions=bases.regions, base_align=bases.align)
+        shape = self._rows_shape(mapped, plans, start, end)
+        pieces = [_page_list(args[5 + side], side, first, count, page_bytes, room, start, end)
+                  for side in (0, 1) for args, (first, count, page_bytes, room) in
+                  zip(plans, shape.sides[side])]
+        if all(type(piece) is not np.ndarray for piece in pieces):  # a few pages: one conversion
+            table = np.fromiter((p for piece in pieces for p in piece), np.int64, shape.pages)
+        else:
+            table = np.concatenate([np.asarray(piece, dtype=np.int64) for piece in pieces])
+        if shape.offsets is not None:
+            table = np.concatenate([table, shape.offsets])
+        rows, bases = shape.rows, shape.bases
         src_table, dst_table = bases.table[:bases.regions], bases.table[bases.regions:]
-        table = np.concatenate(src_lists + dst_lists)
-        n_src = sum(len(a) for a in src_lists)
-        if len(plans) > 1:  # each region's offsets into the source lists, then into the destination lists
-            offsets: list[int] = []
-            for lists in (src_lists, dst_lists):
-                at = 0
-                for arr, count in zip(lists, counts):
-                    offsets += [at] * count
-                    at += len(arr)
-            table = np.concatenate([table, np.array(offsets, dtype=np.int64)])
-        split, lists_at = n_src, len(table) - 2 * bases.regions if len(plans) > 1 else None
+        split, lists_at = shape.split, shape.lists_at
         nbytes, descriptors, tiles_at = rows.nbytes, 0, None
         if slots is not None:  # the slot's tiles after the lists
             slot_plan, tiles, slot_bytes, descriptors = slots
             tiles_at, nbytes = len(table), nbytes + slot_bytes
             table = np.concatenate([table, tiles.reshape(-1)])
-            zero = self._zero_bases(local_kind).table
+            zero = self._zero_bases(plans[0][2]).table
 
         def go(table: Any) -> None:
             if isinstance(table, Pointer):
@@ -614,6 +614,43 @@ class CudaIpcTransport:
                 kernels.launch(slot_plan, zero[:1], zero[1:], at)
 
         return _Launch(bases, table, go, nbytes, descriptors)
+
+    def _rows_shape(self, mapped: _Peer, plans: Sequence[tuple[Any, ...]], start: int, end: int) -> _RowsShape:
+        """What a rows launch of these plans over tokens ``[start, end)`` is, whatever its pages:
+        each plan's bases checked, the regions side by side, the rows plan, the table's layout.
+        Remembered by the identity of the plans and base arrays (a link passes the same ones for
+        every write) and the token range."""
+        key = (id(mapped), start, end, tuple((id(p[0]), id(p[1]), id(p[3]), p[2], p[4]) for p in plans))
+        hit = self._shapes.get(key)
+        if hit is not None and hit.peer is mapped and all(
+                a is p[0] and b is p[1] and c is p[3] for (a, b, c), p in zip(hit.refs, plans)):
+            return hit
+        sides: tuple[list[tuple[int, int, int, int]], list[tuple[int, int, int, int]]] = ([], [])
+        counts = []
+        for plan, local_bases, local_kind, remote_bases, remote_kind, *_ in plans:
+            bases = self._bases(mapped, local_bases, local_kind, remote_bases, remote_kind)
+            for out, g, room in ((sides[0], plan.src, bases.src_room), (sides[1], plan.dst, bases.dst_room)):
+                out.append((start // g.block_size, (end - 1) // g.block_size + 1, g.page_bytes, room))
+            counts.append(bases.regions)
+        if len(plans) > 1:
+            bases = self._joined_bases(mapped, plans)
+        n_src, n_dst = (sum(count for _, count, _, _ in side) for side in sides)
+        offsets = None
+        if len(plans) > 1:  # each region's offsets into the source lists, then into the destination lists
+            listed: list[int] = []
+            for side in sides:
+                at = 0
+                for (_, count, _, _), regions in zip(side, counts):
+                    listed += [at] * regions
+                    at += count
+            offsets = np.array(listed, dtype=np.int64)
+        shape = _RowsShape(mapped, tuple((p[0], p[1], p[3]) for p in plans), bases,
+                           plan_rows(plans[0][0], start, end, regions=bases.regions, base_align=bases.align),
+                           sides, n_src + n_dst, offsets, n_src, None if offsets is None else n_src + n_dst)
+        if len(self._shapes) >= 256:
+            self._shapes.clear()
+        self._shapes[key] = shape
+        return shape
 
     def _joined_bases(self, mapped: _Peer, plans: Sequence[tuple[Any, ...]]) -> _Bases:
         """The region bases of several plans side by side, remembered by the identity of each
@@ -663,9 +700,7 @@ class CudaIpcTransport:
         if not (0 <= src_slot < src_slots and 0 <= dst_slot < dst_slots):
             raise TransportError(f"post_parts: state slot {src_slot} -> {dst_slot} is not inside registered memory "
                                  f"({src_slots} local, {dst_slots} remote slots fit the registered regions)")
-        tiles = plan.tiles.copy()
-        tiles[:, 0] += src_slot * src_step
-        tiles[:, 1] += dst_slot * dst_step
+        tiles = plan.tiles + (src_slot * src_step + dst_slot * dst_step)  # steps: (tiles, 3), zero counts
         return plan, tiles, plan.nbytes, len(rows.length)
 
     def _check_slot_rows(self, mapped: _Peer, rows: Any, kind: MemKind) -> tuple[Any, ...]:
@@ -689,7 +724,10 @@ class CudaIpcTransport:
         align = plan.word * plan.vec
         tile_vecs = plan.tile_words // plan.vec
         row = np.repeat(np.arange(len(rows.length)), -(-(rows.length // align) // tile_vecs))
-        return fits[0], fits[1], plan, rows.src_stride[row] // align, rows.dst_stride[row] // align
+        src_step, dst_step = (np.zeros_like(plan.tiles) for _ in range(2))  # a slot's move of each tile
+        src_step[:, 0] = rows.src_stride[row] // align
+        dst_step[:, 1] = rows.dst_stride[row] // align
+        return fits[0], fits[1], plan, src_step, dst_step
 
     def _zero_bases(self, kind: MemKind) -> _Bases:
         """One region pair of base 0: rows of absolute addresses as a pattern."""
@@ -1005,12 +1043,51 @@ _FEW_PAGES = 32
 """A write's page lists up to this long are checked with plain integers (``_plans_launch``)."""
 
 
+def _page_list(listed: Sequence[int], side: int, first: int, count: int, page_bytes: int, room: int, start: int,
+               end: int) -> Sequence[int]:
+    """The first ``count`` pages of ``listed``, the used ones (from ``first``) checked to lie in
+    registered memory (``room`` bytes from each region base): a few pages as plain integers
+    (they cost less than arrays), more as an int64 array."""
+    where = ("local", "remote")[side]
+    if len(listed) < count:
+        raise TransportError(f"post_plan: {len(listed)} {where} pages, tokens [{start}, {end}) need {count}")
+    if isinstance(listed, (list, tuple)) and count - first <= _FEW_PAGES:
+        used = listed[first:count]
+        low, high = min(used), max(used)
+        out: Sequence[int] = listed[:count]
+    else:
+        out = np.asarray(listed, dtype=np.int64)[:count]
+        used = out[first:]
+        low, high = int(used.min()), int(used.max())
+    if low < 0 or (high + 1) * page_bytes > room:
+        raise TransportError(f"post_plan: a {where} page of {list(used)} is not inside registered memory "
+                             f"({room // page_bytes} pages of {page_bytes} bytes from each region base)")
+    return out
+
+
 def _joinable(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
     """Two ``post_plan`` argument tuples one rows launch can carry: one page geometry (``rows_key``),
     one token range, one memory kind per side."""
+    if (a[2], a[4], a[7], a[8]) != (b[2], b[4], b[7], b[8]):
+        return False
+    return a[0] is b[0] or _rows_key(a[0]) == _rows_key(b[0])
+
+
+_ROWS_KEYS: dict[int, tuple[Any, Any]] = {}
+
+
+def _rows_key(plan: PairPlan) -> Any:
+    """``rows_key(plan)``, remembered by the plan's identity (a link keeps its plans)."""
     from kvproto.kernels.pattern import rows_key
 
-    return (a[2], a[4], a[7], a[8]) == (b[2], b[4], b[7], b[8]) and rows_key(a[0]) == rows_key(b[0])
+    hit = _ROWS_KEYS.get(id(plan))
+    if hit is not None and hit[0] is plan:
+        return hit[1]
+    if len(_ROWS_KEYS) >= 1024:
+        _ROWS_KEYS.clear()
+    key = rows_key(plan)
+    _ROWS_KEYS[id(plan)] = (plan, key)
+    return key
 
 
 def _inside(rows: np.ndarray, regions: np.ndarray, kind: MemKind, what: str, whose: str) -> np.ndarray:
