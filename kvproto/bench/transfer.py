@@ -143,6 +143,10 @@ class Row:
     groups: str = "one"
     vs_one: float = 0.0
     """A hybrid row: its GB/s over the one-group row's of the same case (0: not measured)."""
+    prefill_cpu: float = 0.0
+    """The busiest prefill rank's process CPU over its rooms (1.0: one core all the time)."""
+    decode_cpu: float = 0.0
+    """The busiest decode rank's process CPU over the timed rooms."""
     gbps_runs: list[float] = field(default_factory=list)
     """With ``--repeat``: the GB/s of every run of this case, in order; the row is the median run."""
 
@@ -302,6 +306,7 @@ class _Rank:
         n_tokens = case.tokens(s)
         total = case.rooms + 2
         live: set[Any] = set()
+        began, cpu = time.monotonic(), time.process_time()
         changed = asyncio.Event()
         paths: set[str] = set()
         descriptors: list[int] = []
@@ -329,7 +334,8 @@ class _Rank:
         while live:
             changed.clear()
             await changed.wait()
-        return {"paths": sorted(paths), "descriptors": descriptors[2:]}
+        return {"paths": sorted(paths), "descriptors": descriptors[2:],
+                "cpu": (time.process_time() - cpu) / max(1e-9, time.monotonic() - began)}
 
     async def _decode_rooms(self, case: Case, bootstrap: str) -> dict[str, Any]:
         s = self.shape
@@ -358,20 +364,21 @@ class _Rank:
             finally:
                 sem.release()
 
-        start = time.monotonic()
+        start, cpu = time.monotonic(), time.process_time()
         tasks = []
         for i in range(2, total):
             await sem.acquire()
             tasks.append(asyncio.ensure_future(windowed(i)))
         await asyncio.gather(*tasks)
-        end = time.monotonic()
+        end, cpu = time.monotonic(), time.process_time() - cpu
         if case.tamper and self.rank == 0:
             self.big.view(self.torch.uint8)[0, schedule[-1][1][0]].view(-1)[0] ^= 1  # noqa: E501 - token 0 of the last room
         bad = self._check(schedule, n_tokens)
         if case.hybrid:  # decode slot i holds prefill slot i's state, this rank's rows of it
             want = self._decode_state_words(len(schedule))
             bad += int((self.state.view(self.torch.int16) != want).sum().item()) * 2
-        return {"first": first, "warm": warm, "start": start, "end": end, "latencies": latencies, "bad": bad}
+        return {"first": first, "warm": warm, "start": start, "end": end, "latencies": latencies, "bad": bad,
+                "cpu": cpu / max(1e-9, end - start)}
 
     def _decode_state_words(self, rooms: int) -> Any:
         """What this decode rank's state slots must hold after ``rooms`` rooms: the prefill content
@@ -646,7 +653,8 @@ def run_case(group: _Group, case: Case, shape: Shape, raw_gbps: float) -> Row:
         room_p50_ms=latencies[len(latencies) // 2] * 1e3 if latencies else 0.0,
         room_p99_ms=latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1e3 if latencies else 0.0,
         bad_bytes=sum(r["bad"] for r in d_results), paths=sorted({p for r in p_results for p in r["paths"]}),
-        groups="hybrid" if case.hybrid else "one")
+        groups="hybrid" if case.hybrid else "one", prefill_cpu=max(r["cpu"] for r in p_results),
+        decode_cpu=max(r["cpu"] for r in d_results))
 
 
 def median_run(runs: list[Row]) -> Row:
@@ -685,7 +693,7 @@ def descriptor_cost(group: _Group, size: int, pieces: int) -> float:
 
 HEADER = (f"{'tp':>5} {'MiB':>7} {'pages':>10} {'path':>7} {'cache':>6} {'took':>20} {'in fl':>5} {'GB/s':>7} "
           f"{'raw':>7} {'ratio':>6} {'vs one':>6} {'desc/room':>9} {'first ms':>9} {'warm ms':>8} {'p50 ms':>7} "
-          f"{'p99 ms':>7} {'bytes':>6}")
+          f"{'p99 ms':>7} {'cpu p/d %':>9} {'bytes':>6}")
 
 
 def _print(row: Row) -> None:
@@ -694,6 +702,7 @@ def _print(row: Row) -> None:
     print(f"{row.tp:>5} {row.size_mib:>7.1f} {row.pages:>10} {row.path:>7} {row.groups:>6} {took:>20} "
           f"{row.in_flight:>5} {row.gbps:>7.1f} {row.raw_gbps:>7.1f} {row.ratio:>6.2f} {vs:>6} {row.descriptors_per_room:>9.0f} "
           f"{row.first_room_ms:>9.1f} {row.warm_room_ms:>8.2f} {row.room_p50_ms:>7.2f} {row.room_p99_ms:>7.2f} "
+          f"{f'{row.prefill_cpu * 100:.0f}/{row.decode_cpu * 100:.0f}':>9} "
           f"{'OK' if row.bad_bytes == 0 else row.bad_bytes:>6}"
           + ("  runs " + " ".join(f"{g:.1f}" for g in row.gbps_runs) if len(row.gbps_runs) > 1 else ""), flush=True)
 
@@ -807,19 +816,22 @@ def main(argv: list[str] | None = None) -> int:
                                                  or shape.decode_layout != "NHD"):
                             continue  # pages differ between the sides: no direct path
                         runs: dict[str, list[Row]] = {}
+                        skipped: set[str] = set()
                         for turn in range(max(1, args.repeat)):
                             for kind in args.groups:
                                 case = Case(p_tp, d_tp, size, pages, path, in_flight, rooms, seed=len(rows) + turn + 1,
                                             staging_mib=args.staging_mib, tamper=args.tamper, hybrid=kind == "hybrid")
-                                short = {place: (n, memory_available(place))
-                                         for place, n in memory_needed(case, shape, devices).items()
-                                         if n > 0.85 * memory_available(place)}
+                                if kind in skipped:
+                                    continue
+                                short = {place: (n, memory_available(place))  # (checked once: the ranks hold
+                                         for place, n in memory_needed(case, shape, devices).items()  # the last
+                                         if turn == 0 and n > 0.85 * memory_available(place)}  # run's cache)
                                 if short:
-                                    if turn == 0:
-                                        print(f"{p_tp}->{d_tp} {size_mib:g} MiB {pages} {path}: skipped, it needs "
-                                              + ", ".join(f"{n / (1 << 30):.1f} GiB of {place} memory "
-                                                          f"({free / (1 << 30):.1f} free)"
-                                                          for place, (n, free) in short.items()), flush=True)
+                                    skipped.add(kind)
+                                    print(f"{p_tp}->{d_tp} {size_mib:g} MiB {pages} {path}: skipped, it needs "
+                                          + ", ".join(f"{n / (1 << 30):.1f} GiB of {place} memory "
+                                                      f"({free / (1 << 30):.1f} free)"
+                                                      for place, (n, free) in short.items()), flush=True)
                                     continue
                                 if key not in raws:
                                     tokens_bytes = case.tokens(shape) * shape.token_bytes
