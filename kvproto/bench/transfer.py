@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -295,6 +296,10 @@ class _Rank:
         if self.endpoint is not None:
             await self.endpoint.close()
             self.endpoint = None
+        self.big = self.state = self.terms = None  # the next case's caches must fit beside nothing
+        gc.collect()
+        if self.device.type == "cuda":
+            self.torch.cuda.empty_cache()
 
     async def rooms(self, case: Case, bootstrap: str) -> dict[str, Any]:
         if self.role == "prefill":
@@ -823,9 +828,9 @@ def main(argv: list[str] | None = None) -> int:
                                             staging_mib=args.staging_mib, tamper=args.tamper, hybrid=kind == "hybrid")
                                 if kind in skipped:
                                     continue
-                                short = {place: (n, memory_available(place))  # (checked once: the ranks hold
-                                         for place, n in memory_needed(case, shape, devices).items()  # the last
-                                         if turn == 0 and n > 0.85 * memory_available(place)}  # run's cache)
+                                short = {place: (n, memory_available(place))
+                                         for place, n in memory_needed(case, shape, devices).items()
+                                         if n > 0.85 * memory_available(place)}
                                 if short:
                                     skipped.add(kind)
                                     print(f"{p_tp}->{d_tp} {size_mib:g} MiB {pages} {path}: skipped, it needs "
