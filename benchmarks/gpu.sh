@@ -2,7 +2,7 @@
 # The GPU measurements in one go: GPU tests, then kvproto bench transfer, rooms and kernels, each
 # writing its table to OUTDIR/<name>.txt and its figures to OUTDIR/<name>.json.
 #
-#   usage: benchmarks/gpu.sh OUTDIR [quick | kernel | round2]
+#   usage: benchmarks/gpu.sh OUTDIR [quick | kernel | hybrid | round2]
 #
 # Run from the repository root on a machine with one or two CUDA GPUs, with kvproto's
 # dependencies importable (wheels in .whl/ are installed to /tmp/site first if present).
@@ -57,6 +57,20 @@ kernel_path() {  # the kernel path (transport cuda-ipc) and NIXL beside it, rand
     step layers 150 python3 -m kvproto.cli bench layers --json "$out/layers.json" --transports nixl cuda-ipc \
         --layers 32 --tokens 1024 --compute-ms 1 --rooms 10
 }
+hybrid() {  # a GDN-shaped hybrid room against a one-group room of the same layers, both transports;
+    # the kinds take turns and each row is the median of three runs (a case of small rooms is short)
+    local b="python3 -m kvproto.cli bench transfer --pages random --paths auto --groups one hybrid --repeat 3"
+    b="$b --tp 1:1 1:2 2:1"
+    step hybrid-kernel-8 290 $b --transport cuda-ipc --json "$out/hybrid-kernel-8.json" --sizes-mib 8 --rooms 1500
+    step hybrid-kernel-128 290 $b --transport cuda-ipc --json "$out/hybrid-kernel-128.json" --sizes-mib 128 \
+        --rooms 200
+    step hybrid-nixl-8 290 $b --transport nixl --json "$out/hybrid-nixl-8.json" --sizes-mib 8 --rooms 1000
+    step hybrid-nixl-128 290 $b --transport nixl --json "$out/hybrid-nixl-128.json" --sizes-mib 128 --rooms 150
+}
+if [ "$quick" = hybrid ]; then
+    hybrid
+    exit 0
+fi
 if [ "$quick" = kernel ]; then
     step gpu-tests 150 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/aio/test_gpu.py tests/kernels \
         tests/transport/test_cuda_ipc_gpu.py
@@ -71,6 +85,7 @@ fi
 step gpu-tests 150 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/aio/test_gpu.py tests/kernels \
     tests/transport/test_cuda_ipc_gpu.py
 kernel_path
+hybrid
 step transfer 300 python3 -m kvproto.cli bench transfer --json "$out/transfer.json"
 step rooms 80 python3 -m kvproto.cli bench rooms --json "$out/rooms.json" --rooms 2000 --windows 1 64 512
 step kernels 60 python3 -m kvproto.cli bench kernels --layers 32 --tokens 1024 8192 --iters 5
