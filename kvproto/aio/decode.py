@@ -39,17 +39,15 @@ import zmq.utils.monitor
 
 from kvproto.aio.channel import Channel
 from kvproto.aio.endpoint import EndpointBase, EndpointConfig
-from kvproto.aio.memory import KVCache, geometry_from_wire, geometry_to_wire, groups_from_wire
+from kvproto.aio.memory import KVCache, StateCache, geometry_from_wire, geometry_to_wire, groups_from_wire
 from kvproto.aio import trace
 from kvproto.aio.room import ReceiverRoomHandle
 from kvproto.aio.staging import (
     CacheKernels,
     Copies,
-    PiecePart,
+    Piece,
     StagingBuffer,
-    piece_parts,
-    piece_unit,
-    scatter_parts,
+    pair_piece,
     warm_kernels,
 )
 from kvproto.core import DropLink, ReceiverCore, ReceiverLink, Scatter
@@ -143,8 +141,8 @@ class DecodeEndpoint(EndpointBase):
             groups=kv.group_specs(),
         )
         self._cache = kv.cache_geometry
-        self._pieces: dict[int, tuple[PiecePart, ...]] = {}
-        """link_id -> the blocks of the pieces of each writer that may stage (decode-side heads)."""
+        self._pieces: dict[int, Piece] = {}
+        """link_id -> what the pieces of each writer that may stage hold (decode-side heads)."""
         self._links: dict[int, _Link] = {}
         self._bootstraps: dict[str, asyncio.Task[None]] = {}
         self._next_link_id = 1
@@ -450,10 +448,12 @@ class DecodeEndpoint(EndpointBase):
             caches[link.link_id] = prefill_cache
         assert prefill_g is not None
         chosen = writers(prefill_g, g)
+        states = {i: g for i, g in enumerate(self.kv.groups, start=1) if isinstance(g, StateCache)}
         for link, _accept in result:
             if link.prefill_rank in chosen and self._staging is not None and link.peer_minor >= 1:
-                self._pieces[link.link_id] = piece_parts(self._kernels, caches[link.link_id], self._cache,
-                                                         side="decode")
+                self._pieces[link.link_id] = pair_piece(self._kernels, caches[link.link_id], self._cache,
+                                                        side="decode", minor=min(link.peer_minor, MINOR),
+                                                        states=states, buf=self._staging)
         unused = [lk for lk in links if lk not in targets.values()]
         for link in unused:
             self._discard_link(link)
@@ -462,9 +462,11 @@ class DecodeEndpoint(EndpointBase):
             ReceiverLink(key=link.link_id, link_id=link.link_id, cluster=cluster, prefill_rank=link.prefill_rank,
                          agent=accept.agent_name, writer=roles[link.link_id].writer,
                          aux_owner=link.prefill_rank == chosen[0],
-                         stage_unit=piece_unit(self._pieces.get(link.link_id, ())),
-                         staged_groups=tuple(p.group for p in self._pieces.get(link.link_id, ())[1:]))
+                         stage_unit=piece.unit if piece is not None else 0,
+                         staged_groups=tuple(p.group for p in piece.parts[1:]) if piece is not None else (),
+                         stage_tail=piece.tail if piece is not None else 0)
             for link, accept in result
+            for piece in (self._pieces.get(link.link_id),)
         ]
 
     async def _query(self, link: _Link) -> BootstrapInfo:
@@ -525,13 +527,15 @@ class DecodeEndpoint(EndpointBase):
         if not isinstance(output, Scatter):
             raise TypeError(f"unexpected output {output!r}")
         link_id: int = output.link  # type: ignore[assignment]
-        parts = self._pieces[link_id]
+        piece = self._pieces[link_id]
+        slots = dict(enumerate(output.state_slots, start=1)) or None  # by group number: the state block's
         assert self._staging is not None
 
         def scatter(stream: Any) -> None:
-            scatter_parts(parts, self._staging, output.offset, output.room_id,  # type: ignore[arg-type]
-                          (output.dst_pages, *output.group_pages), start=output.start_token, end=output.end_token,
-                          keep=output.room_id in self.core.rooms, stream=stream)
+            piece.copy(self._staging, output.offset, output.room_id,  # type: ignore[arg-type]
+                       (output.dst_pages, *output.group_pages), start=output.start_token, end=output.end_token,
+                       slots=slots,
+                       keep=output.room_id in self.core.rooms, stream=stream, gather=False)
 
         launched = self._now()
 

@@ -318,18 +318,16 @@ class LinkPath:
             self._remote_pages = self.transport.prepare(self.peer, rows, self.remote_kind)
         return self._remote_pages
 
-    def post_staged(self, tag: bytes, local: tuple[int, MemKind, int], remote_offset: int, nbytes: int,
-                    parts: Sequence[Part] = ()) -> Posted:
+    def post_staged(self, tag: bytes, local: tuple[int, MemKind, int], remote_offset: int, nbytes: int) -> Posted:
         """One WRITE of ``nbytes`` from local staging ``(address, kind, device)`` into the decode
-        rank's staging region at ``remote_offset``, with ``parts`` (state slots) in the same write."""
+        rank's staging region at ``remote_offset``: one descriptor."""
         assert self.remote_staging is not None
         address, length, kind, device = self.remote_staging
         if remote_offset + nbytes > length:
             raise ValueError(f"staged write of {nbytes} bytes at {remote_offset} overruns the {length}-byte region")
         local_rows = np.array([[local[0], nbytes, local[2]]], dtype=np.int64)
         remote_rows = np.array([[address + remote_offset, nbytes, device]], dtype=np.int64)
-        piece = Part(nbytes, local[1], kind, rows=(local_rows, remote_rows))
-        return post_parts(self.transport, self.peer, None, (piece, *parts), tag)
+        return Posted(self.transport.post_descs(self.peer, local_rows, local[1], remote_rows, kind, tag), nbytes, 1)
 
     def post_aux(self, tag: bytes, src_slot: int, dst_slot: int) -> Posted:
         assert self.remote_aux is not None and self.local.kv.aux is not None

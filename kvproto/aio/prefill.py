@@ -43,12 +43,10 @@ from kvproto.aio.room import SenderRoomHandle
 from kvproto.aio.staging import (
     CacheKernels,
     Copies,
-    PiecePart,
+    Piece,
     StagingBuffer,
     Stager,
-    gather_parts,
-    piece_parts,
-    piece_unit,
+    pair_piece,
     warm_kernels,
 )
 from kvproto.core import (
@@ -180,8 +178,9 @@ class PrefillEndpoint(EndpointBase):
         self._local: LocalLists | None = None
         self._rank_table: dict[int, RankAddress] = {}
         self._auth: _KeyAuthenticator | None = None
-        self._pieces: dict[bytes, tuple[PiecePart, ...]] = {}
-        """Each staging link's blocks of a piece: the first group's, then the staged groups'."""
+        self._pieces: dict[bytes, Piece] = {}
+        """What each staging link's pieces hold: the first group's block, the staged groups', and
+        the state block where there is one."""
         self._staging: StagingBuffer | None = None
         if self._staging_bytes():
             self._staging = StagingBuffer(kv, self._staging_bytes(), host=self.config.host_staging)
@@ -405,10 +404,10 @@ class PrefillEndpoint(EndpointBase):
         chosen = writers(g, decode_g)
         is_writer = g.tp_rank in chosen
         plan = plan_pair(g, decode_g) if is_writer else None
-        parts = self._piece_parts(plan, remote)
-        unit = piece_unit(parts)
+        piece = self._piece(plan, remote, minor)
+        unit = piece.unit if piece is not None else 0
         route = route_of(self.transport, agent)
-        kind, can_stage = self._choose_path(plan, unit, remote, minor, route)
+        kind, can_stage = self._choose_path(plan, unit, piece.tail if piece is not None else 0, remote, minor, route)
         path = LinkPath(
             transport=self.transport, local=self._local, peer=agent, plan=plan, remote=decode_g,
             remote_bases=remote.bases, remote_kind=remote.kind, remote_device=remote.device,
@@ -420,7 +419,7 @@ class PrefillEndpoint(EndpointBase):
         assert unit or not staged
         capacity = min(self._staging.capacity, remote.staging[1]) if staged and self._staging and remote.staging else 0
         group_paths, link_groups = self._group_paths(agent, remote, route,
-                                                     {p.group for p in parts[1:]} if staged else set())
+                                                     {p.group for p in piece.parts[1:]} if staged and piece else set())
         link = SenderLink(
             key=ident, link_id=msg.link_id, instance=msg.instance, decode_rank=decode_g.tp_rank,
             num_blocks=decode_g.num_blocks, block_size=decode_g.block_size, aux_slots=msg.aux_slots,
@@ -431,15 +430,14 @@ class PrefillEndpoint(EndpointBase):
             stage_max_units=max(1, capacity // (STAGING_DEPTH * unit)) if staged else 0,
             cost=(self.config.path_cost or (DEVICE_COST if self.kv.mem_kind is MemKind.VRAM else HOST_COST))
             if by_cost else None,
-            regions=sum(p.piece.regions for p in parts) if parts else g.num_regions,
+            regions=sum(p.piece.regions for p in piece.parts) if piece is not None else g.num_regions,
             groups=link_groups,
-            piece_states=staged and self._staging is not None and remote.staging is not None
-            and self._staging.kind is self.kv.mem_kind and remote.staging[2] is remote.kind,
+            stage_tail=piece.tail if staged and piece is not None else 0,
         )
         if kind == "direct" and not (route is not None and route.pattern):
             path.prepare()  # the peer's page list, before the first request needs it
-        if parts:
-            self._pieces[ident] = parts
+        if piece is not None:
+            self._pieces[ident] = piece
         self._links[ident] = _DecodeLink(ident, link, agent, msg.boot_id, path, now, group_paths)
         self.core.add_link(link)
         log.info("registered decode %s rank %d (%s path, minor %d)", msg.instance, decode_g.tp_rank, path.label, minor)
@@ -449,12 +447,14 @@ class PrefillEndpoint(EndpointBase):
             boot_id=self.boot_id, link_id=msg.link_id, agent_name=self.agent_name,
             geometry=geometry_to_wire(g), aux_slot_bytes=self.kv.aux.slot_bytes if self.kv.aux else 0))
 
-    def _piece_parts(self, plan: Any, remote: Remote) -> tuple[PiecePart, ...]:
-        """The blocks of this pair's staged pieces; none where this rank cannot stage or writes no
-        first group."""
+    def _piece(self, plan: Any, remote: Remote, minor: int) -> Piece | None:
+        """What this pair's staged pieces would hold; None where this rank cannot stage or writes
+        no first group."""
         if plan is None or self._staging is None:
-            return ()
-        return piece_parts(self._kernels, self._cache, remote.cache, side="prefill")
+            return None
+        states = {i: g for i, g in enumerate(self.kv.groups, start=1) if isinstance(g, StateCache)}
+        return pair_piece(self._kernels, self._cache, remote.cache, side="prefill", minor=min(minor, MINOR),
+                          states=states, buf=self._staging)
 
     def _group_paths(self, agent: str, remote: Remote, route: Route | None, staged: set[int]
                      ) -> tuple[tuple[LinkPath | StatePath, ...], tuple[LinkGroup, ...]]:
@@ -492,9 +492,10 @@ class PrefillEndpoint(EndpointBase):
                 groups.append(LinkGroup(writes, theirs.num_slots))
         return tuple(paths), tuple(groups)
 
-    def _choose_path(self, plan: Any, unit: int, remote: Remote, minor: int,
+    def _choose_path(self, plan: Any, unit: int, tail: int, remote: Remote, minor: int,
                      route: Route | None) -> tuple[str, bool]:
-        """(direct / sliced / staged for this pair, whether it can stage); see ``EndpointConfig.path``.
+        """(direct / sliced / staged for this pair, whether it can stage: a piece of one token and
+        the state block must fit both staging buffers); see ``EndpointConfig.path``.
         A pattern route (the kernel path) never stages unless ``path="staged"`` asks: staging
         saves descriptors, and a pattern write pays none."""
         if plan is None:
@@ -503,7 +504,7 @@ class PrefillEndpoint(EndpointBase):
         can_stage = (
             minor >= 1 and remote.staging is not None and self._staging is not None and unit > 0
             and remote.staging[2] in self.transport.memory_kinds()
-            and unit <= min(remote.staging[1], self._staging.capacity)
+            and unit + tail <= min(remote.staging[1], self._staging.capacity)
         )
         want = self.config.path
         if route is not None and route.pattern and want != "staged":
@@ -626,8 +627,9 @@ class PrefillEndpoint(EndpointBase):
 
     def _stage(self, out: PostStaged, link: _DecodeLink) -> None:
         """Gather the piece into a free local staging region, then WRITE it (when the gather is done)."""
-        parts = self._pieces[link.ident]
-        nbytes = (out.end_token - out.start_token) * piece_unit(parts)
+        piece = self._pieces[link.ident]
+        nbytes = (out.end_token - out.start_token) * piece.unit + (piece.tail if out.states else 0)
+        slots = {part.group: part.src_slot for part in out.states}
         assert self._staging is not None
 
         trace.mark("granted", out.room_id, out.seq)
@@ -636,9 +638,9 @@ class PrefillEndpoint(EndpointBase):
             trace.mark("gather", out.room_id, out.seq)
 
             def gather(stream: Any) -> None:
-                gather_parts(parts, self._staging, offset, out.room_id, (out.src_pages, *out.group_pages),  # type: ignore[arg-type]
-                             start=out.start_token, end=out.end_token, keep=out.room_id in self.core.rooms,
-                             stream=stream)
+                piece.copy(self._staging, offset, out.room_id, (out.src_pages, *out.group_pages),  # type: ignore[arg-type]
+                           start=out.start_token, end=out.end_token, slots=slots, keep=out.room_id in self.core.rooms,
+                           stream=stream, gather=True)
 
             launched = self._now()
 
@@ -662,9 +664,8 @@ class PrefillEndpoint(EndpointBase):
         try:
             if link is None:
                 raise TransportError("link is gone")
-            parts, kinds = self._parts(out.parts, link)
             posted = link.path.post_staged(out.tag, (buf.address + offset, buf.kind, buf.device_id),
-                                           out.remote_offset, nbytes, parts)
+                                           out.remote_offset, nbytes)
         except (TransportError, ValueError) as exc:
             self._stager.release(key)
             self.core.write_failed(out.room_id, out.link, out.seq, str(exc), self._now(), tag=out.tag)
@@ -673,7 +674,7 @@ class PrefillEndpoint(EndpointBase):
             self._stager.release(key)
             self._internal_error(out, exc, "writing a staged piece")
             return
-        self._posted(out, link, posted, (f"staged-{buf.where}", *kinds), key)
+        self._posted(out, link, posted, (f"staged-{buf.where}", *(("state",) if out.states else ())), key)
 
     def _progress_once(self) -> bool:
         assert self.transport is not None

@@ -24,6 +24,14 @@ on both endpoints the same way. Consecutive blocks whose pages look alike (a hyb
 full-attention and linear-attention layers often share a page shape) are one block of their
 regions side by side, so on a CUDA cache they move in one kernel launch reading one page table
 per room (``JointTables``: every group's pages, then each region's offset into them).
+
+The piece that carries a request's last token ends, between peers of minor 3, with the pair's
+*state block* (``StateBlock``): the state slots the prefill rank writes into the decode rank,
+gathered after the token blocks and scattered from there, so that a hybrid room's last piece is
+still one descriptor (a state slot is one run per layer and tensor on both sides: as descriptors
+of their own, a GDN model's slot costs a write of dozens). On a CUDA cache with device staging
+the block moves in one pattern launch (``kvproto.kernels.pattern.StridedRows``: planned once per
+link, shifted to the write's slots and piece); elsewhere run by run.
 """
 
 from __future__ import annotations
@@ -38,11 +46,15 @@ from typing import Any
 import torch
 
 from kvproto import kernels
+import ctypes
+
+import numpy as np
+
 from kvproto.aio import trace
-from kvproto.aio.memory import KVCache
+from kvproto.aio.memory import KVCache, StateCache
 from kvproto.core.staging import StagingRing
 from kvproto.geometry import plan_pair
-from kvproto.geometry.groups import CacheGeometry, PagedGroup, staged_groups
+from kvproto.geometry.groups import BlockRun, CacheGeometry, PagedGroup, block_bytes, staged_groups, state_block
 from kvproto.transport.base import MemKind, MemoryRegion
 
 log = logging.getLogger("kvproto")
@@ -374,6 +386,51 @@ def piece_unit(parts: Sequence[PiecePart]) -> int:
     return sum(part.piece.unit for part in parts)
 
 
+STATE_BLOCK_MINOR = 3
+"""The first minor version whose staged pieces end with the state block (staging.md)."""
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Piece:
+    """What one pair's staged pieces hold, on one side: the token blocks (``parts``) and, where
+    both peers speak minor 3 and the prefill rank writes state into the decode rank, the state
+    block that ends the piece carrying a request's last token."""
+
+    parts: tuple[PiecePart, ...]
+    block: StateBlock | None = None
+
+    @property
+    def unit(self) -> int:
+        return piece_unit(self.parts)
+
+    @property
+    def tail(self) -> int:
+        """Bytes of the state block (0: none)."""
+        return self.block.nbytes if self.block is not None else 0
+
+    def copy(self, buf: StagingBuffer, offset: int, room_id: int, pages: Sequence[Sequence[int]], *, start: int,
+             end: int, slots: dict[int, int] | None, keep: bool, stream: Any, gather: bool) -> None:
+        """Gather (``gather``) or scatter the piece of tokens ``[start, end)`` at ``offset``: every
+        token block, then the state block where ``slots`` (this side's slot by group number) are
+        given."""
+        _copy_parts(self.parts, buf, offset, room_id, pages, start=start, end=end, keep=keep, stream=stream,
+                    gather=gather)
+        if slots:
+            assert self.block is not None, "state slots for a piece without a state block"
+            self.block.copy(buf, offset + (end - start) * self.unit, slots, gather=gather, stream=stream)
+
+
+def pair_piece(kernels_: CacheKernels, prefill: CacheGeometry, decode: CacheGeometry, *, side: str, minor: int,
+               states: dict[int, StateCache], buf: StagingBuffer) -> Piece:
+    """The pieces prefill rank ``prefill`` stages into decode rank ``decode``, seen from ``side``
+    ("prefill" or "decode"); ``minor``: the lower of the two peers' minor versions; ``states``:
+    this rank's state groups by group number."""
+    parts = piece_parts(kernels_, prefill, decode, side=side)
+    runs = state_block(prefill, decode) if minor >= STATE_BLOCK_MINOR else ()
+    block = StateBlock(runs, states, side=side, unit=piece_unit(parts), buf=buf) if runs else None
+    return Piece(parts, block)
+
+
 def gather_parts(parts: Sequence[PiecePart], buf: StagingBuffer, offset: int, room_id: int,
                  pages: Sequence[Sequence[int]], *, start: int, end: int, keep: bool, stream: Any) -> None:
     """Gather tokens ``[start, end)`` of every part into the piece at ``offset``; ``pages[g]``: the
@@ -427,3 +484,89 @@ def _blocks(parts: Sequence[PiecePart], offset: int, tokens: int, *, joint: bool
             out.append(((part,), offset))
         offset += tokens * part.piece.unit
     return out
+
+
+class StateBlock:
+    """One side's view of a pair's state block (``kvproto.geometry.groups.state_block``): where
+    each run lies in this rank's state slots (``side``: "prefill" reads the runs' sources, "decode"
+    writes their destinations) and in the block; ``copy`` moves a piece's block between the slots
+    and the staging buffer. ``unit``: the pair's bytes per token (a block starts ``tokens x unit``
+    bytes into its piece, and the kernel's plan must divide every such start)."""
+
+    def __init__(self, runs: Sequence[BlockRun], states: dict[int, StateCache], *, side: str, unit: int,
+                 buf: StagingBuffer, kernel: bool | None = None) -> None:
+        """``kernel``: move the block with the pattern kernel (None: where the state and the staging
+        share a CUDA device and Triton is installed; True on CPU memory runs Triton's interpreter)."""
+        if not runs:
+            raise ValueError("a state block needs at least one run")
+        self.nbytes = block_bytes(runs)
+        self.groups = sorted({r.group for r in runs})
+        self._group = np.array([r.group for r in runs], dtype=np.int64)
+        address, stride = [], []
+        for r in runs:
+            cache = states[r.group]
+            tensors = len(cache.group.tensors)
+            address.append(cache.region_addresses[r.run.region] + (r.run.src if side == "prefill" else r.run.dst))
+            stride.append(cache.group.slot_bytes(cache.tp_size)[r.run.region % tensors])
+        self._address = np.array(address, dtype=np.int64)
+        self._stride = np.array(stride, dtype=np.int64)
+        self._offset = np.array([r.offset for r in runs], dtype=np.int64)
+        self._length = np.array([r.run.length for r in runs], dtype=np.int64)
+        first = states[runs[0].group]
+        self.device = torch.device("cuda", first.device_id) if first.mem_kind is MemKind.VRAM else torch.device("cpu")
+        if any((states[g].mem_kind, states[g].device_id) != (first.mem_kind, first.device_id) for g in self.groups):
+            raise ValueError("a state block's groups live on one device")
+        self._kernel: dict[bool, Any] = {}
+        if kernel is None:
+            kernel = self.device.type == "cuda" and buf.tensor.device == self.device and kernels.triton_available()
+        if kernel:
+            from kvproto.kernels import pattern
+
+            base = pattern.alignment([buf.address, unit, 64])  # every block start is a multiple of it
+            zeros = np.zeros(len(runs), dtype=np.int64)
+            for gather in (True, False):  # slot rows -> block, and back; the block's side moves by its base
+                src, src_stride, dst, dst_stride = (self._address, self._stride, self._offset, zeros) if gather \
+                    else (self._offset, zeros, self._address, self._stride)
+                self._kernel[gather] = pattern.plan_strided_rows(src, src_stride, dst, dst_stride, self._length,
+                                                                 base_align=base)
+            self._zero = torch.zeros(2, dtype=torch.int64, device=self.device)
+
+    def copy(self, buf: StagingBuffer, at: int, slots: dict[int, int], *, gather: bool, stream: Any) -> None:
+        """Gather (``gather``) this side's ``slots`` (slot by group number) into the block at byte
+        ``at`` of ``buf``, or scatter the block from there into them, on ``stream``."""
+        slot = np.array([slots[g] for g in self._group.tolist()], dtype=np.int64)
+        strided = self._kernel.get(gather)
+        if strided is not None:
+            from kvproto.kernels import pattern
+
+            per_tile = slot[strided.rows][:, None]
+            block = buf.address + at
+            tiles = strided.tiles(src_slot=per_tile, dst_base=block) if gather \
+                else strided.tiles(dst_slot=per_tile, src_base=block)
+            table = torch.from_numpy(tiles)
+            if self.device.type == "cuda":
+                table = table.pin_memory().to(self.device, non_blocking=True)
+            pattern.launch(strided.plan, self._zero[:1], self._zero[1:], table, stream=stream)
+            return
+        slot_at = self._address + slot * self._stride
+        for state, offset, length in zip(slot_at.tolist(), self._offset.tolist(), self._length.tolist()):
+            staged = buf.tensor[at + offset:at + offset + length]
+            mine = _bytes_at(state, length, self.device)
+            if gather:
+                staged.copy_(mine, non_blocking=True)
+            else:
+                mine.copy_(staged, non_blocking=True)
+
+
+class _DeviceBytes:
+    """``n`` bytes of device memory at ``address``, for ``torch.as_tensor`` (CUDA array interface)."""
+
+    def __init__(self, address: int, n: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (address, False), "version": 3}
+
+
+def _bytes_at(address: int, n: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over ``n`` bytes of this process's memory at ``address`` on ``device``."""
+    if device.type == "cuda":
+        return torch.as_tensor(_DeviceBytes(address, n), device=device)
+    return torch.frombuffer((ctypes.c_uint8 * n).from_address(address), dtype=torch.uint8)

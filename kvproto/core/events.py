@@ -133,8 +133,9 @@ class PostStaged:
     """The readiness handles of every chunk the piece reads from (see ``PostWrite.ready``)."""
     group_pages: tuple[Sequence[int], ...] = ()
     """The room's pages of each group beyond the first (those the link stages ride in the piece)."""
-    parts: tuple[StatePart, ...] = ()
-    """State slots that ride in the piece's write (the piece that ends the request's tokens)."""
+    states: tuple[StatePart, ...] = ()
+    """State slots gathered into the piece's state block (the piece that ends the request's tokens,
+    on a link whose pieces end with one: ``SenderLink.stage_tail``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -152,6 +153,10 @@ class Scatter:
     group_pages: tuple[Sequence[int], ...] = ()
     """The destination pages of each group beyond the first, from the prompt's page 0 (pages before
     a window's first are 0 and never read): the groups the link stages are scattered from the piece."""
+    state_slots: tuple[int, ...] = ()
+    """The piece ends with the state block (``ReceiverLink.stage_tail``): this rank's slot of each
+    group beyond the first (NO_SLOT for a paged group), where the block's runs are scattered.
+    Empty: no state block."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

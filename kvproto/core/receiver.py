@@ -102,6 +102,9 @@ class ReceiverLink:
     """Bytes per token of this writer's staged pieces (0: it cannot stage into this rank)."""
     staged_groups: tuple[int, ...] = ()
     """Groups beyond the first (1 = the first of them) that ride in this writer's staged pieces."""
+    stage_tail: int = 0
+    """Bytes of the state block that ends this writer's piece carrying a request's last token
+    (staging.md, minor 3); 0: none."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -432,16 +435,18 @@ class ReceiverCore(CoreBase):
             problem = ErrorCode.INDEX_OUT_OF_RANGE, (
                 f"staging request for tokens [{msg.start_token}, {msg.end_token}); expected to start at "
                 f"{progress.stage_next} and end by {dest.num_tokens}")
-        elif link.stage_unit > self.ring.capacity:  # the ring would refuse it (ValueError)
-            problem = ErrorCode.INDEX_OUT_OF_RANGE, (
-                f"a unit of {link.stage_unit} bytes exceeds the {self.ring.capacity}-byte staging ring")
+        elif not self.ring.fits(link.stage_unit, link.stage_tail):
+            problem = ErrorCode.INDEX_OUT_OF_RANGE, (  # the ring would refuse it (ValueError)
+                f"a unit of {link.stage_unit} bytes and a state block of {link.stage_tail} exceed the "
+                f"{self.ring.capacity}-byte staging ring")
         if problem is not None:
             self.apply(room, Input.PEER_VIOLATION, now, code=problem[0], reason=problem[1])
             return
-        assert self.ring is not None
+        assert self.ring is not None and dest is not None
         progress.asking = msg.seq
         self.ring.request((room.room_id, link.link_id, msg.seq), room.room_id, unit=link.stage_unit,
-                          units=msg.end_token - msg.start_token)
+                          units=msg.end_token - msg.start_token,
+                          tail=link.stage_tail if msg.end_token == dest.num_tokens else 0)
         self._grant()
 
     def _grant(self) -> None:
@@ -473,10 +478,12 @@ class ReceiverCore(CoreBase):
         room.scattering.add(key)
         offset, start, end = region
         assert room.destination is not None
-        groups = tuple(pages_from_zero(g) for g in room.destination.groups)
+        dest = room.destination
+        groups = tuple(pages_from_zero(g) for g in dest.groups)
+        slots = tuple(g.slot for g in dest.groups) if link.stage_tail and end == dest.num_tokens else ()
         self._outputs.append(Scatter(room_id=room.room_id, link=link.key, seq=seq, offset=offset,
-                                     start_token=start, end_token=end, dst_pages=room.destination.pages,
-                                     group_pages=groups))
+                                     start_token=start, end_token=end, dst_pages=dest.pages,
+                                     group_pages=groups, state_slots=slots))
 
     def scatter_done(self, room_id: int, link_id: int, seq: int, now: float) -> None:
         """The I/O layer finished scattering staged write ``seq`` of ``link_id`` into the pages."""

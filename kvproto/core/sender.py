@@ -110,9 +110,10 @@ class SenderLink:
     """Regions (layers x planes) a direct write covers, for ``cost``."""
     groups: tuple[LinkGroup, ...] = ()
     """The groups beyond the first as the decode rank registered them (``writer`` is the first's)."""
-    piece_states: bool = False
-    """State slots may ride in the staged piece that ends a request's tokens (one write with it:
-    the staging regions and the state memory are of one kind on each side)."""
+    stage_tail: int = 0
+    """Bytes of the state block that ends the staged piece carrying a request's last token
+    (staging.md, minor 3: the state slots the link writes, gathered into the piece); 0: none, the
+    state slots move in a write of their own."""
 
     @property
     def writes_any(self) -> bool:
@@ -701,6 +702,15 @@ class SenderCore(CoreBase):
             self.send(key, self._abort_message(room_id, drain.generation, drain.code, drain.reason))
 
     # --- staging -------------------------------------------------------------------------------
+    def _stage_up_to(self, room: SenderRoom, peer: _Peer, end: int) -> None:
+        """Let the writer ask for staging up to token ``end``. On a link whose pieces end with the
+        state block the request's last token waits for the state slots (they come with the last
+        chunk, which may add no token): the piece that ends the request must carry them."""
+        if peer.link.stage_tail and end == peer.request.num_tokens and room.state_slots is None:
+            end -= 1
+        peer.stage_end = max(peer.stage_end, end)
+        self._request_staging(room, peer)
+
     def _request_staging(self, room: SenderRoom, peer: _Peer) -> None:
         """Ask for the next staged piece of ``peer``'s tokens, if any is available and none asked."""
         if peer.outstanding is not None or peer.stage_next >= peer.stage_end:
@@ -729,7 +739,7 @@ class SenderCore(CoreBase):
         elif not want[1] < msg.end_token <= want[2]:
             problem = ErrorCode.INDEX_OUT_OF_RANGE, (
                 f"grant of tokens [{msg.start_token}, {msg.end_token}) outside the request [{want[1]}, {want[2]})")
-        elif msg.offset + (msg.end_token - msg.start_token) * link.stage_unit > link.stage_capacity:
+        elif msg.offset + self._piece_bytes(peer, msg.start_token, msg.end_token) > link.stage_capacity:
             problem = ErrorCode.INDEX_OUT_OF_RANGE, (
                 f"grant at offset {msg.offset} overruns the {link.stage_capacity}-byte staging region")
         if problem is not None:
@@ -744,10 +754,17 @@ class SenderCore(CoreBase):
             remote_offset=msg.offset,
             ready=tuple(c.ready for c in room.chunks if c.ready is not None and c.start < msg.end_token),
             group_pages=tuple(tuple(p) for p in room.group_pages),
-            parts=self._piece_states(room, peer, msg.end_token)))
+            states=self._piece_states(room, peer, msg.end_token)))
         peer.inflight.add(msg.seq)
         peer.staged_seqs.add(msg.seq)
         self._request_staging(room, peer)
+
+    @staticmethod
+    def _piece_bytes(peer: _Peer, start: int, end: int) -> int:
+        """Bytes of the staged piece of tokens ``[start, end)`` to ``peer``: its units, and the
+        state block where it carries the request's last token."""
+        link = peer.link
+        return (end - start) * link.stage_unit + (link.stage_tail if end == peer.request.num_tokens else 0)
 
     def _on_watermark(self, key: LinkKey, msg: StagingWatermark, now: float) -> None:
         room: SenderRoom | None = self.rooms.get(msg.room_id)
@@ -806,8 +823,7 @@ class SenderCore(CoreBase):
                         peer.staged = self._stages(room, peer, start, end)
                     if peer.staged:
                         if chunk.completes:  # staged pieces carry every layer: the range waits for its last
-                            peer.stage_end = end
-                            self._request_staging(room, peer)
+                            self._stage_up_to(room, peer, end)
                     elif span is None or span[0] < span[1]:  # the span holds some of the first group's layers
                         if not self.groups:
                             self._post(room, peer, PostWrite, start_token=start, end_token=end,
@@ -817,6 +833,8 @@ class SenderCore(CoreBase):
                             parts.append(PagedPart(group=0, start_token=start, end_token=end,
                                                    src_pages=tuple(room.src_pages), dst_pages=req.dst_pages,
                                                    layers=span))
+                elif peer.staged and chunk.last and chunk.completes:  # an empty last chunk: it gives the slots
+                    self._stage_up_to(room, peer, end)
                 if self.groups:
                     parts += self._group_parts(room, peer, chunk, start, end)
                 if parts:
@@ -832,7 +850,7 @@ class SenderCore(CoreBase):
         request's tokens is still to be granted on a staged link: the slots then ride in it."""
         parts: list[Part] = []
         req = peer.request
-        defer_states = bool(peer.staged) and peer.link.piece_states and peer.stage_next < req.num_tokens
+        defer_states = bool(peer.staged) and peer.link.stage_tail > 0
         for g, (spec, lg) in enumerate(zip(self.groups, peer.link.groups)):
             if not lg.writes:
                 continue
@@ -854,12 +872,14 @@ class SenderCore(CoreBase):
         return parts
 
     def _piece_states(self, room: SenderRoom, peer: _Peer, end_token: int) -> tuple[StatePart, ...]:
-        """The state slots that ride in a staged piece: every state group the link writes, all its
-        layers, in the piece that ends the request's tokens once the slots are known (else they
-        go with the last chunk's write, ``_group_parts``)."""
+        """The state slots gathered into a staged piece's state block: every state group the link
+        writes, all its layers, in the piece that ends the request's tokens on a link whose pieces
+        end with one (``stage_tail``). That piece is asked for only once the last chunk was given,
+        and the last chunk gives the slots (``_state_slots``), so they are always known here."""
         req = peer.request
-        if not peer.link.piece_states or end_token != req.num_tokens or room.state_slots is None:
+        if not peer.link.stage_tail or end_token != req.num_tokens:
             return ()
+        assert room.state_slots is not None, "the piece that ends a request is asked for after its last chunk"
         return tuple(StatePart(group=g + 1, src_slot=room.state_slots[g], dst_slot=req.groups[g].slot)
                      for g, (spec, lg) in enumerate(zip(self.groups, peer.link.groups)) if spec.state and lg.writes)
 

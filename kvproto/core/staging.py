@@ -10,6 +10,11 @@ it asked for asks again for the rest: so a chunk larger than the ring is split i
 fit, never refused and never deadlocked, as long as one unit fits in the ring at all
 (``request`` refuses units larger than the ring up front).
 
+A request may carry a *tail*: bytes that follow its units only in a grant of all of them (the
+state block of the piece that ends a room's tokens, staging.md minor 3). A grant of fewer units
+has no tail; the units left are asked for again, tail and all, so the region of one unit plus
+the tail is what must fit in the ring (``request`` refuses it otherwise).
+
 Positions grow monotonically; a region's buffer offset is ``position % capacity``. ``head`` is
 where the next grant starts, the *watermark* is the start of the oldest region not yet
 released. Space is reused only behind the watermark: a region released out of order stays
@@ -44,6 +49,7 @@ class _Request:
     owner: Hashable
     unit: int
     units: int
+    tail: int = 0
 
 
 @dataclass(slots=True)
@@ -88,14 +94,22 @@ class StagingRing:
         return {r.owner for r in self._live.values() if r.owner is not None} | {q.owner for q in self._queue}
 
     # --- requests and grants ------------------------------------------------------------------
-    def request(self, key: Hashable, owner: Hashable, *, unit: int, units: int) -> None:
-        if unit <= 0 or units <= 0:
-            raise ValueError(f"request of {units} units of {unit} bytes")
-        if self._round(unit) > self.capacity:
-            raise ValueError(f"a unit of {unit} bytes exceeds the staging ring of {self.capacity} bytes")
+    def request(self, key: Hashable, owner: Hashable, *, unit: int, units: int, tail: int = 0) -> None:
+        """Queue a request for up to ``units`` units of ``unit`` bytes, and ``tail`` bytes after
+        them in a grant of all of them."""
+        if unit <= 0 or units <= 0 or tail < 0:
+            raise ValueError(f"request of {units} units of {unit} bytes and a tail of {tail}")
+        if not self.fits(unit, tail):
+            raise ValueError(f"a unit of {unit} bytes and a tail of {tail} exceed the staging ring of "
+                             f"{self.capacity} bytes")
         if key in self._live or any(q.key == key for q in self._queue):
             raise ValueError(f"staging key {key!r} is already requested or granted")
-        self._queue.append(_Request(key, owner, unit, units))
+        self._queue.append(_Request(key, owner, unit, units, tail))
+
+    def fits(self, unit: int, tail: int = 0) -> bool:
+        """Whether a grant of one unit and a tail fits in the ring at all (every request of such
+        units is then eventually granted)."""
+        return self._round(unit + tail) <= self.capacity
 
     def take_grants(self) -> list[Grant]:
         """Grant queued requests in order while space allows."""
@@ -112,13 +126,18 @@ class StagingRing:
         return -(-n // self.align) * self.align
 
     def _fit(self, req: _Request, room: int) -> int:
-        """Units of ``req`` that fit in ``room`` bytes (aligned)."""
+        """Units of ``req`` that fit in ``room`` bytes (aligned), with its tail if they are all."""
         if room <= 0:
             return 0
         k = min(req.units, room // req.unit)
-        while k > 0 and self._round(k * req.unit) > room:
+        while k > 0 and self._round(self._size(req, k)) > room:
             k -= 1
         return k
+
+    @staticmethod
+    def _size(req: _Request, k: int) -> int:
+        """Bytes of a grant of ``k`` units of ``req``: its tail only with the last unit."""
+        return k * req.unit + (req.tail if k == req.units else 0)
 
     def _try(self, req: _Request) -> Grant | None:
         if not self._live and self.head % self.capacity:
@@ -135,12 +154,12 @@ class StagingRing:
             self._live[("pad", self._pads)] = _Region(self.head, to_end, None, released=True)
             self.head += to_end
             k = self._fit(req, self.capacity - self.used)
-        size = self._round(k * req.unit)
-        region = _Region(self.head, size, req.owner)
+        length = self._size(req, k)
+        region = _Region(self.head, self._round(length), req.owner)
         self._live[req.key] = region
-        self.head += size
+        self.head += region.size
         self._reclaim()
-        return Grant(req.key, req.owner, region.start % self.capacity, k, k * req.unit)
+        return Grant(req.key, req.owner, region.start % self.capacity, k, length)
 
     # --- release ------------------------------------------------------------------------------
     def release(self, key: Hashable) -> None:

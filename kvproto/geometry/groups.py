@@ -362,6 +362,38 @@ def paired_ranks_of_prefill_cache(prefill: CacheGeometry, decode: CacheGeometry)
     return tuple(r for r in range(decode.tp_size) if link_roles(prefill, decode.with_rank(r)).paired)
 
 
+class BlockRun(NamedTuple):
+    """One run of a staged piece's *state block* (staging.md, minor 3): ``run.length`` bytes of
+    state group ``group`` (its index in the cache's groups), at ``offset`` from the block's start."""
+
+    group: int
+    run: StateRun
+    offset: int
+
+
+def state_block(prefill: CacheGeometry, decode: CacheGeometry) -> tuple[BlockRun, ...]:
+    """The state block this pair's staged pieces end with (minor 3): every state group the prefill
+    rank writes into the decode rank, in cache order, each as ``plan_state``'s runs in order, back to
+    back. Empty where the pair stages no first group (no pieces) or writes no state. Both sides
+    compute it from geometry alone; its bytes are the sum of the runs' lengths."""
+    roles = link_roles(prefill, decode)
+    if not roles.writes[0]:
+        return ()
+    out: list[BlockRun] = []
+    at = 0
+    for i, group in enumerate(prefill.groups):
+        if isinstance(group, StateGroup) and roles.writes[i]:
+            for run in plan_state(prefill, decode, group.name):
+                out.append(BlockRun(i, run, at))
+                at += run.length
+    return tuple(out)
+
+
+def block_bytes(block: Sequence[BlockRun]) -> int:
+    """Bytes of a state block (``state_block``)."""
+    return block[-1].offset + block[-1].run.length if block else 0
+
+
 def stage_unit(prefill: KVGeometry, decode: KVGeometry) -> int:
     """Bytes of one token of a staged piece's block for one paged group (every region, the pair's
     head slice)."""

@@ -110,6 +110,57 @@ def plan_pattern(pattern: np.ndarray, *, regions: int, base_align: int = 16,
                        nbytes=per_region * regions)
 
 
+@dataclass(frozen=True, slots=True)
+class StridedRows:
+    """Rows of absolute addresses planned once, moved by whole strides at each write: a state
+    slot's runs (slot ``s`` of a region lies ``s`` slot strides past slot 0), or a staged piece's
+    state block (wherever the piece lies). ``tiles(src_slot, dst_slot, src_base=, dst_base=)``
+    shifts every tile's source by ``src_slot`` of its row's source stride plus ``src_base`` bytes,
+    and likewise its destination: one ``PatternPlan`` (over one region of base 0) serves every
+    write, because every stride and base is a multiple of its alignment."""
+
+    plan: PatternPlan
+    src_step: np.ndarray
+    """``(tiles, 3)``: vectors one slot moves each tile's source (column 0; the others zero)."""
+    dst_step: np.ndarray
+    """Likewise for the destination (column 1)."""
+    rows: np.ndarray
+    """The row each tile belongs to (a write may move rows of several slots: ``tiles`` takes a
+    slot per tile)."""
+
+    @property
+    def align(self) -> int:
+        return self.plan.word * self.plan.vec
+
+    def tiles(self, src_slot: int | np.ndarray = 0, dst_slot: int | np.ndarray = 0, *, src_base: int = 0,
+              dst_base: int = 0) -> np.ndarray:
+        """The plan's tiles for one write; a slot may be an int or a ``(tiles, 1)`` array."""
+        align = self.align
+        if src_base % align or dst_base % align:
+            raise ValueError(f"bases {src_base:#x}, {dst_base:#x} are not multiples of the plan's {align} bytes")
+        tiles = self.plan.tiles + (src_slot * self.src_step + dst_slot * self.dst_step)
+        if src_base or dst_base:
+            tiles = tiles + np.array([src_base // align, dst_base // align, 0], dtype=np.int64)
+        return tiles
+
+
+def plan_strided_rows(src: np.ndarray, src_stride: np.ndarray, dst: np.ndarray, dst_stride: np.ndarray,
+                      length: np.ndarray, *, base_align: int = 16) -> StridedRows:
+    """``StridedRows`` of rows ``src[i] -> dst[i]`` of ``length[i]`` bytes (slot 0, base 0) whose
+    slots lie ``src_stride[i]`` / ``dst_stride[i]`` bytes apart; ``base_align`` divides every base
+    a write will add."""
+    strides = np.concatenate([np.asarray(src_stride, dtype=np.int64), np.asarray(dst_stride, dtype=np.int64)])
+    align = min(base_align, alignment(strides[strides > 0]) if (strides > 0).any() else 16)
+    plan = plan_pattern(np.stack([src, dst, length], axis=1), regions=1, base_align=align)
+    align = plan.word * plan.vec
+    tile_vecs = plan.tile_words // plan.vec
+    row = np.repeat(np.arange(len(length)), -(-(np.asarray(length) // align) // tile_vecs))
+    src_step, dst_step = (np.zeros_like(plan.tiles) for _ in range(2))
+    src_step[:, 0] = np.asarray(src_stride, dtype=np.int64)[row] // align
+    dst_step[:, 1] = np.asarray(dst_stride, dtype=np.int64)[row] // align
+    return StridedRows(plan, src_step, dst_step, row)
+
+
 def pair_extents(plan: PairPlan, src_pages: Sequence[int], dst_pages: Sequence[int], start: int,
                  end: int) -> np.ndarray:
     """``plan.extents(...)`` as an ``(E, 3)`` int64 array (src_off, dst_off, length), computed

@@ -695,18 +695,16 @@ class CudaIpcTransport:
             if len(self._slot_rows) >= 64:
                 self._slot_rows.clear()
             self._slot_rows[id(rows)] = known
-        _, _, src_slots, dst_slots, plan, src_step, dst_step = known
+        _, _, src_slots, dst_slots, strided = known
         src_slot, dst_slot = part.src_slot, part.dst_slot
         if not (0 <= src_slot < src_slots and 0 <= dst_slot < dst_slots):
             raise TransportError(f"post_parts: state slot {src_slot} -> {dst_slot} is not inside registered memory "
                                  f"({src_slots} local, {dst_slots} remote slots fit the registered regions)")
-        tiles = plan.tiles + (src_slot * src_step + dst_slot * dst_step)  # steps: (tiles, 3), zero counts
-        return plan, tiles, plan.nbytes, len(rows.length)
+        return strided.plan, strided.tiles(src_slot, dst_slot), strided.plan.nbytes, len(rows.length)
 
     def _check_slot_rows(self, mapped: _Peer, rows: Any, kind: MemKind) -> tuple[Any, ...]:
-        """(slots that fit locally, slots that fit remotely, the pattern plan of slot 0 into slot 0
-        (absolute addresses here), and per tile how far a slot moves it on each side, in the plan's
-        vectors): the strides are multiples of the plan's alignment, so one plan serves every slot."""
+        """(slots that fit locally, slots that fit remotely, and slot 0's rows into slot 0 as
+        ``StridedRows`` of absolute addresses here: one plan serves every slot)."""
         from kvproto.kernels import pattern as kernels
 
         fits = []
@@ -718,16 +716,8 @@ class CudaIpcTransport:
             fits.append(int((room // np.maximum(stride, 1)).min()) + 1)
             if base is rows.dst:
                 here = mapped.local[j] + (base - regions[j, 0])
-        strides = np.concatenate([rows.src_stride, rows.dst_stride])
-        plan = kernels.plan_pattern(np.stack([rows.src, here, rows.length], axis=1), regions=1,
-                                    base_align=kernels.alignment(strides[strides > 0]))
-        align = plan.word * plan.vec
-        tile_vecs = plan.tile_words // plan.vec
-        row = np.repeat(np.arange(len(rows.length)), -(-(rows.length // align) // tile_vecs))
-        src_step, dst_step = (np.zeros_like(plan.tiles) for _ in range(2))  # a slot's move of each tile
-        src_step[:, 0] = rows.src_stride[row] // align
-        dst_step[:, 1] = rows.dst_stride[row] // align
-        return fits[0], fits[1], plan, src_step, dst_step
+        strided = kernels.plan_strided_rows(rows.src, rows.src_stride, here, rows.dst_stride, rows.length)
+        return fits[0], fits[1], strided
 
     def _zero_bases(self, kind: MemKind) -> _Bases:
         """One region pair of base 0: rows of absolute addresses as a pattern."""

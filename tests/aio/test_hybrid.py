@@ -277,6 +277,43 @@ async def test_hybrid_room_makes_one_write_per_chunk_and_link(transport: str, mo
         assert pieces and writes == [len(pieces)], (writes, pieces)  # no write of the state's own
 
 
+@pytest.mark.parametrize("minor", [2, 3])
+@pytest.mark.parametrize("tps", [(1, 2), (2, 1)], ids=["tp1-2", "tp2-1"])
+async def test_hybrid_state_block_between_minor3_peers_else_a_write_of_its_own(
+        minor: int, tps: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between peers of minor 3 the state slots travel in the state block of the piece that ends the
+    prompt: each piece is one descriptor, and the room makes no write but its pieces. Where either
+    side speaks 1.2 (here both endpoints told to), the slots move in a write of their own, a
+    descriptor per run: byte-exact either way, across TP both ways."""
+    from kvproto.aio import decode as decode_module
+    from kvproto.aio import prefill as prefill_module
+
+    monkeypatch.setattr(prefill_module, "MINOR", minor)
+    monkeypatch.setattr(decode_module, "MINOR", minor)
+    pieces: list[int] = []
+    descriptors: list[int] = []
+    stage = PrefillEndpoint._stage
+    posted = PrefillEndpoint._posted
+
+    def counted(self: PrefillEndpoint, out: Any, link: Any) -> None:
+        pieces.append(out.seq)
+        stage(self, out, link)
+
+    def counted_posted(self: PrefillEndpoint, out: Any, link: Any, done: Any, *args: Any) -> None:
+        descriptors.append(done.descriptors)
+        posted(self, out, link, done, *args)
+
+    monkeypatch.setattr(PrefillEndpoint, "_stage", counted)
+    monkeypatch.setattr(PrefillEndpoint, "_posted", counted_posted)
+    writes: list[int] = []
+    paths = await run_hybrid_room(_preset_case("gdn", *tps, decode_block=32), room_id=19, writes=writes)
+    assert paths == {"staged-cpu", "state"}, paths
+    if minor == 3:
+        assert sum(writes) == len(pieces) and descriptors == [1] * len(pieces), (writes, pieces, descriptors)
+    else:
+        assert sum(writes) > len(pieces) and max(descriptors) > 1, (writes, pieces, descriptors)
+
+
 @pytest.mark.parametrize("tps", [(1, 1), (2, 1), (1, 2)], ids=["tp1-1", "tp2-1", "tp1-2"])
 async def test_hybrid_staged_groups_of_one_page_shape_move_in_one_launch(tps: tuple[int, int],
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1356,3 +1356,46 @@ def test_receiver_open_room_with_destination_refused_changes_nothing():
     assert info.value.code is ErrorCode.DUPLICATE_ROOM
     assert (core.rooms[1].generation, core.room_state(1), core.next_deadline()) == before
     assert core.rooms[1].destination is None and pop(core).sends == []
+
+
+def test_receiver_state_block_reserved_and_scattered_with_the_piece_that_ends_the_room():
+    """On a writer link whose pieces end with a state block (minor 3), a grant that reaches the
+    room's last token reserves its units and the block, a partial grant units only (the rest is
+    asked again, block and all); only the Scatter of the piece that ends the room names this rank's
+    state slots; a request whose units and block can never fit in the ring is refused."""
+    from dataclasses import replace as _replace
+
+    from kvproto.core import GroupSpec
+
+    tail = 200
+    link = _replace(rlink(0, unit=UNIT), stage_tail=tail)
+    core = make_core(staging=StagingRing(RING), groups=[GroupSpec("gdn", state=True, pool=8)])
+    core.cluster_ready(C, [link], T0)
+    core.open_room(1, C, T0)
+    core.set_destination(1, [0, 1, 2], 40, T0, group_pages=[()], state_slots=[6])
+    gen = core.rooms[1].generation
+    seq, start = 0, 0
+    while start < 40:  # the ring holds 16 units: [0, 16), [16, 32), then [32, 40) and the block
+        core.on_message("p0", sreq(1, gen, seq, start, 40), T0)
+        (g,) = [m for m in pop(core).to("p0") if isinstance(m, StagingGrant)]
+        ((_key, _offset, size),) = core.ring.live_grants()
+        assert size == -(-((g.end_token - start) * UNIT + (tail if g.end_token == 40 else 0)) // 64) * 64
+        core.on_notification("agent-0", staged(1, gen, seq), T0)
+        (sc,) = pop(core).scatters
+        assert sc.state_slots == ((6,) if g.end_token == 40 else ())
+        core.scatter_done(1, 10, seq, T0)
+        pop(core)
+        seq, start = seq + 1, g.end_token
+    assert seq == 3
+    core.on_message("p0", done(1, gen, 3), T0)
+    assert [e.state for e in pop(core).ended] == [RoomState.SUCCESS]
+    assert_clean(core)
+
+    core = make_core(staging=StagingRing(RING), groups=[GroupSpec("gdn", state=True, pool=8)])
+    core.cluster_ready(C, [_replace(rlink(0, unit=UNIT), stage_tail=RING - UNIT + 1)], T0)
+    core.open_room(1, C, T0)
+    core.set_destination(1, [0, 1, 2], 40, T0, group_pages=[()], state_slots=[6])
+    gen = core.rooms[1].generation
+    core.on_message("p0", sreq(1, gen, 0, 0, 40), T0)
+    o = _drains_then_fails(core, 1, gen, ErrorCode.INDEX_OUT_OF_RANGE)
+    assert any("state block of 3841" in m.reason for m in o.to("p0") if isinstance(m, Abort))

@@ -1772,3 +1772,87 @@ def test_sender_layer_chunks_need_the_layer_count():
     core, _ = ready_core(1, 16)
     with pytest.raises(LocalProtocolError, match="layer count"):
         core.submit_chunk(1, [1], 16, T0, last=True, layers=(0, 1))
+
+
+# --- the state block (staging.md, minor 3) -----------------------------------------------------------
+TAIL = 96
+
+
+def state_block_core(n: int = 40, tail: int = TAIL, **kw) -> tuple[SenderCore, SenderLink]:
+    """A core whose cache has one state group beyond the first, on a staged link whose pieces end
+    with a state block of ``tail`` bytes; room 1 open with its request (decode slot 5)."""
+    from kvproto.core import GroupSpec, LinkGroup
+    from kvproto.wire import GroupDestination
+
+    core = make_core(groups=[GroupSpec("gdn", state=True, pool=8)])
+    link = replace(make_link(unit=UNIT, capacity=CAP, **kw), groups=(LinkGroup(True, 8),), stage_tail=tail)
+    core.add_link(link)
+    core.open_room(1, T0)
+    core.on_message(link.key, replace(req(1, n), groups=(GroupDestination(first_page=0, pages=(), slot=5),)), T0)
+    return core, link
+
+
+def test_sender_state_block_rides_in_the_piece_that_ends_the_request():
+    """On a link with a state block, the state slot gets no write of its own: the grant of the piece
+    that carries the last token counts the block's bytes (an offset that leaves room for the units
+    but not the block is refused) and its PostStaged names the slots to gather; earlier pieces carry
+    none; TRANSFER_DONE counts the pieces only."""
+    core, _link = state_block_core(40, max_units=16)
+    core.submit_chunk(1, [1, 2, 3], 40, T0, last=True, state_slots=[2])
+    o = pop(core)
+    assert o.staged == [] and o.posts == []
+    core.on_message("d0", grant(1, 0, 0, 16), T0)
+    (w0,) = pop(core).staged
+    assert w0.states == ()
+    core.on_message("d0", grant(1, 1, 16, 32), T0)
+    (w1,) = pop(core).staged
+    core.on_message("d0", grant(1, 2, 32, 40, offset=CAP - 8 * UNIT - TAIL), T0)  # exactly fits, block and all
+    (w2,) = pop(core).staged
+    assert [(p.group, p.src_slot, p.dst_slot) for p in w2.states] == [(1, 2, 5)]
+    for w in (w0, w1, w2):
+        core.write_done(1, "d0", w.seq, 10, T0, tag=w.tag)
+    o = pop(core)
+    assert o.to("d0") == [TransferDone(room_id=1, generation=11, writes=3, nbytes=30)]
+    assert [e.state for e in o.ended] == [RoomState.SUCCESS]
+
+    core, _link = state_block_core(40)
+    core.submit_chunk(1, [1, 2, 3], 40, T0, last=True, state_slots=[2])
+    pop(core)
+    core.on_message("d0", grant(1, 0, 0, 40, offset=CAP - 40 * UNIT - TAIL + 1), T0)  # the block would overrun
+    o = pop(core)
+    assert o.staged == [] and [e.code for e in o.ended] == [ErrorCode.INDEX_OUT_OF_RANGE]
+
+
+def test_sender_state_block_last_token_waits_for_the_slots_of_an_empty_last_chunk():
+    """A non-last chunk may end exactly at the request's last token, the slots coming with an empty
+    last chunk after it: the piece that ends the request (and carries the block) is asked for only
+    once they are known, so every token but the last is requested first."""
+    core, _link = state_block_core(32)
+    core.submit_chunk(1, [1, 2], 32, T0, last=False)
+    o = pop(core)
+    assert o.to("d0") == [StagingRequest(room_id=1, generation=11, seq=0, start_token=0, end_token=31)]
+    core.on_message("d0", grant(1, 0, 0, 31), T0)
+    (w0,) = pop(core).staged
+    assert w0.states == ()
+    core.submit_chunk(1, [], 32, T0, last=True, state_slots=[7])
+    o = pop(core)
+    assert o.to("d0") == [StagingRequest(room_id=1, generation=11, seq=1, start_token=31, end_token=32)]
+    assert o.posts == []  # no write of the state's own
+    core.on_message("d0", grant(1, 1, 31, 32, offset=2048), T0)
+    (w1,) = pop(core).staged
+    assert [(p.src_slot, p.dst_slot) for p in w1.states] == [(7, 5)]
+
+
+def test_sender_without_a_state_block_the_slot_has_a_write_of_its_own():
+    """On a staged link without a state block (a peer of minor 2), the slot moves in a write of its
+    own with the last chunk and the pieces carry none."""
+    from kvproto.core import PostGroups
+
+    core, _link = state_block_core(40, tail=0)
+    core.submit_chunk(1, [1, 2, 3], 40, T0, last=True, state_slots=[2])
+    outs = core.pop_outputs()
+    (groups,) = [x for x in outs if isinstance(x, PostGroups)]
+    assert [(p.group, p.src_slot, p.dst_slot) for p in groups.parts] == [(1, 2, 5)]
+    core.on_message("d0", grant(1, 0, 0, 40), T0)
+    (w,) = pop(core).staged
+    assert w.states == ()

@@ -17,16 +17,21 @@ class RingMachine(RuleBasedStateMachine):
         super().__init__()
         self.ring = StagingRing(1024, align=64)
         self.next_key = 0
-        self.asked: dict[int, tuple[int, int, int]] = {}  # key -> (owner, unit, units) queued
+        self.asked: dict[int, tuple[int, int, int, int]] = {}  # key -> (owner, unit, units, tail) queued
         self.order: list[int] = []  # queued keys in request order
         self.live: dict[int, tuple[int, int, int]] = {}  # key -> (owner, offset, length)
 
-    @rule(owner=st.integers(0, 3), unit=st.sampled_from([1, 48, 64, 100, 300, 1024]), units=st.integers(1, 40))
-    def request(self, owner: int, unit: int, units: int) -> None:
+    @rule(owner=st.integers(0, 3), unit=st.sampled_from([1, 48, 64, 100, 300, 1024]), units=st.integers(1, 40),
+          tail=st.sampled_from([0, 0, 1, 100, 512]))
+    def request(self, owner: int, unit: int, units: int, tail: int) -> None:
+        if not self.ring.fits(unit, tail):
+            with pytest.raises(ValueError):
+                self.ring.request(self.next_key, owner, unit=unit, units=units, tail=tail)
+            return
         key = self.next_key
         self.next_key += 1
-        self.ring.request(key, owner, unit=unit, units=units)
-        self.asked[key] = (owner, unit, units)
+        self.ring.request(key, owner, unit=unit, units=units, tail=tail)
+        self.asked[key] = (owner, unit, units, tail)
         self.order.append(key)
 
     @rule()
@@ -34,8 +39,8 @@ class RingMachine(RuleBasedStateMachine):
         for g in self.ring.take_grants():
             assert g.key == self.order[0], "grants must come in request order"
             self.order.pop(0)
-            owner, unit, units = self.asked.pop(g.key)
-            assert 1 <= g.units <= units and g.length == g.units * unit
+            owner, unit, units, tail = self.asked.pop(g.key)
+            assert 1 <= g.units <= units and g.length == g.units * unit + (tail if g.units == units else 0)
             assert 0 <= g.offset and g.offset + g.length <= self.ring.capacity
             self.live[g.key] = (owner, g.offset, g.length)
 
@@ -71,7 +76,7 @@ class RingMachine(RuleBasedStateMachine):
             assert grants, "an empty ring must grant the head request (no deadlock)"
             for g in grants:
                 self.order.pop(0)
-                owner, unit, _units = self.asked.pop(g.key)
+                owner, _unit, _units, _tail = self.asked.pop(g.key)
                 self.live[g.key] = (owner, g.offset, g.length)
 
     def teardown(self) -> None:
@@ -133,3 +138,33 @@ def test_ring_refuses_a_unit_that_can_never_fit() -> None:
     ring = StagingRing(128, align=64)
     with pytest.raises(ValueError):
         ring.request(1, "A", unit=129, units=1)
+
+
+def test_ring_tail_comes_only_with_the_last_unit() -> None:
+    """A request's tail (a piece's state block) follows its units only in a grant of all of them: a
+    ring with room for the units but not the tail grants one unit less, and the rest, asked for
+    again, gets the tail."""
+    ring = StagingRing(1024, align=64)
+    ring.request("a", "A", unit=100, units=4, tail=48)
+    (grant,) = ring.take_grants()
+    assert (grant.offset, grant.units, grant.length) == (0, 4, 448)
+    ring.release("a")
+    ring.request("filler", "B", unit=64, units=10)  # 640 bytes: 384 free, 400 + 48 no longer fit
+    ring.take_grants()
+    ring.request("b", "A", unit=100, units=4, tail=48)
+    (grant,) = ring.take_grants()
+    assert (grant.units, grant.length) == (3, 300)  # the tail waits for the last unit
+    ring.request("c", "A", unit=100, units=1, tail=48)
+    assert ring.take_grants() == []  # 148 bytes: only behind the watermark
+    ring.release("filler")
+    ring.release("b")
+    (grant,) = ring.take_grants()
+    assert (grant.units, grant.length) == (1, 148)
+
+
+def test_ring_refuses_a_tail_that_can_never_fit() -> None:
+    """One unit and the tail must fit in the ring; otherwise the request is refused up front."""
+    ring = StagingRing(128, align=64)
+    assert ring.fits(64, 64) and not ring.fits(64, 65)
+    with pytest.raises(ValueError, match="tail"):
+        ring.request(1, "A", unit=64, units=3, tail=65)

@@ -216,3 +216,23 @@ def test_groups_must_match_by_name_kind_and_shape() -> None:
 def test_a_state_dimension_that_does_not_split_is_refused() -> None:
     with pytest.raises(GeometryError, match="does not split over TP 4"):
         with_state(4, 1, StateGroup("s", 1, (StateTensor((6, 2), DType.BFLOAT16, 0),), 1))
+
+
+def test_state_block_is_every_written_state_run_back_to_back() -> None:
+    """A pair's state block (staging.md, minor 3): the runs of every state group the prefill rank
+    writes into the decode rank, in cache order, back to back; empty where the pair writes no
+    state or no first group (it stages nothing)."""
+    from kvproto.geometry.groups import block_bytes, state_block
+
+    rows = StateGroup("lin", 24, (StateTensor((16, 128), DType.BFLOAT16, 0),), 4)
+    one = state_block(with_state(1, 0, rows), with_state(2, 1, rows))
+    assert [(b.group, b.run.region, b.run.src, b.run.dst, b.run.length, b.offset) for b in one[:2]] == [
+        (1, 0, 2048, 0, 2048, 0), (1, 1, 2048, 0, 2048, 2048)]
+    assert len(one) == 24 and block_bytes(one) == 24 * 2048
+    gdn = gdn_state(2, 0)
+    both = CacheGeometry(2, 0, (*gdn.groups, StateGroup("r", 1, (StateTensor((3,), DType.FLOAT32, None),), 4)))
+    block = state_block(both, both.with_rank(0))
+    assert [b.group for b in block] == [1] * 6 + [2]  # gdn's 3 layers x 2 tensors, then the replica
+    assert [b.offset for b in block] == list(np.cumsum([0] + [b.run.length for b in block])[:-1])
+    assert state_block(both.with_rank(1), both.with_rank(0)) == ()  # rank 1 holds none of rank 0's shards
+    assert block_bytes(()) == 0

@@ -499,8 +499,25 @@ def _vectors() -> list[Vector]:
                "message type 201 at minor 3: decoders raise UnknownMessage; a receiver of minor 2 or lower ignores "
                "it (newer minor)"),
     ]
+    state_block = [
+        frame("staging_grant_last.hex",
+              StagingGrant(room_id=0x00C0FFEE, generation=1_000_001, seq=1, start_token=64, end_token=100,
+                           offset=0x30000 + 32 * STAGING_UNIT),
+              "minor 3: the grant of write 1, tokens [64, 100): with staging_grant.hex it covers staging_request.hex's "
+              "tokens, and it ends them, so between peers of minor 3 whose prefill rank writes state into the decode "
+              "rank its region holds 36 units and then the pair's state block (staging.md)", minor=3),
+        decode_only("staging_grant_minor4_trailing.hex",
+                    with_trailing(encode(STAGING_GRANT, minor=4), bytes.fromhex("0504030201"), minor=4),
+                    STAGING_GRANT,
+                    "minor 4: a STAGING_GRANT with 5 bytes of fields this decoder does not know: they are ignored",
+                    twin="staging_grant.hex", minor=4),
+        reject("reject_unknown_type_minor4.hex", patched(encode(HEARTBEAT, minor=4), 4, "<B", 202),
+               "UnknownMessage", ErrorCode.MALFORMED_FRAME,
+               "message type 202 at minor 4: decoders raise UnknownMessage; a receiver of minor 3 or lower ignores "
+               "it (newer minor)"),
+    ]
     # The MAX_FRAME bound is tested in tests/wire/test_fuzz.py rather than with 16 MiB files.
-    return good + tail + rejects + tags + tag_rejects + staging + duplicates + groups
+    return good + tail + rejects + tags + tag_rejects + staging + duplicates + groups + state_block
 
 
 VECTORS = _vectors()

@@ -1,0 +1,106 @@
+"""A staged piece's state block (staging.md, minor 3): the runs of a pair's state slots gathered
+after the token blocks on the prefill rank and scattered from there on the decode rank. The pattern
+kernel (Triton's interpreter on CPU memory, as on the GPU) and the run-by-run copies must move the
+same bytes, for any slots, wherever the block lies in the staging buffer."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvproto.aio import KVCache, StateCache
+from kvproto.aio.staging import StagingBuffer, StateBlock
+from kvproto.geometry.groups import state_block
+
+
+def _cache(tp: int, rank: int, seed: int) -> tuple[KVCache, list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    """A first group and two state groups of TP rank ``rank`` of ``tp``: 'conv' (two tensors, one
+    sharded over its middle dimension, one replicated, fp32 and bf16) and 'ssm' (one bf16 tensor
+    sharded over rows), 6 slots each, filled with random bytes."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.randint(-100, 100, shape, generator=gen).to(dtype)
+
+    kv = KVCache.from_tensors([[torch.zeros(4, 16, 4 // tp, 8, dtype=torch.bfloat16)] for _ in range(2)],
+                              tp_size=tp, tp_rank=rank, num_kv_heads=4)
+    conv = [[rand(6, 3, 8 // tp, 5, dtype=torch.float32), rand(6, 7, dtype=torch.bfloat16)] for _ in range(3)]
+    ssm = [[rand(6, 16 // tp, 12, dtype=torch.bfloat16)] for _ in range(2)]
+    states = (StateCache.from_tensors("conv", conv, shard_dims=[1, None], tp_size=tp, tp_rank=rank),
+              StateCache.from_tensors("ssm", ssm, shard_dims=[0], tp_size=tp, tp_rank=rank))
+    return kv.with_groups(*states), conv, ssm
+
+
+@settings(max_examples=25, deadline=None)
+@given(tps=st.sampled_from([(1, 1), (1, 2), (2, 1), (2, 2)]), data=st.data())
+def test_state_block_kernel_and_runs_move_the_same_bytes(tps: tuple[int, int], data: st.DataObject) -> None:
+    """Every decode rank's slots end up holding the prefill slots' overlap of its shard, through a
+    block gathered and scattered by the kernel or run by run; bytes outside the slots stay untouched."""
+    p_tp, d_tp = tps
+    for d in range(d_tp):
+        want_slots = {}
+        for p in range(p_tp):
+            src, src_conv, src_ssm = _cache(p_tp, p, seed=p)
+            dst, dst_conv, dst_ssm = _cache(d_tp, d, seed=100 + d)
+            runs = state_block(src.cache_geometry, dst.cache_geometry)
+            if not runs:
+                continue
+            kernel = data.draw(st.booleans())
+            src_buf, dst_buf = StagingBuffer(src, 1 << 16), StagingBuffer(dst, 1 << 16)
+            unit = 64 * data.draw(st.integers(1, 4))
+            at = unit * data.draw(st.integers(0, 8))
+            states = {1: src.groups[0], 2: src.groups[1]}
+            gather = StateBlock(runs, states, side="prefill", unit=unit, buf=src_buf, kernel=kernel)
+            scatter = StateBlock(runs, {1: dst.groups[0], 2: dst.groups[1]}, side="decode", unit=unit, buf=dst_buf,
+                                 kernel=data.draw(st.booleans()))
+            s_slots = {1: data.draw(st.integers(0, 5)), 2: data.draw(st.integers(0, 5))}
+            d_slots = {1: data.draw(st.integers(0, 5)), 2: data.draw(st.integers(0, 5))}
+            gather.copy(src_buf, at, s_slots, gather=True, stream=None)
+            dst_buf.tensor[at:at + gather.nbytes] = src_buf.tensor[at:at + gather.nbytes]  # the write
+            before = [t.clone() for layer in dst_conv + dst_ssm for t in layer]
+            scatter.copy(dst_buf, at, d_slots, gather=False, stream=None)
+            after = [t for layer in dst_conv + dst_ssm for t in layer]
+            for was, now in zip(before, after):  # only the named slots may change
+                changed = (was != now).flatten(1).any(1).nonzero().flatten().tolist()
+                assert set(changed) <= set(d_slots.values())
+            # the overlap of the two shards, by hand
+            for layer, (s_pair, d_pair) in enumerate(zip(src_conv, dst_conv)):
+                sharded_src, sharded_dst = s_pair[0][s_slots[1]], d_pair[0][d_slots[1]]
+                n = 8 // d_tp
+                lo, hi = max(p * 8 // p_tp, d * n), min((p + 1) * 8 // p_tp, (d + 1) * n)
+                if lo < hi:
+                    assert torch.equal(sharded_dst[:, lo - d * n:hi - d * n], sharded_src[:, lo - p * 8 // p_tp:hi - p * 8 // p_tp])
+                if p == d * p_tp // d_tp:  # the replica's writer
+                    assert torch.equal(d_pair[1][d_slots[1]], s_pair[1][s_slots[1]])
+            for s_layer, d_layer in zip(src_ssm, dst_ssm):
+                n = 16 // d_tp
+                lo, hi = max(p * 16 // p_tp, d * n), min((p + 1) * 16 // p_tp, (d + 1) * n)
+                if lo < hi:
+                    assert torch.equal(d_layer[0][d_slots[2]][lo - d * n:hi - d * n],
+                                       s_layer[0][s_slots[2]][lo - p * 16 // p_tp:hi - p * 16 // p_tp])
+            want_slots[p] = True
+        assert want_slots, "some prefill rank writes state into every decode rank"
+
+
+def test_state_block_kernel_is_one_launch_per_piece(monkeypatch) -> None:
+    """With the kernel, a piece's whole state block (two groups, every layer and tensor) is one
+    pattern launch each way; without it, one copy per run."""
+    from kvproto.kernels import pattern
+
+    launches = []
+    real = pattern.launch
+    monkeypatch.setattr(pattern, "launch", lambda *a, **k: (launches.append(a[0]), real(*a, **k)))
+    src, _, _ = _cache(1, 0, seed=1)
+    dst, _, _ = _cache(2, 1, seed=2)
+    runs = state_block(src.cache_geometry, dst.cache_geometry)
+    assert len(runs) == 3 * (3 + 1) + 2  # conv: 3 layers x (3 rows of the sharded tensor, the replica); ssm: 2
+    buf = StagingBuffer(src, 1 << 16)
+    block = StateBlock(runs, {1: src.groups[0], 2: src.groups[1]}, side="prefill", unit=128, buf=buf, kernel=True)
+    block.copy(buf, 256, {1: 3, 2: 4}, gather=True, stream=None)
+    assert len(launches) == 1
+    plain = StateBlock(runs, {1: src.groups[0], 2: src.groups[1]}, side="prefill", unit=128, buf=buf, kernel=False)
+    kernel_bytes = buf.tensor[256:256 + block.nbytes].clone()
+    buf.tensor.zero_()
+    plain.copy(buf, 256, {1: 3, 2: 4}, gather=True, stream=None)
+    assert len(launches) == 1 and torch.equal(buf.tensor[256:256 + block.nbytes], kernel_bytes)
