@@ -19,8 +19,9 @@ left behind silently:
 
 *One write per chunk and link.* The sender joins a chunk's bytes of every group into one write
 (``PostGroups``, one ``seq`` and one tag), so a hybrid room costs the writes, tags and
-completions a one-group room does; on a staged link the state slots ride in the write of the
-piece that ends the prompt (``SenderLink.piece_states``). The decode counts writes per writer,
+completions a one-group room does; on a staged link between peers of minor 3 the state slots
+ride in the state block of the piece that ends the prompt (``SenderLink.stage_tail``,
+``ReceiverLink.stage_tail``). The decode counts writes per writer,
 never per group: ``TRANSFER_DONE`` says how many a writer posted, and a writer is any prefill
 rank that writes some group into the decode rank (``kvproto.geometry.groups.link_roles``).
 

@@ -27,6 +27,9 @@ of every paged group too, and the first chunk with ``last`` gives the request's 
 state group; a writer link gets, per chunk, one more write per paged group it writes (tokens
 clipped to the group's window) and, with the last token range, one write per state group. They
 share the link's ``seq`` numbering, so TRANSFER_DONE counts them and the decode needs nothing new.
+On a staged link whose pieces end with a state block (``SenderLink.stage_tail``, minor 3) the
+state slots ride in the piece that carries the request's last token instead, so that piece is
+asked for only once the last chunk has given them.
 
 Invariants: the sides' token counts must agree exactly (never shifted): a chunk past the
 request's ``num_tokens`` or a last chunk short of it fails with TOKEN_COUNT_MISMATCH. A

@@ -285,11 +285,11 @@ async def test_lifecycle_unexpected_error_in_a_write_fails_its_room_at_once(wher
     write, gathers a staged piece or writes it fails that room at once, with the exception's text,
     not at its transfer deadline (30 s here); the endpoint counts it, frees the staging region, and
     the next room moves byte-exact."""
-    from kvproto.aio import paths, prefill as prefill_module
+    from kvproto.aio import paths, staging
 
     staged = where != "post"
     src, dst = make_cache(seed=1, block=BLOCK), make_cache(seed=2, block=2 * BLOCK if staged else BLOCK)
-    name, owner = {"post": ("post_kv", paths.LinkPath), "gather": ("gather_parts", prefill_module),
+    name, owner = {"post": ("post_kv", paths.LinkPath), "gather": ("copy", staging.Piece),
                    "piece-write": ("post_staged", paths.LinkPath)}[where]
     real = getattr(owner, name)
     calls = []
