@@ -6,6 +6,7 @@ same bytes, for any slots, wherever the block lies in the staging buffer."""
 from __future__ import annotations
 
 import torch
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,16 +15,18 @@ from kvproto.aio.staging import StagingBuffer, StateBlock
 from kvproto.geometry.groups import state_block
 
 
-def _cache(tp: int, rank: int, seed: int) -> tuple[KVCache, list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+def _cache(tp: int, rank: int, seed: int, device: str = "cpu"
+           ) -> tuple[KVCache, list[list[torch.Tensor]], list[list[torch.Tensor]]]:
     """A first group and two state groups of TP rank ``rank`` of ``tp``: 'conv' (two tensors, one
     sharded over its middle dimension, one replicated, fp32 and bf16) and 'ssm' (one bf16 tensor
     sharded over rows), 6 slots each, filled with random bytes."""
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.randint(-100, 100, shape, generator=gen).to(dtype)
+        return torch.randint(-100, 100, shape, generator=gen).to(dtype).to(device)
 
-    kv = KVCache.from_tensors([[torch.zeros(4, 16, 4 // tp, 8, dtype=torch.bfloat16)] for _ in range(2)],
+    kv = KVCache.from_tensors([[torch.zeros(4, 16, 4 // tp, 8, dtype=torch.bfloat16, device=device)]
+                               for _ in range(2)],
                               tp_size=tp, tp_rank=rank, num_kv_heads=4)
     conv = [[rand(6, 3, 8 // tp, 5, dtype=torch.float32), rand(6, 7, dtype=torch.bfloat16)] for _ in range(3)]
     ssm = [[rand(6, 16 // tp, 12, dtype=torch.bfloat16)] for _ in range(2)]
@@ -104,3 +107,31 @@ def test_state_block_kernel_is_one_launch_per_piece(monkeypatch) -> None:
     buf.tensor.zero_()
     plain.copy(buf, 256, {1: 3, 2: 4}, gather=True, stream=None)
     assert len(launches) == 1 and torch.equal(buf.tensor[256:256 + block.nbytes], kernel_bytes)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_state_block_on_the_gpu_kernel_matches_the_runs() -> None:
+    """On a CUDA cache with device staging the block is one compiled pattern launch each way (picked
+    by default); it moves the bytes the run-by-run copies do, and the decode slots get them."""
+    src, src_conv, src_ssm = _cache(1, 0, seed=1, device="cuda")
+    dst, dst_conv, dst_ssm = _cache(2, 1, seed=2, device="cuda")
+    runs = state_block(src.cache_geometry, dst.cache_geometry)
+    buf, out = StagingBuffer(src, 1 << 16), StagingBuffer(dst, 1 << 16)
+    fast = StateBlock(runs, {1: src.groups[0], 2: src.groups[1]}, side="prefill", unit=4096, buf=buf)
+    plain = StateBlock(runs, {1: src.groups[0], 2: src.groups[1]}, side="prefill", unit=4096, buf=buf, kernel=False)
+    assert fast._kernel and not plain._kernel
+    stream = torch.cuda.Stream()
+    fast.copy(buf, 8192, {1: 5, 2: 1}, gather=True, stream=stream)
+    plain.copy(buf, 4096, {1: 5, 2: 1}, gather=True, stream=stream)
+    stream.synchronize()
+    assert torch.equal(buf.tensor[8192:8192 + fast.nbytes], buf.tensor[4096:4096 + fast.nbytes])
+    out.tensor[:fast.nbytes] = buf.tensor[8192:8192 + fast.nbytes]
+    scatter = StateBlock(runs, {1: dst.groups[0], 2: dst.groups[1]}, side="decode", unit=4096, buf=out)
+    assert scatter._kernel
+    scatter.copy(out, 0, {1: 2, 2: 3}, gather=False, stream=stream)
+    stream.synchronize()
+    for s_layer, d_layer in zip(src_ssm, dst_ssm):
+        assert torch.equal(d_layer[0][3], s_layer[0][1][8:16])
+    for s_layer, d_layer in zip(src_conv, dst_conv):
+        assert torch.equal(d_layer[0][2], s_layer[0][5][:, 4:8]) and torch.equal(d_layer[1][2], s_layer[1][5])
