@@ -164,17 +164,19 @@ class PieceShape:
 
 
 def gather_piece(kv: KVCache, regions: kernels.Regions, buf: StagingBuffer, offset: int, piece: PieceShape,
-                 *, pages: torch.Tensor, start: int, end: int, head_offset: int, stream: Any) -> None:
+                 *, pages: torch.Tensor, start: int, end: int, head_offset: int, stream: Any,
+                 slots: Any = None) -> None:
     out = buf.view(offset, piece.shape(end - start), kv.torch_dtype)
     kernels.gather(regions, layout=kv.geometry.layout, pages=pages, start_token=start, end_token=end,
-                   head_offset=head_offset, head_count=piece.head_count, out=out, stream=stream)
+                   head_offset=head_offset, head_count=piece.head_count, out=out, stream=stream, slots=slots)
 
 
 def scatter_piece(kv: KVCache, regions: kernels.Regions, buf: StagingBuffer, offset: int, piece: PieceShape,
-                  *, pages: torch.Tensor, start: int, end: int, head_offset: int, stream: Any) -> None:
+                  *, pages: torch.Tensor, start: int, end: int, head_offset: int, stream: Any,
+                  slots: Any = None) -> None:
     staging = buf.view(offset, piece.shape(end - start), kv.torch_dtype)
     kernels.scatter(staging, regions, layout=kv.geometry.layout, pages=pages, start_token=start,
-                    end_token=end, head_offset=head_offset, stream=stream)
+                    end_token=end, head_offset=head_offset, stream=stream, slots=slots)
 
 
 class PageTables:
@@ -412,12 +414,18 @@ class Piece:
              end: int, slots: dict[int, int] | None, keep: bool, stream: Any, gather: bool) -> None:
         """Gather (``gather``) or scatter the piece of tokens ``[start, end)`` at ``offset``: every
         token block, then the state block where ``slots`` (this side's slot by group number) are
-        given."""
-        _copy_parts(self.parts, buf, offset, room_id, pages, start=start, end=end, keep=keep, stream=stream,
-                    gather=gather)
+        given: in the token blocks' last launch where the block has a kernel, else on its own."""
+        fused = None
         if slots:
             assert self.block is not None, "state slots for a piece without a state block"
-            self.block.copy(buf, offset + (end - start) * self.unit, slots, gather=gather, stream=stream)
+            at = offset + (end - start) * self.unit
+            # the last launch is Triton's where the cache is on a GPU, or where it joins blocks
+            triton = buf.tensor.device.type == "cuda" or len(_blocks(self.parts, 0, 1, joint=_joins(buf))[-1][0]) > 1
+            fused = self.block.launch(buf, at, slots, gather=gather) if triton else None
+            if fused is None:
+                self.block.copy(buf, at, slots, gather=gather, stream=stream)
+        _copy_parts(self.parts, buf, offset, room_id, pages, start=start, end=end, keep=keep, stream=stream,
+                    gather=gather, slots=fused)
 
 
 def pair_piece(kernels_: CacheKernels, prefill: CacheGeometry, decode: CacheGeometry, *, side: str, minor: int,
@@ -446,8 +454,12 @@ def scatter_parts(parts: Sequence[PiecePart], buf: StagingBuffer, offset: int, r
 
 def _copy_parts(parts: Sequence[PiecePart], buf: StagingBuffer, offset: int, room_id: int,
                 pages: Sequence[Sequence[int]], *, start: int, end: int, keep: bool, stream: Any,
-                gather: bool) -> None:
-    for run, at in _blocks(parts, offset, end - start, joint=_joins(buf)):
+                gather: bool, slots: Any = None) -> None:
+    """Every block of the piece, a launch per run of blocks that join; ``slots``
+    (``triton_kernels.Slots``): a state block that rides in the last launch."""
+    runs = _blocks(parts, offset, end - start, joint=_joins(buf))
+    for k, (run, at) in enumerate(runs):
+        fused = slots if k == len(runs) - 1 else None
         first = run[0]
         if len(run) > 1:
             assert first.joint is not None
@@ -457,12 +469,12 @@ def _copy_parts(parts: Sequence[PiecePart], buf: StagingBuffer, offset: int, roo
                                first.kv.torch_dtype)
             kernels.copy_joined([part.regions for part in run], staging, table, layout=first.kv.geometry.layout,
                                 start_token=start, end_token=end, head_offset=first.head_offset, to_staging=gather,
-                                stream=stream)
+                                stream=stream, slots=fused)
             continue
         table = first.tables.get(room_id, pages[first.group], keep=keep)
         copy = gather_piece if gather else scatter_piece
         copy(first.kv, first.regions, buf, at, first.piece, pages=table, start=start, end=end,
-             head_offset=first.head_offset, stream=stream)
+             head_offset=first.head_offset, stream=stream, slots=fused)
 
 
 def _joins(buf: StagingBuffer) -> bool:
@@ -518,7 +530,7 @@ class StateBlock:
             raise ValueError("a state block's groups live on one device")
         self._kernel: dict[bool, Any] = {}
         if kernel is None:
-            kernel = self.device.type == "cuda" and buf.tensor.device == self.device and kernels.triton_available()
+            kernel = _joins(buf) and buf.tensor.device == self.device
         if kernel:
             from kvproto.kernels import pattern
 
@@ -531,23 +543,35 @@ class StateBlock:
                                                                  base_align=base)
             self._zero = torch.zeros(2, dtype=torch.int64, device=self.device)
 
+    def launch(self, buf: StagingBuffer, at: int, slots: dict[int, int], *, gather: bool) -> Any:
+        """The block at byte ``at`` of ``buf`` as a kernel's ``triton_kernels.Slots`` (its tiles on
+        their way to the device, on the current stream), for the piece's last staging launch to move
+        as well; None where the block has no kernel (``copy`` moves it)."""
+        strided = self._kernel.get(gather)
+        if strided is None:
+            return None
+        slot = np.array([slots[g] for g in self._group.tolist()], dtype=np.int64)
+        per_tile = slot[strided.rows][:, None]
+        block = buf.address + at
+        tiles = strided.tiles(src_slot=per_tile, dst_base=block) if gather \
+            else strided.tiles(dst_slot=per_tile, src_base=block)
+        table = torch.from_numpy(np.ascontiguousarray(tiles))
+        if self.device.type == "cuda":
+            table = table.pin_memory().to(self.device, non_blocking=True)
+        return strided.plan, table, self._zero
+
     def copy(self, buf: StagingBuffer, at: int, slots: dict[int, int], *, gather: bool, stream: Any) -> None:
         """Gather (``gather``) this side's ``slots`` (slot by group number) into the block at byte
-        ``at`` of ``buf``, or scatter the block from there into them, on ``stream``."""
-        slot = np.array([slots[g] for g in self._group.tolist()], dtype=np.int64)
-        strided = self._kernel.get(gather)
-        if strided is not None:
+        ``at`` of ``buf``, or scatter the block from there into them, on ``stream``: one pattern
+        launch where the block has a kernel, else run by run."""
+        fused = self.launch(buf, at, slots, gather=gather)
+        if fused is not None:
             from kvproto.kernels import pattern
 
-            per_tile = slot[strided.rows][:, None]
-            block = buf.address + at
-            tiles = strided.tiles(src_slot=per_tile, dst_base=block) if gather \
-                else strided.tiles(dst_slot=per_tile, src_base=block)
-            table = torch.from_numpy(tiles)
-            if self.device.type == "cuda":
-                table = table.pin_memory().to(self.device, non_blocking=True)
-            pattern.launch(strided.plan, self._zero[:1], self._zero[1:], table, stream=stream)
+            plan, table, zero = fused
+            pattern.launch(plan, zero[:1], zero[1:], table, stream=stream)
             return
+        slot = np.array([slots[g] for g in self._group.tolist()], dtype=np.int64)
         slot_at = self._address + slot * self._stride
         for state, offset, length in zip(slot_at.tolist(), self._offset.tolist(), self._length.tolist()):
             staged = buf.tensor[at + offset:at + offset + length]

@@ -58,13 +58,15 @@ def gather(
     out: torch.Tensor | None = None,
     backend: Backend = "auto",
     stream: torch.cuda.Stream | None = None,
+    slots: tuple | None = None,
 ) -> torch.Tensor:
     """Copy local heads ``[head_offset, +head_count)`` of tokens ``[start_token, end_token)``
     of every region ``src[r]`` into ``out[r, t - start_token, h - head_offset, :]``.
 
     ``src[r]`` is ``(num_blocks, B, H, D)`` (NHD) or ``(num_blocks, H, B, D)`` (HND);
     ``pages[i]`` holds request tokens ``[i*B, (i+1)*B)``. ``out`` (allocated on the cache's
-    device when omitted) may be pinned host memory for a CUDA cache. Returns ``out``.
+    device when omitted) may be pinned host memory for a CUDA cache. Returns ``out``. ``slots``: a
+    staged piece's state block moved in the same Triton launch (``triton_kernels.Slots``).
     """
     args = dict(
         layout=layout,
@@ -80,7 +82,8 @@ def gather(
         if _use_triton(backend, device):
             from kvproto.kernels import triton_kernels
 
-            return triton_kernels.gather(src, interpret=device.type != "cuda", **args)
+            return triton_kernels.gather(src, interpret=device.type != "cuda", slots=slots, **args)
+        _no_slots(slots)
         if _use_cpu(backend, device, out):
             from kvproto.kernels import cpu
 
@@ -101,6 +104,7 @@ def scatter(
     head_offset: int,
     backend: Backend = "auto",
     stream: torch.cuda.Stream | None = None,
+    slots: tuple | None = None,
 ) -> None:
     """Inverse of :func:`gather` into ``dst`` with its own block size and layout.
 
@@ -114,8 +118,10 @@ def scatter(
         if _use_triton(backend, device):
             from kvproto.kernels import triton_kernels
 
-            triton_kernels.scatter(staging, dst, interpret=device.type != "cuda", **args)
-        elif _use_cpu(backend, device, staging):
+            triton_kernels.scatter(staging, dst, interpret=device.type != "cuda", slots=slots, **args)
+            return
+        _no_slots(slots)
+        if _use_cpu(backend, device, staging):
             from kvproto.kernels import cpu
 
             cpu.scatter(staging, dst, **args)
@@ -136,6 +142,7 @@ def copy_joined(
     head_offset: int,
     to_staging: bool,
     stream: torch.cuda.Stream | None = None,
+    slots: tuple | None = None,
 ) -> None:
     """:func:`gather` (``to_staging``) or :func:`scatter` of several groups whose pages look
     alike, in one Triton launch: ``staging`` holds their blocks back to back; ``table`` is every
@@ -147,7 +154,7 @@ def copy_joined(
 
         triton_kernels.copy_joined(groups, staging, table, layout=layout, start_token=start_token,
                                    end_token=end_token, head_offset=head_offset, to_staging=to_staging,
-                                   interpret=device.type != "cuda")
+                                   interpret=device.type != "cuda", slots=slots)
 
 
 def triton_available() -> bool:
@@ -200,6 +207,11 @@ def warm_up(regions: Regions, *, layout: Layout | int, head_counts: Sequence[int
                 ran += 1
     stream.synchronize()
     return ran
+
+
+def _no_slots(slots: tuple | None) -> None:
+    if slots is not None:
+        raise StagingError("a state block rides only in a Triton launch")
 
 
 def _device(cache: Sequence[torch.Tensor]) -> torch.device:

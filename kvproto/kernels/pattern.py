@@ -82,7 +82,7 @@ def plan_pattern(pattern: np.ndarray, *, regions: int, base_align: int = 16,
     """Tiles and word of one write: ``pattern`` is ``(E, 3)`` (src_off, dst_off, length) in bytes,
     applied to ``regions`` region pairs whose base addresses are all multiples of ``base_align``
     (``alignment(bases)``)."""
-    pattern = np.asarray(pattern, dtype=np.int64).reshape(-1, 3)
+    pattern = np.ascontiguousarray(np.asarray(pattern, dtype=np.int64).reshape(-1, 3))  # the kernel reads rows
     if len(pattern) == 0:
         raise ValueError("a pattern write needs at least one extent")
     if (pattern[:, 2] <= 0).any():

@@ -48,7 +48,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 from kvproto.geometry.model import Layout
-from kvproto.kernels.plan import CopyPlan, Regions, as_regions, check_staging, plan_copy, staging_heads
+from kvproto.kernels.plan import CopyPlan, Regions, StagingError, as_regions, check_staging, plan_copy, staging_heads
 
 HostPath = Literal["bounce", "mapped"]
 
@@ -56,7 +56,7 @@ TILE_BYTES = 8192  # bytes one program moves (rounded down to a power of two of 
 NUM_WARPS = 8
 _TABLE_CACHE_SIZE = 64
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-_RUNTIME_INTS = ("start_token", "num_rows", "head_offset", "first_region")
+_RUNTIME_INTS = ("start_token", "num_rows", "head_offset", "first_region", "num_slot_tiles", "num_regions")
 
 
 def _copy_rows(
@@ -64,11 +64,20 @@ def _copy_rows(
     stage_ptr,
     pages_ptr,
     lists_ptr,
+    slot_tiles,
+    num_slot_tiles,
+    slot_base,
+    slot_word_ptr,
+    num_regions,
     start_token,
     num_rows,
     head_offset,
     first_region,
     LISTS: tl.constexpr,
+    SLOTS: tl.constexpr,
+    S_TILE_WORDS: tl.constexpr,
+    S_VEC: tl.constexpr,
+    S_ALIGN: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEADS: tl.constexpr,
     HEAD_COUNT: tl.constexpr,
@@ -82,7 +91,20 @@ def _copy_rows(
 ):
     region = first_region + tl.program_id(1)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    live = rows < num_rows
+    limit = num_rows
+    if SLOTS:  # the grid's last row copies a piece's state block (absolute addresses: ``_Launch``)
+        t = tl.minimum(tl.program_id(0).to(tl.int64), num_slot_tiles - 1)  # a tile there is (no scalar masks)
+        on = ((tl.program_id(1) == num_regions) & (tl.program_id(0) < num_slot_tiles)).to(tl.int64)
+        s_src = tl.load(slot_tiles + t * 3) * S_VEC
+        s_dst = tl.load(slot_tiles + t * 3 + 1) * S_VEC
+        s_count = tl.load(slot_tiles + t * 3 + 2) * S_VEC * on  # 0 words outside the block's own programs
+        zero = tl.multiple_of(tl.load(slot_base).to(tl.pointer_type(slot_word_ptr.dtype.element_ty)), S_ALIGN)
+        s_words = tl.arange(0, S_TILE_WORDS)
+        s_mask = s_words < s_count
+        tl.store(zero + s_dst + s_words, tl.load(zero + s_src + s_words, mask=s_mask), mask=s_mask)
+        limit = num_rows * (tl.program_id(1) < num_regions).to(tl.int64)  # the block's row copies no rows
+        region = tl.minimum(region, first_region + num_regions - 1)  # and its loads below stay in the table
+    live = rows < limit
     token = start_token + rows // HEAD_COUNT
     head = head_offset + rows % HEAD_COUNT
     if LISTS:  # regions of several groups (``copy_joined``): region r's pages start at lists[r]
@@ -115,6 +137,12 @@ def _kernel(interpret: bool) -> Any:
     if interpret:
         return InterpretedFunction(_copy_rows)
     return JITFunction(_copy_rows, do_not_specialize=_RUNTIME_INTS)
+
+
+Slots = tuple[Any, torch.Tensor, torch.Tensor]
+"""A state block's copy riding in a staging launch: ``(PatternPlan, its tiles, a table whose first
+entry is 0)``, the tiles of absolute addresses where the kernel reads them (``kvproto.aio.staging
+.StateBlock``); one more grid row copies them as ``copy_pattern`` does over one region of base 0."""
 
 
 @dataclass(slots=True)
@@ -191,8 +219,10 @@ def gather(
     host_path: HostPath = "bounce",
     tile_bytes: int = TILE_BYTES,
     num_warps: int = NUM_WARPS,
+    slots: Slots | None = None,
 ) -> torch.Tensor:
-    """Triton gather; ``out`` may be pinned host memory for a CUDA ``src``."""
+    """Triton gather; ``out`` may be pinned host memory for a CUDA ``src``; ``slots``: a state block
+    gathered in the same launch (device staging only)."""
     plan = plan_copy(
         src,
         layout=layout,
@@ -207,10 +237,13 @@ def gather(
     else:
         check_staging(plan, out)
     if plan.num_tokens == 0:
+        _no_empty_launch(slots)
         return out
     if out.device == plan.device or host_path == "mapped":
-        _Launch(plan, out, pages, True, interpret, tile_bytes, num_warps).run(0, plan.num_regions)
+        _Launch(plan, out, pages, True, interpret, tile_bytes, num_warps, slots=slots).run(0, plan.num_regions)
         return out
+    if slots is not None:
+        raise StagingError("a state block rides only in a launch into device staging")
     bounce = torch.empty(plan.staging_shape, dtype=plan.dtype, device=plan.device)
     launch = _Launch(plan, bounce, pages, True, interpret, tile_bytes, num_warps)
     main, side = torch.cuda.current_stream(), _side_stream(plan.device)
@@ -236,8 +269,10 @@ def scatter(
     host_path: HostPath = "bounce",
     tile_bytes: int = TILE_BYTES,
     num_warps: int = NUM_WARPS,
+    slots: Slots | None = None,
 ) -> None:
-    """Triton scatter; ``staging`` may be pinned host memory for a CUDA ``dst``."""
+    """Triton scatter; ``staging`` may be pinned host memory for a CUDA ``dst``; ``slots``: a state
+    block scattered in the same launch (device staging only)."""
     plan = plan_copy(
         dst,
         layout=layout,
@@ -249,10 +284,13 @@ def scatter(
     )
     check_staging(plan, staging)
     if plan.num_tokens == 0:
+        _no_empty_launch(slots)
         return
     if staging.device == plan.device or host_path == "mapped":
-        _Launch(plan, staging, pages, False, interpret, tile_bytes, num_warps).run(0, plan.num_regions)
+        _Launch(plan, staging, pages, False, interpret, tile_bytes, num_warps, slots=slots).run(0, plan.num_regions)
         return
+    if slots is not None:
+        raise StagingError("a state block rides only in a launch into device staging")
     bounce = torch.empty(plan.staging_shape, dtype=plan.dtype, device=plan.device)
     launch = _Launch(plan, bounce, pages, False, interpret, tile_bytes, num_warps)
     main, side = torch.cuda.current_stream(), _side_stream(plan.device)
@@ -277,12 +315,14 @@ def copy_joined(
     interpret: bool = False,
     tile_bytes: int = TILE_BYTES,
     num_warps: int = NUM_WARPS,
+    slots: Slots | None = None,
 ) -> None:
     """One launch for the staged blocks of several groups whose pages look alike (same page shape,
     page stride and dtype; pools of any size): ``staging`` is their blocks back to back, ``(sum of
     regions, T, head_count, head_dim)`` on the cache's device; ``table`` (int64, where the kernel
     reads it) is every group's pages from token 0 back to back, then each region's offset into
-    them. The pages are trusted (checked when they entered the core), as a device table is."""
+    them. The pages are trusted (checked when they entered the core), as a device table is.
+    ``slots``: a state block moved in the same launch."""
     first = groups[0]
     for g, regions in enumerate(groups):
         if (regions.shape[1:], regions.page_stride, regions.dtype, regions.device) != \
@@ -299,11 +339,18 @@ def copy_joined(
                            f"need {want} {plan.dtype} on {plan.device}, contiguous")
     if table.dim() != 1 or table.dtype != torch.int64 or len(table) < total:
         raise StagingError(f"the joined page table must be 1-D int64 ending in {total} region offsets")
-    if plan.num_tokens:
+    if not plan.num_tokens:
+        _no_empty_launch(slots)
+    else:
         table = table.to(plan.device, non_blocking=True)
         lists = table[len(table) - total:]
         _Launch(plan, staging, table, to_staging, interpret, tile_bytes, num_warps, joined=groups,
-                lists=lists).run(0, total)
+                lists=lists, slots=slots).run(0, total)
+
+
+def _no_empty_launch(slots: Slots | None) -> None:
+    if slots is not None:
+        raise StagingError("a state block rides in a launch of at least one token")
 
 
 class _Launch:
@@ -320,6 +367,7 @@ class _Launch:
         num_warps: int,
         joined: Sequence[Regions] = (),
         lists: torch.Tensor | None = None,
+        slots: Slots | None = None,
     ) -> None:
         itemsize = plan.dtype.itemsize
         table = region_table(plan.regions, joined)
@@ -331,16 +379,26 @@ class _Launch:
         self.tiles = -(-self.num_rows // rows)
         self.kernel = _kernel(interpret)
         pages = pages.to(device=plan.device, non_blocking=True).contiguous()
+        self.slot_tiles = 0
+        if slots is None:
+            slot_args: tuple[Any, ...] = (pages, 0, pages, staging.view(_WORDS[word]))
+            slot_constants = {"SLOTS": False, "S_TILE_WORDS": 1, "S_VEC": 1, "S_ALIGN": 1}
+        else:
+            slot_plan, tiles, base = slots
+            self.slot_tiles = len(tiles)
+            slot_args = (tiles, self.slot_tiles, base, _word_tensor(slot_plan.word, plan.device))
+            slot_constants = {"SLOTS": True, "S_TILE_WORDS": slot_plan.tile_words, "S_VEC": slot_plan.vec,
+                              "S_ALIGN": slot_plan.word * slot_plan.vec}
         self.args = (
             table.tensor,
             staging.view(_WORDS[word]),
             pages,
             pages if lists is None else lists,
-            plan.start_token,
-            self.num_rows,
-            plan.head_offset,
+            *slot_args,
         )
+        self.tail = (plan.start_token, self.num_rows, plan.head_offset)
         self.constants: dict[str, Any] = {
+            **slot_constants,
             "LISTS": lists is not None,
             "BLOCK_SIZE": plan.block_size,
             "HEADS": plan.heads,
@@ -357,8 +415,12 @@ class _Launch:
             self.constants.update(num_warps=num_warps, enable_fp_fusion=False)
 
     def run(self, first: int, last: int) -> None:
-        """Copy regions ``[first, last)``."""
-        self.kernel[(self.tiles, last - first)](*self.args, first, **self.constants)
+        """Copy regions ``[first, last)`` (and the state block, in one more grid row, if any)."""
+        if self.slot_tiles:
+            grid = (max(self.tiles, self.slot_tiles), last - first + 1)
+        else:
+            grid = (self.tiles, last - first)
+        self.kernel[grid](*self.args, last - first, *self.tail, first, **self.constants)
 
 
 def _chunks(plan: CopyPlan) -> list[tuple[int, int]]:

@@ -320,15 +320,15 @@ async def test_hybrid_staged_groups_of_one_page_shape_move_in_one_launch(tps: tu
     """Two paged groups of one page shape (own pools, own pages) and a state group on a staged link
     (block 16 -> 32): each piece's two blocks are gathered and scattered in one launch reading
     one page table per room (``kvproto.aio.staging``; on a CUDA cache with Triton, here in Triton's
-    interpreter), and every group lands byte-exact."""
+    interpreter), the last piece's state block in the same launch, and every group lands byte-exact."""
     from kvproto import kernels
     from kvproto.aio import staging
 
-    joined: list[tuple[int, bool]] = []
+    joined: list[tuple[int, bool, bool]] = []
     real = kernels.copy_joined
 
     def counted(groups: Any, *args: Any, **kwargs: Any) -> None:
-        joined.append((len(groups), kwargs["to_staging"]))
+        joined.append((len(groups), kwargs["to_staging"], kwargs.get("slots") is not None))
         real(groups, *args, **kwargs)
 
     monkeypatch.setattr(staging, "_joins", lambda buf: True)
@@ -342,8 +342,10 @@ async def test_hybrid_staged_groups_of_one_page_shape_move_in_one_launch(tps: tu
                 {"full": "HND", "lin": "HND"}, 1 << 20)
     paths = await run_hybrid_room(case, room_id=31)
     assert "staged-cpu" in paths, paths
-    assert joined and all(n == 2 for n, _ in joined), joined
-    assert {to for _, to in joined} == {True, False}  # the prefill's gathers and the decode's scatters
+    assert joined and all(n == 2 for n, _, _ in joined), joined
+    assert {to for _, to, _ in joined} == {True, False}  # the prefill's gathers and the decode's scatters
+    # the state block rides in the launch of the piece that ends the prompt, both ways
+    assert {to for _, to, block in joined if block} == {True, False}, joined
 
 
 async def test_hybrid_layerwise_moves_each_group_with_its_layers() -> None:
