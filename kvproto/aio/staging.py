@@ -199,15 +199,20 @@ class PageTables:
     def get(self, room_id: int, pages: Sequence[int], *, keep: bool = True) -> torch.Tensor:
         """The table of ``pages`` (a room's pages from token 0); call inside the copy's stream.
         ``keep=False`` (the room has ended: a piece queued before its end) keeps nothing."""
+        return self.with_tiles(room_id, pages, None, keep=keep)[0]
+
+    def with_tiles(self, room_id: int, pages: Sequence[int], tiles: np.ndarray | None, *,
+                   keep: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``get``, and a state block's ``tiles`` where the kernel reads them: in the same upload as
+        the table where the table goes up now (a room's first piece), so that the piece that ends a
+        hybrid room costs the uploads a one-group piece does."""
         known = self._tables.get(room_id)
         if known is not None and known[0] == tuple(pages):
-            return known[1]
-        table = _pages(pages, self.kv)
-        if self.cuda:
-            table = table.to(self.kv.tensors[0].device, non_blocking=True)
+            return known[1], (None if tiles is None else _upload((), self.kv, tiles)[1])
+        table, on_device = _upload(pages, self.kv, tiles)
         if keep:
             self._tables[room_id] = (tuple(pages), table)
-        return table
+        return table, on_device
 
     def forget(self, room_id: int) -> None:
         self._tables.pop(room_id, None)
@@ -237,15 +242,21 @@ def warm_kernels(kv: KVCache, regions: kernels.Regions, *, gather: bool, host: b
     return thread
 
 
-def _pages(pages: Sequence[int], kv: KVCache) -> torch.Tensor:
-    """The page table as a host tensor (range-checked by the kernels' plan, as by the core); in
-    pinned memory for a CUDA cache, so that its upload is truly asynchronous: a copy from
-    pageable memory makes the host wait for the stream, which would serialize the pipeline and
-    hold the event loop for the length of the copies queued before it."""
-    table = torch.as_tensor(pages, dtype=torch.int64)
+def _upload(values: Sequence[int], kv: KVCache, tiles: np.ndarray | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``values`` (a page table, range-checked by the kernels' plan, as by the core) as an int64
+    tensor where the kernels read it, and a state block's ``tiles`` (``(n, 3)``) after it in the
+    same tensor: one upload for both. For a CUDA cache the host tensor is pinned, so that the upload
+    is truly asynchronous: a copy from pageable memory makes the host wait for the stream, which
+    would serialize the pipeline and hold the event loop for the length of the copies queued
+    before it."""
+    host = torch.as_tensor(values, dtype=torch.int64)
+    n = len(host)
+    if tiles is not None:
+        host = torch.cat([host, torch.from_numpy(np.ascontiguousarray(tiles, dtype=np.int64)).reshape(-1)])
     if kv.tensors and kv.tensors[0].device.type == "cuda":
-        table = table.pin_memory()
-    return table
+        host = host.pin_memory().to(kv.tensors[0].device, non_blocking=True)
+    return host[:n], (None if tiles is None else host[n:].view(-1, 3))
 
 
 class Stager:
@@ -286,23 +297,23 @@ class JointTables:
         self._tables: dict[tuple[int, tuple[int, ...]], tuple[tuple[tuple[int, ...], ...], torch.Tensor]] = {}
 
     def get(self, room_id: int, parts: Sequence[PiecePart], pages: Sequence[Sequence[int]], *,
-            keep: bool = True) -> torch.Tensor:
+            keep: bool = True, tiles: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The joined table, and a state block's ``tiles`` where the kernel reads them (as
+        ``PageTables.with_tiles``)."""
         key = (room_id, tuple(part.group for part in parts))
         lists = tuple(tuple(pages[part.group]) for part in parts)
         known = self._tables.get(key)
+        kv = parts[0].kv
         if known is not None and known[0] == lists:
-            return known[1]
+            return known[1], (None if tiles is None else _upload((), kv, tiles)[1])
         starts, at = [], 0
         for part, listed in zip(parts, lists, strict=True):
             starts += [at] * len(part.regions)
             at += len(listed)
-        kv = parts[0].kv
-        table = _pages([page for listed in lists for page in listed] + starts, kv)
-        if kv.tensors and kv.tensors[0].device.type == "cuda":
-            table = table.to(kv.tensors[0].device, non_blocking=True)
+        table, on_device = _upload([page for listed in lists for page in listed] + starts, kv, tiles)
         if keep:
             self._tables[key] = (lists, table)
-        return table
+        return table, on_device
 
     def forget(self, room_id: int) -> None:
         for key in [k for k in self._tables if k[0] == room_id]:
@@ -421,11 +432,11 @@ class Piece:
             at = offset + (end - start) * self.unit
             # the last launch is Triton's where the cache is on a GPU, or where it joins blocks
             triton = buf.tensor.device.type == "cuda" or len(_blocks(self.parts, 0, 1, joint=_joins(buf))[-1][0]) > 1
-            fused = self.block.launch(buf, at, slots, gather=gather) if triton else None
+            fused = self.block.tiles(buf, at, slots, gather=gather) if triton else None
             if fused is None:
                 self.block.copy(buf, at, slots, gather=gather, stream=stream)
         _copy_parts(self.parts, buf, offset, room_id, pages, start=start, end=end, keep=keep, stream=stream,
-                    gather=gather, slots=fused)
+                    gather=gather, block=fused)
 
 
 def pair_piece(kernels_: CacheKernels, prefill: CacheGeometry, decode: CacheGeometry, *, side: str, minor: int,
@@ -454,16 +465,21 @@ def scatter_parts(parts: Sequence[PiecePart], buf: StagingBuffer, offset: int, r
 
 def _copy_parts(parts: Sequence[PiecePart], buf: StagingBuffer, offset: int, room_id: int,
                 pages: Sequence[Sequence[int]], *, start: int, end: int, keep: bool, stream: Any,
-                gather: bool, slots: Any = None) -> None:
-    """Every block of the piece, a launch per run of blocks that join; ``slots``
-    (``triton_kernels.Slots``): a state block that rides in the last launch."""
+                gather: bool, block: tuple[Any, np.ndarray, torch.Tensor] | None = None) -> None:
+    """Every block of the piece, a launch per run of blocks that join; ``block``: a state block's
+    (pattern plan, tiles, zero table) that rides in the last launch, its tiles uploaded with that
+    launch's page table."""
     runs = _blocks(parts, offset, end - start, joint=_joins(buf))
     for k, (run, at) in enumerate(runs):
-        fused = slots if k == len(runs) - 1 else None
+        tiles = block[1] if block is not None and k == len(runs) - 1 else None
         first = run[0]
         if len(run) > 1:
             assert first.joint is not None
-            table = first.joint.get(room_id, run, pages, keep=keep)
+            table, on_device = first.joint.get(room_id, run, pages, keep=keep, tiles=tiles)
+        else:
+            table, on_device = first.tables.with_tiles(room_id, pages[first.group], tiles, keep=keep)
+        fused = None if on_device is None else (block[0], on_device, block[2])  # type: ignore[index]
+        if len(run) > 1:
             regions = sum(len(part.regions) for part in run)
             staging = buf.view(at, (regions, end - start, first.piece.head_count, first.piece.head_dim),
                                first.kv.torch_dtype)
@@ -471,7 +487,6 @@ def _copy_parts(parts: Sequence[PiecePart], buf: StagingBuffer, offset: int, roo
                                 start_token=start, end_token=end, head_offset=first.head_offset, to_staging=gather,
                                 stream=stream, slots=fused)
             continue
-        table = first.tables.get(room_id, pages[first.group], keep=keep)
         copy = gather_piece if gather else scatter_piece
         copy(first.kv, first.regions, buf, at, first.piece, pages=table, start=start, end=end,
              head_offset=first.head_offset, stream=stream, slots=fused)
@@ -543,10 +558,12 @@ class StateBlock:
                                                                  base_align=base)
             self._zero = torch.zeros(2, dtype=torch.int64, device=self.device)
 
-    def launch(self, buf: StagingBuffer, at: int, slots: dict[int, int], *, gather: bool) -> Any:
-        """The block at byte ``at`` of ``buf`` as a kernel's ``triton_kernels.Slots`` (its tiles on
-        their way to the device, on the current stream), for the piece's last staging launch to move
-        as well; None where the block has no kernel (``copy`` moves it)."""
+    def tiles(self, buf: StagingBuffer, at: int, slots: dict[int, int], *, gather: bool
+              ) -> tuple[Any, np.ndarray, torch.Tensor] | None:
+        """The block at byte ``at`` of ``buf`` for a kernel: (its pattern plan, its tiles for these
+        slots, a device table whose first entry is 0), for a staging launch to move as well
+        (``triton_kernels.Slots`` once the tiles are on the device); None where the block has no
+        kernel (``copy`` moves it)."""
         strided = self._kernel.get(gather)
         if strided is None:
             return None
@@ -555,20 +572,20 @@ class StateBlock:
         block = buf.address + at
         tiles = strided.tiles(src_slot=per_tile, dst_base=block) if gather \
             else strided.tiles(dst_slot=per_tile, src_base=block)
-        table = torch.from_numpy(np.ascontiguousarray(tiles))
-        if self.device.type == "cuda":
-            table = table.pin_memory().to(self.device, non_blocking=True)
-        return strided.plan, table, self._zero
+        return strided.plan, tiles, self._zero
 
     def copy(self, buf: StagingBuffer, at: int, slots: dict[int, int], *, gather: bool, stream: Any) -> None:
         """Gather (``gather``) this side's ``slots`` (slot by group number) into the block at byte
         ``at`` of ``buf``, or scatter the block from there into them, on ``stream``: one pattern
         launch where the block has a kernel, else run by run."""
-        fused = self.launch(buf, at, slots, gather=gather)
+        fused = self.tiles(buf, at, slots, gather=gather)
         if fused is not None:
             from kvproto.kernels import pattern
 
-            plan, table, zero = fused
+            plan, tiles, zero = fused
+            table = torch.from_numpy(np.ascontiguousarray(tiles))
+            if self.device.type == "cuda":
+                table = table.pin_memory().to(self.device, non_blocking=True)
             pattern.launch(plan, zero[:1], zero[1:], table, stream=stream)
             return
         slot = np.array([slots[g] for g in self._group.tolist()], dtype=np.int64)

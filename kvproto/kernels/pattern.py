@@ -148,10 +148,13 @@ def plan_strided_rows(src: np.ndarray, src_stride: np.ndarray, dst: np.ndarray, 
                       length: np.ndarray, *, base_align: int = 16) -> StridedRows:
     """``StridedRows`` of rows ``src[i] -> dst[i]`` of ``length[i]`` bytes (slot 0, base 0) whose
     slots lie ``src_stride[i]`` / ``dst_stride[i]`` bytes apart; ``base_align`` divides every base
-    a write will add."""
+    a write will add. A slot is small and rides in a launch of many other programs: a tile per row
+    (up to ``MAX_TILE_BYTES``), no wider than the longest row."""
     strides = np.concatenate([np.asarray(src_stride, dtype=np.int64), np.asarray(dst_stride, dtype=np.int64)])
     align = min(base_align, alignment(strides[strides > 0]) if (strides > 0).any() else 16)
-    plan = plan_pattern(np.stack([src, dst, length], axis=1), regions=1, base_align=align)
+    longest = 1 << (max(1, int(np.max(length))) - 1).bit_length()
+    plan = plan_pattern(np.stack([src, dst, length], axis=1), regions=1, base_align=align, min_programs=1,
+                        max_tile_bytes=max(MIN_TILE_BYTES, min(MAX_TILE_BYTES, longest)))
     align = plan.word * plan.vec
     tile_vecs = plan.tile_words // plan.vec
     row = np.repeat(np.arange(len(length)), -(-(np.asarray(length) // align) // tile_vecs))
