@@ -567,8 +567,10 @@ class StateBlock:
         strided = self._kernel.get(gather)
         if strided is None:
             return None
-        slot = np.array([slots[g] for g in self._group.tolist()], dtype=np.int64)
-        per_tile = slot[strided.rows][:, None]
+        if len(self.groups) == 1:  # the common case: one slot for every tile
+            per_tile: Any = slots[self.groups[0]]
+        else:
+            per_tile = np.array([slots[g] for g in self._group.tolist()], dtype=np.int64)[strided.rows][:, None]
         block = buf.address + at
         tiles = strided.tiles(src_slot=per_tile, dst_base=block) if gather \
             else strided.tiles(dst_slot=per_tile, src_base=block)
