@@ -19,8 +19,8 @@ after the WRITE from it is DONE (``Stager.release``).
 
 A piece of a cache of several groups is a block per group (``PiecePart``): the first group's, then
 each group beyond it that the pair stages (``kvproto.geometry.groups.staged_groups``), back to back,
-each ``tokens x unit`` bytes; ``gather_parts`` and ``scatter_parts`` move every block of a piece,
-on both endpoints the same way. Consecutive blocks whose pages look alike (a hybrid model's
+each ``tokens x unit`` bytes; ``Piece.copy`` gathers or scatters every block of a piece, on both
+endpoints the same way. Consecutive blocks whose pages look alike (a hybrid model's
 full-attention and linear-attention layers often share a page shape) are one block of their
 regions side by side, so on a CUDA cache they move in one kernel launch reading one page table
 per room (``JointTables``: every group's pages, then each region's offset into them).
@@ -30,8 +30,10 @@ The piece that carries a request's last token ends, between peers of minor 3, wi
 gathered after the token blocks and scattered from there, so that a hybrid room's last piece is
 still one descriptor (a state slot is one run per layer and tensor on both sides: as descriptors
 of their own, a GDN model's slot costs a write of dozens). On a CUDA cache with device staging
-the block moves in one pattern launch (``kvproto.kernels.pattern.StridedRows``: planned once per
-link, shifted to the write's slots and piece); elsewhere run by run.
+the block rides in the piece's last staging launch (the rows kernel's ``SLOTS`` variant, its tiles
+planned once per link as ``kvproto.kernels.pattern.StridedRows`` and uploaded with the launch's
+page table), so that piece costs the launches and uploads a one-group piece does; elsewhere it
+moves run by run.
 """
 
 from __future__ import annotations
@@ -289,7 +291,7 @@ class Stager:
 
 
 class JointTables:
-    """Each room's page table for blocks that move in one launch (``gather_parts``): the groups'
+    """Each room's page table for blocks that move in one launch (``Piece.copy``): the groups'
     pages from token 0 back to back, then each region's offset into them; made once per room
     and set of groups, uploaded as one pinned tensor, forgotten when the room ends."""
 
@@ -372,7 +374,7 @@ class PiecePart:
     """The rank's tables for blocks that move in one launch with their neighbours."""
 
     def joins(self, other: PiecePart) -> bool:
-        """Whether ``other``'s block can move in one launch with this one's (``gather_parts``)."""
+        """Whether ``other``'s block can move in one launch with this one's (``Piece.copy``)."""
         a, b = self.regions, other.regions
         return (a.shape[1:], a.page_stride, a.dtype, a.device, self.kv.geometry.layout, self.piece.head_count,
                 self.head_offset) == (b.shape[1:], b.page_stride, b.dtype, b.device, other.kv.geometry.layout,
@@ -448,19 +450,6 @@ def pair_piece(kernels_: CacheKernels, prefill: CacheGeometry, decode: CacheGeom
     runs = state_block(prefill, decode) if minor >= STATE_BLOCK_MINOR else ()
     block = StateBlock(runs, states, side=side, unit=piece_unit(parts), buf=buf) if runs else None
     return Piece(parts, block)
-
-
-def gather_parts(parts: Sequence[PiecePart], buf: StagingBuffer, offset: int, room_id: int,
-                 pages: Sequence[Sequence[int]], *, start: int, end: int, keep: bool, stream: Any) -> None:
-    """Gather tokens ``[start, end)`` of every part into the piece at ``offset``; ``pages[g]``: the
-    room's pages of group ``g`` from token 0 (0: the first group)."""
-    _copy_parts(parts, buf, offset, room_id, pages, start=start, end=end, keep=keep, stream=stream, gather=True)
-
-
-def scatter_parts(parts: Sequence[PiecePart], buf: StagingBuffer, offset: int, room_id: int,
-                  pages: Sequence[Sequence[int]], *, start: int, end: int, keep: bool, stream: Any) -> None:
-    """Scatter the piece at ``offset`` (tokens ``[start, end)``) into every part's pages."""
-    _copy_parts(parts, buf, offset, room_id, pages, start=start, end=end, keep=keep, stream=stream, gather=False)
 
 
 def _copy_parts(parts: Sequence[PiecePart], buf: StagingBuffer, offset: int, room_id: int,
