@@ -49,6 +49,7 @@ class Regions(tuple[torch.Tensor, ...]):
     device: torch.device
     page_stride: int
     table: object  # a backend's per-list state (the Triton region table), set on first use
+    joined: dict  # the Triton tables of joined launches this list starts, set on first use
 
     def __new__(cls, tensors: Sequence[torch.Tensor]) -> Regions:
         self = super().__new__(cls, tensors)

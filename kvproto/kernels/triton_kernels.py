@@ -156,8 +156,6 @@ class _Table:
 
 
 _tables: OrderedDict[tuple[str, tuple[int, ...]], _Table] = OrderedDict()
-_joined: dict[tuple[int, ...], tuple[tuple[Regions, ...], _Table]] = {}
-"""Joined groups' tables by the identity of their ``Regions`` (held, so the ids stay theirs)."""
 _tables_lock = threading.Lock()
 
 
@@ -165,16 +163,14 @@ def region_table(cache: Sequence[torch.Tensor], joined: Sequence[Regions] = ()) 
     """The region table of ``cache``: remembered by a :class:`Regions`, else found by address;
     with ``joined``, the table of those groups' regions side by side (found by address)."""
     if joined:
-        ids = tuple(id(regions) for regions in joined)  # a rank's groups are the same objects every piece
-        known = _joined.get(ids)
-        if known is not None and all(a is b for a, b in zip(known[0], joined)):
-            table = known[1]
-        else:
+        # kept on the first group's Regions (a rank's groups are the same objects every piece, and
+        # the tables go when the cache does), by each group's identity, first region and length
+        key = tuple((id(regions), regions[0].data_ptr(), len(regions)) for regions in joined)
+        known = joined[0].__dict__.setdefault("joined", {})
+        table = known.get(key)
+        if table is None:
             with _tables_lock:
-                table = _lookup_locked([region for regions in joined for region in regions])
-            if len(_joined) >= _TABLE_CACHE_SIZE:
-                _joined.clear()
-            _joined[ids] = (tuple(joined), table)
+                table = known[key] = _lookup_locked([region for regions in joined for region in regions])
     else:
         regions = as_regions(cache)
         table = regions.table
