@@ -33,8 +33,7 @@ for name, kv, minor, with_state in (("one", one, 3, False), ("hybrid, no state",
     buf = StagingBuffer(kv, 1 << 30)
     kern = CacheKernels(kv)
     g = kv.cache_geometry
-    states = {i: x for i, x in enumerate(kv.groups, start=1) if isinstance(x, StateCache)}
-    piece = pair_piece(kern, g, g, side="prefill", minor=minor, states=states, buf=buf)
+    piece = pair_piece(kern, g, g, side="prefill", minor=minor, buf=buf)
     tokens = 64
     for iters in (20, 300):
         torch.cuda.synchronize()
@@ -62,8 +61,7 @@ if len(sys.argv) > 1:
         buf = StagingBuffer(kv, 1 << 30)
         kern = CacheKernels(kv)
         g = kv.cache_geometry
-        states = {i: x for i, x in enumerate(kv.groups, start=1) if isinstance(x, StateCache)}
-        piece = pair_piece(kern, g, g, side="prefill", minor=3, states=states, buf=buf)
+        piece = pair_piece(kern, g, g, side="prefill", minor=3, buf=buf)
         def run(n):
             with torch.cuda.stream(stream):
                 for i in range(n):

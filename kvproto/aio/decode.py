@@ -39,7 +39,7 @@ import zmq.utils.monitor
 
 from kvproto.aio.channel import Channel
 from kvproto.aio.endpoint import EndpointBase, EndpointConfig
-from kvproto.aio.memory import KVCache, StateCache, geometry_from_wire, geometry_to_wire, groups_from_wire
+from kvproto.aio.memory import KVCache, geometry_from_wire, geometry_to_wire, groups_from_wire
 from kvproto.aio import trace
 from kvproto.aio.room import ReceiverRoomHandle
 from kvproto.aio.staging import (
@@ -448,12 +448,11 @@ class DecodeEndpoint(EndpointBase):
             caches[link.link_id] = prefill_cache
         assert prefill_g is not None
         chosen = writers(prefill_g, g)
-        states = {i: g for i, g in enumerate(self.kv.groups, start=1) if isinstance(g, StateCache)}
         for link, _accept in result:
             if link.prefill_rank in chosen and self._staging is not None and link.peer_minor >= 1:
                 self._pieces[link.link_id] = pair_piece(self._kernels, caches[link.link_id], self._cache,
                                                         side="decode", minor=min(link.peer_minor, MINOR),
-                                                        states=states, buf=self._staging)
+                                                        buf=self._staging)
         unused = [lk for lk in links if lk not in targets.values()]
         for link in unused:
             self._discard_link(link)

@@ -452,9 +452,8 @@ class PrefillEndpoint(EndpointBase):
         no first group."""
         if plan is None or self._staging is None:
             return None
-        states = {i: g for i, g in enumerate(self.kv.groups, start=1) if isinstance(g, StateCache)}
         return pair_piece(self._kernels, self._cache, remote.cache, side="prefill", minor=min(minor, MINOR),
-                          states=states, buf=self._staging)
+                          buf=self._staging)
 
     def _group_paths(self, agent: str, remote: Remote, route: Route | None, staged: set[int]
                      ) -> tuple[tuple[LinkPath | StatePath, ...], tuple[LinkGroup, ...]]:

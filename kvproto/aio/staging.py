@@ -326,11 +326,13 @@ class JointTables:
 
 
 class CacheKernels:
-    """The staging kernels' view of a rank's paged groups: per group (0: the first) its cache, its
-    regions and its page tables; ``part`` makes a pair's block of one group."""
+    """The staging kernels' view of a rank's groups: per paged group (0: the first) its cache, its
+    regions and its page tables (``part`` makes a pair's block of one group); its state groups by
+    group number (``states``, for a pair's state block)."""
 
     def __init__(self, kv: KVCache) -> None:
         self.joint = JointTables()
+        self.states = {g: extra for g, extra in enumerate(kv.groups, start=1) if isinstance(extra, StateCache)}
         self.groups: dict[int, tuple[KVCache, kernels.Regions, PageTables]] = {
             0: (kv, kernels.Regions(kv.tensors), PageTables(kv))}
         for g, extra in enumerate(kv.groups, start=1):
@@ -442,13 +444,12 @@ class Piece:
 
 
 def pair_piece(kernels_: CacheKernels, prefill: CacheGeometry, decode: CacheGeometry, *, side: str, minor: int,
-               states: dict[int, StateCache], buf: StagingBuffer) -> Piece:
+               buf: StagingBuffer) -> Piece:
     """The pieces prefill rank ``prefill`` stages into decode rank ``decode``, seen from ``side``
-    ("prefill" or "decode"); ``minor``: the lower of the two peers' minor versions; ``states``:
-    this rank's state groups by group number."""
+    ("prefill" or "decode"); ``minor``: the lower of the two peers' minor versions."""
     parts = piece_parts(kernels_, prefill, decode, side=side)
     runs = state_block(prefill, decode) if minor >= STATE_BLOCK_MINOR else ()
-    block = StateBlock(runs, states, side=side, unit=piece_unit(parts), buf=buf) if runs else None
+    block = StateBlock(runs, kernels_.states, side=side, unit=piece_unit(parts), buf=buf) if runs else None
     return Piece(parts, block)
 
 
