@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -132,8 +133,8 @@ class DecodeEndpoint(EndpointBase):
         self._staging: StagingBuffer | None = None
         if self._staging_bytes():
             self._staging = StagingBuffer(kv, self._staging_bytes(), host=self.config.host_staging)
-            self._copies = Copies(kv.tensors[0].device)
             self._kernels = CacheKernels(kv)
+            self._copies = Copies(kv.tensors[0].device, self._kernels.uploads)
         self.core = ReceiverCore(
             block_size=g.block_size, num_blocks=g.num_blocks, aux_slots=kv.aux.slots if kv.aux else 0,
             timeouts=self.config.timeouts,
@@ -564,17 +565,21 @@ class DecodeEndpoint(EndpointBase):
     def _progress_once(self) -> bool:
         assert self.transport is not None
         now = self._now()
+        t0 = time.perf_counter() if trace.ENABLED else 0.0
         try:
             notes = self.transport.drain_notifications()
         except TransportError as exc:  # deadlines and liveness go on: rooms fail by them, not hang
             self.errors += 1
             log.error("draining notifications failed: %s", exc)
             notes = []
+        t1 = trace.step("drain_us", t0)
         for note in notes:
             if trace.ENABLED:
                 trace.mark("tag", int.from_bytes(note.tag[4:12], "little") if len(note.tag) >= 12 else 0, 0)
             self.core.on_notification(note.peer, note.tag, now)
+        t2 = trace.step("tags_us", t1)
         scattered = self._copies.poll() if self._staging is not None else 0
+        trace.step("copies_us", t2)
         self.core.handle_timer(now)
         interval, limit = self.config.heartbeat_interval, self.config.heartbeat_timeout
         stalled = self._stall(now)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -185,8 +186,8 @@ class PrefillEndpoint(EndpointBase):
         if self._staging_bytes():
             self._staging = StagingBuffer(kv, self._staging_bytes(), host=self.config.host_staging)
             self._stager = Stager(self._staging)
-            self._copies = Copies(kv.tensors[0].device)
             self._kernels = CacheKernels(kv)
+            self._copies = Copies(kv.tensors[0].device, self._kernels.uploads)
 
     @property
     def bootstrap_address(self) -> str:
@@ -678,10 +679,14 @@ class PrefillEndpoint(EndpointBase):
     def _progress_once(self) -> bool:
         assert self.transport is not None
         now = self._now()
+        t0 = time.perf_counter() if trace.ENABLED else 0.0
         self.transport.drain_notifications()  # drives the data plane; prefill expects no tags
+        t1 = trace.step("drain_us", t0)
         finished = self._copies.poll() if self._staging is not None else 0
+        t2 = trace.step("copies_us", t1)
         finished += self._release_held()
         finished += self._poll_writes(now)
+        trace.step("writes_us", t2)
         self.core.handle_timer(now)
         limit = self.config.heartbeat_timeout
         stalled = self._stall(now)

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +54,7 @@ import numpy as np
 
 from kvproto.aio import trace
 from kvproto.aio.memory import KVCache, StateCache
+from kvproto.kernels.uploads import Pointer, Uploads
 from kvproto.core.staging import StagingRing
 from kvproto.geometry import plan_pair
 from kvproto.geometry.groups import BlockRun, CacheGeometry, PagedGroup, block_bytes, staged_groups, state_block
@@ -82,19 +83,20 @@ class StagingBuffer:
         return MemoryRegion(self.address, self.capacity, self.device_id, self.kind)
 
     def view(self, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        nbytes = itemsize
+        nbytes = dtype.itemsize
         for n in shape:
             nbytes *= n
-        return self.tensor[offset:offset + nbytes].view(dtype).view(*shape)
+        return self.tensor[offset:offset + nbytes].view(dtype).view(shape)
 
 
 class Copies:
     """Gathers and scatters in flight, each with the continuation to run when it is done."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, uploads: Uploads | None = None) -> None:
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
+        self.uploads = uploads
+        """Where the copies' launches find their tables: each copy's slots are sealed with its event."""
         self._pending: deque[tuple[Any, Callable[[], None]]] = deque()
 
     def run(self, copy: Callable[[Any], None], then: Callable[[], None]) -> None:
@@ -110,9 +112,13 @@ class Copies:
             if trace.ENABLED:
                 began = torch.cuda.Event(enable_timing=True)
                 began.record(self.stream)
-            copy(self.stream)
-            event = torch.cuda.Event(enable_timing=began is not None)
-            event.record(self.stream)
+            try:
+                copy(self.stream)
+            finally:  # the tables put for it are free once what was launched has run
+                event = torch.cuda.Event(enable_timing=began is not None)
+                event.record(self.stream)
+                if self.uploads is not None:
+                    self.uploads.seal(event)
         if began is not None:
             then = self._timed(began, event, then)
         self._pending.append((event, then))
@@ -185,36 +191,35 @@ class PageTables:
     """Each room's page table, made once and reused by every piece of the room.
 
     A room of a few GiB moves in a dozen or more pieces, all reading the same table. On a CUDA
-    cache the table goes to the device once (from pinned memory, asynchronously, on the stream
-    that runs the copies), so a piece enqueues its kernel and nothing else. The pages were
-    range-checked when they entered the core (the application's by the core's own checks, a
-    peer's against what it registered), which is why a device table may skip the kernels' checks.
-    ``forget`` drops a room's table when the room ends; a kernel still queued keeps its memory
-    safe (the allocator reuses it only in stream order).
+    cache each piece's launch reads it from the endpoint's ring of pinned memory
+    (``kvproto.kernels.uploads.Uploads``: a copy into the ring, no allocation or transfer call),
+    so a piece enqueues its kernel and little else. The pages were range-checked when they
+    entered the core (the application's by the core's own checks, a peer's against what it
+    registered), which is why such a table may skip the kernels' checks. ``forget`` drops a
+    room's table when the room ends.
     """
 
-    def __init__(self, kv: KVCache) -> None:
+    def __init__(self, kv: KVCache, uploads: Uploads | None = None) -> None:
         self.kv = kv
-        self.cuda = bool(kv.tensors) and kv.tensors[0].device.type == "cuda"
-        self._tables: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}
+        self.uploads = uploads
+        self._tables: dict[int, tuple[tuple[int, ...], np.ndarray]] = {}
 
-    def get(self, room_id: int, pages: Sequence[int], *, keep: bool = True) -> torch.Tensor:
+    def get(self, room_id: int, pages: Sequence[int], *, keep: bool = True) -> Any:
         """The table of ``pages`` (a room's pages from token 0); call inside the copy's stream.
         ``keep=False`` (the room has ended: a piece queued before its end) keeps nothing."""
         return self.with_tiles(room_id, pages, None, keep=keep)[0]
 
     def with_tiles(self, room_id: int, pages: Sequence[int], tiles: np.ndarray | None, *,
-                   keep: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``get``, and a state block's ``tiles`` where the kernel reads them: in the same upload as
-        the table where the table goes up now (a room's first piece), so that the piece that ends a
-        hybrid room costs the uploads a one-group piece does."""
+                   keep: bool = True) -> tuple[Any, Any]:
+        """``get``, and a state block's ``tiles`` where the kernel reads them."""
         known = self._tables.get(room_id)
         if known is not None and known[0] == tuple(pages):
-            return known[1], (None if tiles is None else _upload((), self.kv, tiles)[1])
-        table, on_device = _upload(pages, self.kv, tiles)
-        if keep:
-            self._tables[room_id] = (tuple(pages), table)
-        return table, on_device
+            values = known[1]
+        else:
+            values = np.array(pages, dtype=np.int64)
+            if keep:
+                self._tables[room_id] = (tuple(pages), values)
+        return _upload(values, self.kv, tiles, self.uploads)
 
     def forget(self, room_id: int) -> None:
         self._tables.pop(room_id, None)
@@ -244,21 +249,30 @@ def warm_kernels(kv: KVCache, regions: kernels.Regions, *, gather: bool, host: b
     return thread
 
 
-def _upload(values: Sequence[int], kv: KVCache, tiles: np.ndarray | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``values`` (a page table, range-checked by the kernels' plan, as by the core) as an int64
-    tensor where the kernels read it, and a state block's ``tiles`` (``(n, 3)``) after it in the
-    same tensor: one upload for both. For a CUDA cache the host tensor is pinned, so that the upload
-    is truly asynchronous: a copy from pageable memory makes the host wait for the stream, which
-    would serialize the pipeline and hold the event loop for the length of the copies queued
-    before it."""
-    host = torch.as_tensor(values, dtype=torch.int64)
-    n = len(host)
-    if tiles is not None:
-        host = torch.cat([host, torch.from_numpy(np.ascontiguousarray(tiles, dtype=np.int64)).reshape(-1)])
-    if kv.tensors and kv.tensors[0].device.type == "cuda":
-        host = host.pin_memory().to(kv.tensors[0].device, non_blocking=True)
-    return host[:n], (None if tiles is None else host[n:].view(-1, 3))
+def _upload(values: np.ndarray, kv: KVCache, tiles: np.ndarray | None = None, uploads: Uploads | None = None
+            ) -> tuple[Any, Any]:
+    """``values`` (an int64 page table, range-checked by the kernels' plan, as by the core) where the
+    kernels read it, and a state block's ``tiles`` (``(n, 3)``, None: none) likewise. On a CUDA cache
+    both go into ``uploads`` (the kernel reads them from pinned memory; the copy's event frees
+    them); without a ring they go up as pinned tensors, so that the upload is truly asynchronous:
+    a copy from pageable memory makes the host wait for the stream."""
+    cuda = bool(kv.tensors) and kv.tensors[0].device.type == "cuda"
+    if cuda and uploads is not None:
+        device = kv.tensors[0].device
+        table = uploads.put(values, device)[0]
+        if tiles is None:
+            return table, None
+        on_device = uploads.put(np.ascontiguousarray(tiles, dtype=np.int64), device)[0]
+        if isinstance(on_device, torch.Tensor):
+            return table, on_device.view(-1, 3)
+        return table, Pointer(on_device.address, len(tiles), device)  # its length: tiles, not words
+    table = torch.from_numpy(values)
+    on = None if tiles is None else torch.from_numpy(np.ascontiguousarray(tiles, dtype=np.int64).reshape(-1, 3))
+    if cuda:
+        device = kv.tensors[0].device
+        table = table.pin_memory().to(device, non_blocking=True)
+        on = None if on is None else on.pin_memory().to(device, non_blocking=True)
+    return table, on
 
 
 class Stager:
@@ -292,30 +306,48 @@ class Stager:
 
 class JointTables:
     """Each room's page table for blocks that move in one launch (``Piece.copy``): the groups'
-    pages from token 0 back to back, then each region's offset into them; made once per room
-    and set of groups, uploaded as one pinned tensor, forgotten when the room ends."""
+    pages from token 0 back to back, made once per room and set of groups, read from the ring as
+    ``PageTables``' are, forgotten when the room ends; and each region's offset into them, which
+    depends only on how many pages each group lists: kept where the kernel reads it, per those
+    counts (``LISTS`` of them at most), so that a launch's programs read them from device memory."""
 
-    def __init__(self) -> None:
-        self._tables: dict[tuple[int, tuple[int, ...]], tuple[tuple[tuple[int, ...], ...], torch.Tensor]] = {}
+    LISTS = 64
+
+    def __init__(self, uploads: Uploads | None = None) -> None:
+        self.uploads = uploads
+        self._tables: dict[tuple[int, tuple[int, ...]], tuple[tuple[tuple[int, ...], ...], np.ndarray]] = {}
+        self._lists: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()
 
     def get(self, room_id: int, parts: Sequence[PiecePart], pages: Sequence[Sequence[int]], *,
-            keep: bool = True, tiles: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The joined table, and a state block's ``tiles`` where the kernel reads them (as
-        ``PageTables.with_tiles``)."""
+            keep: bool = True, tiles: np.ndarray | None = None) -> tuple[Any, Any, torch.Tensor]:
+        """The joined table, a state block's ``tiles`` where the kernel reads them (as
+        ``PageTables.with_tiles``), and the regions' offsets into the table."""
         key = (room_id, tuple(part.group for part in parts))
         lists = tuple(tuple(pages[part.group]) for part in parts)
         known = self._tables.get(key)
-        kv = parts[0].kv
         if known is not None and known[0] == lists:
-            return known[1], (None if tiles is None else _upload((), kv, tiles)[1])
+            values = known[1]
+        else:
+            values = np.array([page for listed in lists for page in listed], dtype=np.int64)
+            if keep:
+                self._tables[key] = (lists, values)
+        return (*_upload(values, parts[0].kv, tiles, self.uploads), self._offsets(parts, lists))
+
+    def _offsets(self, parts: Sequence[PiecePart], lists: Sequence[Sequence[int]]) -> torch.Tensor:
+        counts = tuple(len(listed) for listed in lists) + tuple(len(part.regions) for part in parts)
+        offsets = self._lists.get(counts)
+        if offsets is not None:
+            self._lists.move_to_end(counts)
+            return offsets
         starts, at = [], 0
         for part, listed in zip(parts, lists, strict=True):
             starts += [at] * len(part.regions)
             at += len(listed)
-        table, on_device = _upload([page for listed in lists for page in listed] + starts, kv, tiles)
-        if keep:
-            self._tables[key] = (lists, table)
-        return table, on_device
+        offsets = _upload(np.array(starts, dtype=np.int64), parts[0].kv)[0]  # a tensor of its own, kept
+        self._lists[counts] = offsets
+        if len(self._lists) > self.LISTS:
+            self._lists.popitem(last=False)
+        return offsets
 
     def forget(self, room_id: int) -> None:
         for key in [k for k in self._tables if k[0] == room_id]:
@@ -331,16 +363,19 @@ class CacheKernels:
     group number (``states``, for a pair's state block)."""
 
     def __init__(self, kv: KVCache) -> None:
-        self.joint = JointTables()
+        cuda = bool(kv.tensors) and kv.tensors[0].device.type == "cuda"
+        self.uploads = Uploads() if cuda else None
+        """The ring every launch of this rank's pieces reads its tables from (``Copies`` seals it)."""
+        self.joint = JointTables(self.uploads)
         self.states = {g: extra for g, extra in enumerate(kv.groups, start=1) if isinstance(extra, StateCache)}
         self.groups: dict[int, tuple[KVCache, kernels.Regions, PageTables]] = {
-            0: (kv, kernels.Regions(kv.tensors), PageTables(kv))}
+            0: (kv, kernels.Regions(kv.tensors), PageTables(kv, self.uploads))}
         for g, extra in enumerate(kv.groups, start=1):
             if isinstance(extra, KVCache):
                 if not extra.tensors:
                     raise ValueError(f"group {extra.name!r}: the staged path needs every paged group's tensors "
                                      f"(KVCache.from_tensors)")
-                self.groups[g] = (extra, kernels.Regions(extra.tensors), PageTables(extra))
+                self.groups[g] = (extra, kernels.Regions(extra.tensors), PageTables(extra, self.uploads))
 
     @property
     def regions(self) -> kernels.Regions:
@@ -463,9 +498,10 @@ def _copy_parts(parts: Sequence[PiecePart], buf: StagingBuffer, offset: int, roo
     for k, (run, at) in enumerate(runs):
         tiles = block[1] if block is not None and k == len(runs) - 1 else None
         first = run[0]
+        lists = None
         if len(run) > 1:
             assert first.joint is not None
-            table, on_device = first.joint.get(room_id, run, pages, keep=keep, tiles=tiles)
+            table, on_device, lists = first.joint.get(room_id, run, pages, keep=keep, tiles=tiles)
         else:
             table, on_device = first.tables.with_tiles(room_id, pages[first.group], tiles, keep=keep)
         fused = None if on_device is None else (block[0], on_device, block[2])  # type: ignore[index]
@@ -475,7 +511,7 @@ def _copy_parts(parts: Sequence[PiecePart], buf: StagingBuffer, offset: int, roo
                                first.kv.torch_dtype)
             kernels.copy_joined([part.regions for part in run], staging, table, layout=first.kv.geometry.layout,
                                 start_token=start, end_token=end, head_offset=first.head_offset, to_staging=gather,
-                                stream=stream, slots=fused)
+                                stream=stream, slots=fused, lists=lists)
             continue
         copy = gather_piece if gather else scatter_piece
         copy(first.kv, first.regions, buf, at, first.piece, pages=table, start=start, end=end,

@@ -25,6 +25,17 @@ def mark(event: str, room: int, seq: int) -> None:
         _events.append((time.monotonic(), event, room, seq))
 
 
+def step(event: str, began: float, floor: float = 5e-4) -> float:
+    """Mark ``event`` with the microseconds since ``began`` (a ``time.perf_counter()``) where they
+    exceed ``floor`` seconds: which step of a slow progress pass took its time. Returns now."""
+    if not ENABLED:
+        return 0.0
+    now = time.perf_counter()
+    if now - began > floor:
+        _events.append((time.monotonic(), event, int((now - began) * 1e6), 0))
+    return now
+
+
 def dump(role: str) -> None:
     if not ENABLED or not _events:
         return

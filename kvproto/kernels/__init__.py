@@ -143,18 +143,20 @@ def copy_joined(
     to_staging: bool,
     stream: torch.cuda.Stream | None = None,
     slots: tuple | None = None,
+    lists: torch.Tensor | None = None,
 ) -> None:
     """:func:`gather` (``to_staging``) or :func:`scatter` of several groups whose pages look
     alike, in one Triton launch: ``staging`` holds their blocks back to back; ``table`` is every
-    group's pages from token 0, then each region's offset into them
-    (``kvproto.kernels.triton_kernels.copy_joined``). CPU tensors run in Triton's interpreter."""
+    group's pages from token 0, then each region's offset into them, or those offsets are
+    ``lists`` (``kvproto.kernels.triton_kernels.copy_joined``). CPU tensors run in Triton's
+    interpreter."""
     device = _device(groups[0])
     with _on(device, stream):
         from kvproto.kernels import triton_kernels
 
         triton_kernels.copy_joined(groups, staging, table, layout=layout, start_token=start_token,
                                    end_token=end_token, head_offset=head_offset, to_staging=to_staging,
-                                   interpret=device.type != "cuda", slots=slots)
+                                   interpret=device.type != "cuda", slots=slots, lists=lists)
 
 
 def triton_available() -> bool:
@@ -243,12 +245,22 @@ def _have_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def _on(device: torch.device, stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[None]:
+    """Make ``device`` current (for CUDA) and ``stream`` its current stream, if given; nothing to do
+    (the common case: a staged copy runs inside its ``Copies`` stream) costs no context switch."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if torch.cuda.current_device() == index and (
+            stream is None or torch._C._cuda_getCurrentRawStream(index) == stream.cuda_stream):
+        return contextlib.nullcontext()
+    return _switch(device, stream)
+
+
 @contextlib.contextmanager
-def _on(device: torch.device, stream: torch.cuda.Stream | None) -> Iterator[None]:
-    """Make ``device`` current (for CUDA) and ``stream`` its current stream, if given."""
+def _switch(device: torch.device, stream: torch.cuda.Stream | None) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
-        if device.type == "cuda":
-            stack.enter_context(torch.cuda.device(device))
+        stack.enter_context(torch.cuda.device(device))
         if stream is not None:
             stack.enter_context(torch.cuda.stream(stream))
         yield

@@ -49,6 +49,7 @@ from triton.runtime.jit import JITFunction
 
 from kvproto.geometry.model import Layout
 from kvproto.kernels.plan import CopyPlan, Regions, StagingError, as_regions, check_staging, plan_copy, staging_heads
+from kvproto.kernels.uploads import Pointer
 
 HostPath = Literal["bounce", "mapped"]
 
@@ -137,6 +138,75 @@ def _kernel(interpret: bool) -> Any:
     if interpret:
         return InterpretedFunction(_copy_rows)
     return JITFunction(_copy_rows, do_not_specialize=_RUNTIME_INTS)
+
+
+_compiled: dict[tuple[Any, ...], Any] = {}
+"""Compiled kernels by ``_launch``'s key: what Triton specialises a launch on."""
+
+
+def _launch(kernel: Any, grid: tuple[int, int], args: tuple[Any, ...], constants: dict[str, Any]) -> None:
+    """``kernel[grid](*args, **constants)`` on the current stream, at a fraction of its host cost.
+
+    A JIT launch binds and specialises every argument and hashes its options before it finds the
+    compiled kernel: tens of microseconds, the same again as the whole staging copy of a piece of
+    a few MiB takes the GPU. Here the first launch of each specialisation goes through the JIT
+    (which compiles, or finds the kernel in Triton's caches) and its compiled kernel is kept;
+    later launches call the compiled kernel's launcher directly. The key holds everything the JIT
+    specialises on for these kernels (every int parameter is ``do_not_specialize``): each pointer
+    argument's dtype and 16-byte alignment, each int's width, the constexprs and options, the
+    device. The interpreter, launch hooks, or a Triton whose compiled kernels look otherwise take
+    the JIT path every time."""
+    if isinstance(kernel, InterpretedFunction) or _jit_only():
+        kernel[grid](*args, **constants)
+        return
+    spec = [-0x80000000 <= a < 0x80000000 if a.__class__ is int else (a.dtype, not a.data_ptr() & 15) for a in args]
+    key = (id(kernel), torch.cuda.current_device(), *spec, *constants.items())
+    known = _compiled.get(key)
+    if known is None:
+        compiled = kernel[grid](*args, **constants)
+        _compiled[key] = _direct(kernel, compiled, len(args), constants)
+        return
+    if known is False:
+        kernel[grid](*args, **constants)
+        return
+    run, function, metadata, tail = known
+    run(grid[0], grid[1], 1, torch._C._cuda_getCurrentRawStream(torch.cuda.current_device()), function, metadata,
+        None, None, None, *args, *tail)
+
+
+def _direct(kernel: Any, compiled: Any, positional: int, constants: dict[str, Any]) -> Any:
+    """What ``_launch`` calls a compiled kernel with (its launcher, function handle, packed metadata,
+    the constexpr values after the positional arguments, in signature order), or False where this
+    Triton's compiled kernels do not have that shape."""
+    try:
+        if hasattr(compiled, "result"):
+            compiled = compiled.result()
+        run = compiled.run  # loads the module on first use
+        tail = tuple(constants[name] for name in kernel.arg_names[positional:])
+        return run, compiled.function, compiled.packed_metadata, tail
+    except (AttributeError, KeyError, TypeError):
+        return False
+
+
+def _jit_only() -> bool:
+    """Whether every launch takes the JIT path: launch hooks are set (a profiler: they see JIT
+    launches only), or this Triton predates ``triton.knobs`` (3.4), whose launchers took other
+    arguments."""
+    knobs = _knobs()
+    if knobs is None:
+        return True
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    # a chain of hooks (Triton 3.5 on) is always there: it counts once something joined it
+    return any(hook is not None and bool(getattr(hook, "calls", True)) for hook in hooks)
+
+
+@functools.cache
+def _knobs() -> Any:
+    try:
+        from triton import knobs
+    except ImportError:
+        return None
+    return knobs
 
 
 Slots = tuple[Any, torch.Tensor, torch.Tensor]
@@ -322,13 +392,15 @@ def copy_joined(
     tile_bytes: int = TILE_BYTES,
     num_warps: int = NUM_WARPS,
     slots: Slots | None = None,
+    lists: torch.Tensor | None = None,
 ) -> None:
     """One launch for the staged blocks of several groups whose pages look alike (same page shape,
     page stride and dtype; pools of any size): ``staging`` is their blocks back to back, ``(sum of
     regions, T, head_count, head_dim)`` on the cache's device; ``table`` (int64, where the kernel
     reads it) is every group's pages from token 0 back to back, then each region's offset into
-    them. The pages are trusted (checked when they entered the core), as a device table is.
-    ``slots``: a state block moved in the same launch."""
+    them, unless ``lists`` (int64, where the kernel reads it) holds those offsets. The pages are
+    trusted (checked when they entered the core), as a device table is. ``slots``: a state block
+    moved in the same launch."""
     first = groups[0]
     for g, regions in enumerate(groups):
         if (regions.shape[1:], regions.page_stride, regions.dtype, regions.device) != \
@@ -343,13 +415,17 @@ def copy_joined(
             or not staging.is_contiguous():
         raise StagingError(f"staging is {tuple(staging.shape)} {staging.dtype} on {staging.device}, the groups "
                            f"need {want} {plan.dtype} on {plan.device}, contiguous")
-    if table.dim() != 1 or table.dtype != torch.int64 or len(table) < total:
+    if lists is not None and (lists.dim() != 1 or lists.dtype != torch.int64 or len(lists) != total):
+        raise StagingError(f"the joined launch's region offsets must be 1-D int64, one per region ({total})")
+    if table.dim() != 1 or table.dtype != torch.int64 or (lists is None and len(table) < total):
         raise StagingError(f"the joined page table must be 1-D int64 ending in {total} region offsets")
     if not plan.num_tokens:
         _no_empty_launch(slots)
     else:
-        table = table.to(plan.device, non_blocking=True)
-        lists = table[len(table) - total:]
+        if not isinstance(table, Pointer):
+            table = table.to(plan.device, non_blocking=True)
+        if lists is None:
+            lists = table.after(len(table) - total) if isinstance(table, Pointer) else table[len(table) - total:]
         _Launch(plan, staging, table, to_staging, interpret, tile_bytes, num_warps, joined=groups,
                 lists=lists, slots=slots).run(0, total)
 
@@ -384,7 +460,8 @@ class _Launch:
         rows = min(_floor_pow2(max(1, tile_bytes // plan.row_bytes)), _ceil_pow2(self.num_rows))
         self.tiles = -(-self.num_rows // rows)
         self.kernel = _kernel(interpret)
-        pages = pages.to(device=plan.device, non_blocking=True).contiguous()
+        if not isinstance(pages, Pointer):  # a Pointer: a table the kernel reads where it lies (``Uploads``)
+            pages = pages.to(device=plan.device, non_blocking=True).contiguous()
         self.slot_tiles = 0
         if slots is None:
             slot_args: tuple[Any, ...] = (pages, 0, pages, staging.view(_WORDS[word]))
@@ -426,7 +503,7 @@ class _Launch:
             grid = (max(self.tiles, self.slot_tiles), last - first + 1)
         else:
             grid = (self.tiles, last - first)
-        self.kernel[grid](*self.args, last - first, *self.tail, first, **self.constants)
+        _launch(self.kernel, grid, (*self.args, last - first, *self.tail, first), self.constants)
 
 
 def _chunks(plan: CopyPlan) -> list[tuple[int, int]]:
@@ -484,6 +561,7 @@ def _pattern_kernel(interpret: bool) -> Any:
 
 @functools.cache
 def _word_tensor(word: int, device: torch.device) -> torch.Tensor:
+    """A tensor of ``word``-byte elements on ``device``: a kernel's word type (never read)."""
     return torch.empty(1, dtype=_WORDS[word], device=device)
 
 
@@ -495,8 +573,8 @@ def copy_pattern(plan: Any, src_table: torch.Tensor, dst_table: torch.Tensor, ti
     constants: dict[str, Any] = {"TILE_WORDS": plan.tile_words, "VEC": plan.vec, "ALIGN": plan.word * plan.vec}
     if not interpret:
         constants["num_warps"] = NUM_WARPS if plan.tile_words * plan.word >= 8192 else 4
-    _pattern_kernel(interpret)[(len(plan.tiles), plan.regions)](
-        src_table, dst_table, tiles, _word_tensor(plan.word, device), **constants)
+    _launch(_pattern_kernel(interpret), (len(plan.tiles), plan.regions),
+            (src_table, dst_table, tiles, _word_tensor(plan.word, device)), constants)
 
 
 # --- paged-to-paged rows (the kernel path's conversions: ``kvproto.kernels.pattern.plan_rows``) --------
@@ -586,7 +664,7 @@ def copy_paged(plan: Any, src_table: torch.Tensor, dst_table: Any, src_pages: An
     if not interpret:
         constants["num_warps"] = NUM_WARPS
     word = _word_tensor(plan.word, device)
-    _paged_kernel(interpret)[(programs, regions)](
-        src_table, dst_table, src_pages, dst_pages, src_pages if lists is None else lists, plan.start,
-        plan.num_rows, plan.regions, word, tiles, 0 if slot_plan is None else len(slot_plan.tiles), base,
-        word if slot_plan is None else _word_tensor(slot_plan.word, device), **constants)
+    _launch(_paged_kernel(interpret), (programs, regions),
+            (src_table, dst_table, src_pages, dst_pages, src_pages if lists is None else lists, plan.start,
+             plan.num_rows, plan.regions, word, tiles, 0 if slot_plan is None else len(slot_plan.tiles), base,
+             word if slot_plan is None else _word_tensor(slot_plan.word, device)), constants)

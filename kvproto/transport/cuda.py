@@ -7,9 +7,8 @@ Theory of operation
 (PyTorch's IPC helpers are ``torch.multiprocessing`` internals). Errors become
 ``TransportError``; without the binding or a GPU, ``available()`` is False and callers fall back.
 
-``Uploads`` hands each kernel launch its small tables (tiles, page lists) without an allocation
-or a transfer call: a ring of pinned host memory that the kernel reads directly over the bus, a
-slot reused only once the event of the launch that read it has completed.
+The kernels' small tables (tiles, page lists) go up through ``kvproto.kernels.uploads.Uploads``,
+which the staged path shares (re-exported here).
 """
 
 from __future__ import annotations
@@ -18,7 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from kvproto.kernels.uploads import Pointer, Uploads
 from kvproto.transport.base import TransportError
+
+__all__ = ["Driver", "Pointer", "Uploads", "driver"]
 
 class Driver:
     """The few driver calls the adapter needs (``cuda.bindings.driver``), with errors as
@@ -106,84 +108,3 @@ def driver() -> Driver:
     if _driver is None:
         _driver = Driver()
     return _driver
-
-
-class Uploads:
-    """Tile tables for the kernels: a ring of pinned host memory that the kernels read directly
-    (mapped, over the bus: three words per program), so that a write costs a copy into the ring
-    and no allocation, transfer call or device memory. A slot is reused only once the event of the
-    write that read it has completed; a table too big for the ring (or a ring full of writes in
-    flight) is copied to the device on its own."""
-
-    ENTRIES = 1 << 19  # int64 words: 4 MiB pinned
-
-    def __init__(self) -> None:
-        self._host: Any = None
-        self._words: np.ndarray | None = None
-        self._head = 0
-        self._live: list[list[Any]] = []
-        """[start, end, event] of every slot in use, oldest first; event None: its kernel is not
-        launched yet (a write of several kernels holds several slots before its one event)."""
-
-    def put(self, tiles: np.ndarray, device: Any) -> tuple[Any, Any]:
-        """``tiles`` where a kernel on ``device`` reads them; returns (tensor-like, slot)."""
-        import torch
-
-        n = tiles.size
-        if self._host is None:
-            self._host = torch.empty(self.ENTRIES, dtype=torch.int64, pin_memory=True)
-            self._words = self._host.numpy()
-        start = self._reserve(n + (n & 1))  # slots start 16-byte aligned
-        if start is None:
-            return torch.from_numpy(tiles.reshape(-1)).pin_memory().to(device, non_blocking=True), None
-        assert self._words is not None
-        self._words[start:start + n] = tiles.reshape(-1)
-        slot = [start, start + n + (n & 1), None]
-        self._live.append(slot)  # held from now: the next put of the same write must not reuse it
-        return Pointer(self._host.data_ptr() + 8 * start), slot
-
-    def used(self, slot: Any, event: Any) -> None:
-        """The kernel reading ``slot`` is launched: the slot is free once ``event`` has completed."""
-        if slot is not None:
-            slot[2] = event
-
-    def _reserve(self, n: int) -> int | None:
-        """The start of ``n`` free words, or None. Slots are released oldest first (their writes
-        run in order on one stream); the free space is after the newest slot and before the oldest."""
-        if n > self.ENTRIES // 4:
-            return None
-        while self._live and self._live[0][2] is not None and self._live[0][2].query():
-            self._live.pop(0)
-        if not self._live:
-            start = 0
-        else:
-            tail, head = self._live[0][0], self._head
-            wrapped = self._live[-1][0] < tail
-            if not wrapped and head + n <= self.ENTRIES:
-                start = head
-            elif not wrapped and n <= tail:
-                start = 0
-            elif wrapped and head + n <= tail:
-                start = head
-            else:
-                return None
-        self._head = start + n
-        return start
-
-
-class Pointer:
-    """An int64 array at ``address`` as a kernel argument (what Triton reads of a tensor)."""
-
-    __slots__ = ("address",)
-
-    def __init__(self, address: int) -> None:
-        self.address = address
-
-    def data_ptr(self) -> int:
-        return self.address
-
-    @property
-    def dtype(self) -> Any:
-        import torch
-
-        return torch.int64

@@ -641,3 +641,29 @@ def test_kernels_warm_up_compiles_every_head_count_without_touching_the_cache() 
     assert warm_up(regions, layout=0, head_counts=[4, 2, 1], to_staging=False) == 3
     assert warm_up(regions, layout=0, head_counts=[4, 2, 1], to_staging=True) == 3
     assert all(torch.equal(a, b) for a, b in zip(regions, before))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_launches_after_the_first_of_a_specialisation_skip_the_jit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first launch of a specialisation goes through Triton's JIT and keeps its compiled
+    kernel; later ones (other tokens, other bytes) call its launcher directly and move the same
+    bytes the reference does."""
+    from kvproto.kernels import triton_kernels
+
+    source = make_cache(
+        seed=21, layout=Layout.NHD, block_size=16, heads=4, head_dim=64, dtype=torch.bfloat16, num_tokens=200,
+        num_regions=3, spare_pages=4, device="cuda",
+    )
+    assert not triton_kernels._jit_only(), "this Triton's launches cannot skip the JIT: nothing to test"
+    kernel = triton_kernels._kernel(False)
+    jit = []
+    real = type(kernel).run
+    monkeypatch.setattr(type(kernel), "run", lambda self, *a, **k: jit.append(1) or real(self, *a, **k))
+    for start, end in ((0, 100), (37, 200), (100, 164)):
+        out = triton_kernels.gather(source.regions, **source.span(start, end, 1), head_count=2)
+        torch.cuda.synchronize()
+        assert same_bytes(out, reference.gather(source.regions, **source.span(start, end, 1), head_count=2))
+    assert len(jit) <= 1  # the first of this specialisation (none where an earlier test launched it)
+    known = [v for k, v in triton_kernels._compiled.items() if k[0] == id(kernel)]
+    assert known and all(v is not False for v in known)

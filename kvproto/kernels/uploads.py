@@ -1,0 +1,120 @@
+"""Small tables for kernel launches (page lists, region offsets, tiles) without an allocation or a
+transfer call per launch.
+
+Theory of operation
+-------------------
+A launch that moves a few MiB reads a table of a few hundred bytes. Made the plain way (a tensor,
+``pin_memory()``, ``.to(device)``) that table costs the host more than the copy costs the GPU, and
+both paths that launch per write (the kernel path, per WRITE; the staged path, per piece) are
+bound by the host. ``Uploads`` is a ring of pinned host memory: ``put`` copies the table into
+the ring (a numpy slice assignment) and hands the kernel a ``Pointer`` to it, which the kernel
+reads directly over the bus (a few words per program). A slot is reused only once the event of
+the launch that read it has completed: ``used(slot, event)`` names it for one slot, ``seal(event)``
+for every slot put since the last seal (a piece's launches, put before its one event exists).
+Slots are freed oldest first, as the launches run in order on one stream. A table too big for
+the ring, or a ring full of launches in flight, goes to the device as a tensor of its own.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class Pointer:
+    """An int64 array at ``address`` as a kernel argument: what Triton reads of a tensor (its
+    address and dtype), and, for the checks of the staging kernels, what a trusted device table
+    shows (``length`` entries, one dimension, on ``device``)."""
+
+    __slots__ = ("address", "length", "device")
+
+    def __init__(self, address: int, length: int = 0, device: Any = None) -> None:
+        self.address = address
+        self.length = length
+        self.device = device
+
+    dtype = torch.int64
+
+    def data_ptr(self) -> int:
+        return self.address
+
+    def __len__(self) -> int:
+        return self.length
+
+    def numel(self) -> int:
+        return self.length
+
+    def dim(self) -> int:
+        return 1
+
+    def after(self, entries: int) -> Pointer:
+        """The entries from ``entries`` on."""
+        return Pointer(self.address + 8 * entries, self.length - entries, self.device)
+
+
+class Uploads:
+    """A ring of pinned host memory for the tables of launches in flight (module docstring)."""
+
+    ENTRIES = 1 << 19  # int64 words: 4 MiB pinned
+
+    def __init__(self) -> None:
+        self._host: Any = None
+        self._words: np.ndarray | None = None
+        self._head = 0
+        self._live: deque[list[Any]] = deque()
+        """[start, end, event] of every slot in use, oldest first; event None: its kernel is not
+        launched yet (a write of several kernels holds several slots before its one event)."""
+
+    def put(self, table: np.ndarray, device: Any) -> tuple[Any, Any]:
+        """``table`` where a kernel on ``device`` reads it; returns (tensor-like, slot)."""
+        n = table.size
+        if self._host is None:
+            self._host = torch.empty(self.ENTRIES, dtype=torch.int64, pin_memory=True)
+            self._words = self._host.numpy()
+        start = self._reserve(n + (n & 1))  # slots start 16-byte aligned
+        if start is None:
+            flat = torch.from_numpy(np.ascontiguousarray(table, dtype=np.int64).reshape(-1))
+            return flat.pin_memory().to(device, non_blocking=True), None
+        assert self._words is not None
+        self._words[start:start + n] = table.reshape(-1)
+        slot = [start, start + n + (n & 1), None]
+        self._live.append(slot)  # held from now: the next put of the same write must not reuse it
+        return Pointer(self._host.data_ptr() + 8 * start, n, device), slot
+
+    def used(self, slot: Any, event: Any) -> None:
+        """The kernel reading ``slot`` is launched: the slot is free once ``event`` has completed."""
+        if slot is not None:
+            slot[2] = event
+
+    def seal(self, event: Any) -> None:
+        """Every slot put since the last seal is read by launches that ``event`` follows."""
+        for slot in reversed(self._live):
+            if slot[2] is not None:
+                break
+            slot[2] = event
+
+    def _reserve(self, n: int) -> int | None:
+        """The start of ``n`` free words, or None. Slots are released oldest first (their writes
+        run in order on one stream); the free space is after the newest slot and before the oldest."""
+        if n > self.ENTRIES // 4:
+            return None
+        while self._live and self._live[0][2] is not None and self._live[0][2].query():
+            self._live.popleft()
+        if not self._live:
+            start = 0
+        else:
+            tail, head = self._live[0][0], self._head
+            wrapped = self._live[-1][0] < tail
+            if not wrapped and head + n <= self.ENTRIES:
+                start = head
+            elif not wrapped and n <= tail:
+                start = 0
+            elif wrapped and head + n <= tail:
+                start = head
+            else:
+                return None
+        self._head = start + n
+        return start
