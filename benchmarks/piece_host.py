@@ -1,10 +1,11 @@
 """Host time to enqueue one staged piece's gather (prefill) or scatter (decode) through ``Copies.run``,
 as the endpoints do, and the GPU's time to run it with the stream kept busy (a sleep kernel queued
 first, so the events time the copies, not the host's launches), one process: a one-group cache and
-the bench's GDN-shaped hybrid with its state block (8 MiB pieces, 64 regions, random pages), each
-twice, beside one contiguous 8 MiB device copy.
+the bench's GDN-shaped hybrid with its state block (64 regions, random pages; 8 MiB pieces unless
+TOKENS says otherwise), each twice, beside one contiguous device copy of a piece's bytes.
 
-    usage: python benchmarks/piece_host.py [prof]   (prof: also a cProfile of each kind's gathers)
+    usage: python benchmarks/piece_host.py [TOKENS] [prof]   (TOKENS per piece, 64 = 8 MiB by default;
+                                                          prof: also a cProfile of each kind's gathers)
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from kvproto.aio import KVCache, StateCache
 from kvproto.aio.staging import CacheKernels, Copies, StagingBuffer, pair_piece
 
 dev = torch.device("cuda")
+TOKENS = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 64
+PROF = "prof" in sys.argv[1:]
 L, H, D, B, POOL = 32, 8, 128, 16, 4096
 big = torch.randn((L * 2, POOL, B, H, D), dtype=torch.bfloat16, device=dev)
 full = [l for l in range(L) if l % 4 == 3]
@@ -38,7 +41,7 @@ def sleep_rate() -> float:
 
 
 rate = sleep_rate()
-ref_src = torch.empty(8 << 20, dtype=torch.uint8, device=dev)
+ref_src = torch.empty(TOKENS * 131072, dtype=torch.uint8, device=dev)
 ref_dst = torch.empty_like(ref_src)
 cases = (("one", one, False), ("hybrid + state block", hyb, True))
 for name, kv, with_state in cases * 2:
@@ -46,7 +49,7 @@ for name, kv, with_state in cases * 2:
     kern = CacheKernels(kv)
     copies = Copies(dev, kern.uploads)  # as the endpoints run a piece's copy: its stream, its event
     g = kv.cache_geometry
-    tokens = 64
+    tokens = TOKENS
     for gather in (True, False):
         piece = pair_piece(kern, g, g, side="prefill" if gather else "decode", minor=3, buf=buf)
         for iters, backed in ((20, False), (300, False), (300, True)):
@@ -58,10 +61,10 @@ for name, kv, with_state in cases * 2:
                 ev0.record(copies.stream)
             host = 0.0
             for i in range(iters):
-                pages = random.sample(range(POOL), 4)
+                pages = random.sample(range(POOL), -(-TOKENS // B))
 
                 def copy(stream, i=i, pages=pages):
-                    piece.copy(buf, (i % 64) * (16 << 20), 1000 + i, [pages] * (1 + len(kv.groups)), start=0,
+                    piece.copy(buf, (i % 4) * (TOKENS * 131072 + (1 << 20)), 1000 + i, [pages] * (1 + len(kv.groups)), start=0,
                                end=tokens, slots={2: i % 1000} if with_state else None, keep=False, stream=stream,
                                gather=gather)
 
@@ -80,9 +83,9 @@ torch.cuda._sleep(int(rate * 0.01)); a.record()
 for _ in range(300):
     ref_dst.copy_(ref_src)
 b.record(); torch.cuda.synchronize()
-print(f"reference: one contiguous 8 MiB device copy {a.elapsed_time(b) * 1000 / 300:7.1f} us")
+print(f"reference: one contiguous {TOKENS * 131072 >> 20} MiB device copy {a.elapsed_time(b) * 1000 / 300:7.1f} us")
 
-if len(sys.argv) > 1:
+if PROF:
     import cProfile
     import pstats
 
@@ -95,9 +98,9 @@ if len(sys.argv) > 1:
 
         def run(n):
             for i in range(n):
-                pages = random.sample(range(POOL), 4)
+                pages = random.sample(range(POOL), -(-TOKENS // B))
                 copies.run(lambda stream, i=i, pages=pages: piece.copy(
-                    buf, (i % 64) * (16 << 20), 5000 + i, [pages] * (1 + len(kv.groups)), start=0, end=64,
+                    buf, (i % 4) * (TOKENS * 131072 + (1 << 20)), 5000 + i, [pages] * (1 + len(kv.groups)), start=0, end=TOKENS,
                     slots={2: i % 1000} if with_state else None, keep=False, stream=stream, gather=True), lambda: None)
             torch.cuda.synchronize()
             copies.poll()

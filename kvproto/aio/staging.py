@@ -40,9 +40,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -307,47 +307,33 @@ class Stager:
 class JointTables:
     """Each room's page table for blocks that move in one launch (``Piece.copy``): the groups'
     pages from token 0 back to back, made once per room and set of groups, read from the ring as
-    ``PageTables``' are, forgotten when the room ends; and each region's offset into them, which
-    depends only on how many pages each group lists: kept where the kernel reads it, per those
-    counts (``LISTS`` of them at most), so that a launch's programs read them from device memory."""
-
-    LISTS = 64
+    ``PageTables``' are, forgotten when the room ends; with where each group's pages start in it
+    (the launch's arguments)."""
 
     def __init__(self, uploads: Uploads | None = None) -> None:
         self.uploads = uploads
-        self._tables: dict[tuple[int, tuple[int, ...]], tuple[tuple[tuple[int, ...], ...], np.ndarray]] = {}
-        self._lists: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()
+        self._tables: dict[tuple[int, tuple[int, ...]], tuple[tuple[tuple[int, ...], ...], np.ndarray,
+                                                              tuple[int, ...]]] = {}
 
     def get(self, room_id: int, parts: Sequence[PiecePart], pages: Sequence[Sequence[int]], *,
-            keep: bool = True, tiles: np.ndarray | None = None) -> tuple[Any, Any, torch.Tensor]:
+            keep: bool = True, tiles: np.ndarray | None = None) -> tuple[Any, Any, tuple[int, ...]]:
         """The joined table, a state block's ``tiles`` where the kernel reads them (as
-        ``PageTables.with_tiles``), and the regions' offsets into the table."""
+        ``PageTables.with_tiles``), and where each group's pages start in the table."""
         key = (room_id, tuple(part.group for part in parts))
         lists = tuple(tuple(pages[part.group]) for part in parts)
         known = self._tables.get(key)
         if known is not None and known[0] == lists:
-            values = known[1]
+            values, starts = known[1], known[2]
         else:
             values = np.array([page for listed in lists for page in listed], dtype=np.int64)
+            at, begins = 0, []
+            for listed in lists:
+                begins.append(at)
+                at += len(listed)
+            starts = tuple(begins)
             if keep:
-                self._tables[key] = (lists, values)
-        return (*_upload(values, parts[0].kv, tiles, self.uploads), self._offsets(parts, lists))
-
-    def _offsets(self, parts: Sequence[PiecePart], lists: Sequence[Sequence[int]]) -> torch.Tensor:
-        counts = tuple(len(listed) for listed in lists) + tuple(len(part.regions) for part in parts)
-        offsets = self._lists.get(counts)
-        if offsets is not None:
-            self._lists.move_to_end(counts)
-            return offsets
-        starts, at = [], 0
-        for part, listed in zip(parts, lists, strict=True):
-            starts += [at] * len(part.regions)
-            at += len(listed)
-        offsets = _upload(np.array(starts, dtype=np.int64), parts[0].kv)[0]  # a tensor of its own, kept
-        self._lists[counts] = offsets
-        if len(self._lists) > self.LISTS:
-            self._lists.popitem(last=False)
-        return offsets
+                self._tables[key] = (lists, values, starts)
+        return (*_upload(values, parts[0].kv, tiles, self.uploads), starts)
 
     def forget(self, room_id: int) -> None:
         for key in [k for k in self._tables if k[0] == room_id]:
@@ -450,6 +436,10 @@ class Piece:
 
     parts: tuple[PiecePart, ...]
     block: StateBlock | None = None
+    launches: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
+    """Where the cache and the staging share a GPU: each launch this pair's pieces make, by shape
+    (run of blocks, direction, tokens, staging alignment, state block), made and checked by the
+    first piece of that shape and run again for the later ones (``_copy_parts``)."""
 
     @property
     def unit(self) -> int:
@@ -475,7 +465,7 @@ class Piece:
             if fused is None:
                 self.block.copy(buf, at, slots, gather=gather, stream=stream)
         _copy_parts(self.parts, buf, offset, room_id, pages, start=start, end=end, keep=keep, stream=stream,
-                    gather=gather, block=fused)
+                    gather=gather, block=fused, launches=self.launches)
 
 
 def pair_piece(kernels_: CacheKernels, prefill: CacheGeometry, decode: CacheGeometry, *, side: str, minor: int,
@@ -490,32 +480,70 @@ def pair_piece(kernels_: CacheKernels, prefill: CacheGeometry, decode: CacheGeom
 
 def _copy_parts(parts: Sequence[PiecePart], buf: StagingBuffer, offset: int, room_id: int,
                 pages: Sequence[Sequence[int]], *, start: int, end: int, keep: bool, stream: Any,
-                gather: bool, block: tuple[Any, np.ndarray, torch.Tensor] | None = None) -> None:
+                gather: bool, block: tuple[Any, np.ndarray, torch.Tensor] | None = None,
+                launches: dict[tuple[Any, ...], Any] | None = None) -> None:
     """Every block of the piece, a launch per run of blocks that join; ``block``: a state block's
     (pattern plan, tiles, zero table) that rides in the last launch, its tiles uploaded with that
-    launch's page table."""
-    runs = _blocks(parts, offset, end - start, joint=_joins(buf))
+    launch's page table. Where the staging is on the cache's GPU, ``launches`` keeps each launch
+    by shape: a piece of a shape seen before runs it again with its own pointers, unchecked (its
+    pages are the core's; its staging is checked to lie in the buffer here)."""
+    joint = _joins(buf)
+    runs = _blocks(parts, offset, end - start, joint=joint)
+    prepared = launches is not None and joint and buf.tensor.device.type == "cuda"
     for k, (run, at) in enumerate(runs):
         tiles = block[1] if block is not None and k == len(runs) - 1 else None
         first = run[0]
-        lists = None
+        starts = None
         if len(run) > 1:
             assert first.joint is not None
-            table, on_device, lists = first.joint.get(room_id, run, pages, keep=keep, tiles=tiles)
+            table, on_device, starts = first.joint.get(room_id, run, pages, keep=keep, tiles=tiles)
         else:
             table, on_device = first.tables.with_tiles(room_id, pages[first.group], tiles, keep=keep)
         fused = None if on_device is None else (block[0], on_device, block[2])  # type: ignore[index]
+        if prepared:
+            assert launches is not None
+            with kernels.on(buf.tensor.device, stream):
+                _launch_run(launches, k, run, buf, at, table, starts, fused, start=start, end=end, gather=gather)
+            continue
         if len(run) > 1:
             regions = sum(len(part.regions) for part in run)
             staging = buf.view(at, (regions, end - start, first.piece.head_count, first.piece.head_dim),
                                first.kv.torch_dtype)
             kernels.copy_joined([part.regions for part in run], staging, table, layout=first.kv.geometry.layout,
                                 start_token=start, end_token=end, head_offset=first.head_offset, to_staging=gather,
-                                stream=stream, slots=fused, lists=lists)
+                                stream=stream, slots=fused, starts=starts)
             continue
         copy = gather_piece if gather else scatter_piece
         copy(first.kv, first.regions, buf, at, first.piece, pages=table, start=start, end=end,
              head_offset=first.head_offset, stream=stream, slots=fused)
+
+
+def _launch_run(launches: dict[tuple[Any, ...], Any], k: int, run: Sequence[PiecePart], buf: StagingBuffer, at: int,
+                table: Any, starts: Sequence[int] | None, fused: Any, *, start: int, end: int, gather: bool) -> None:
+    """Run ``k``-th run of a piece's blocks on the GPU: the launch of its shape again, or, the
+    first time, the checked launch, kept for the next piece of that shape."""
+    from kvproto.kernels import triton_kernels
+
+    first = run[0]
+    tokens = end - start
+    nbytes = tokens * sum(part.piece.unit for part in run)
+    if at < 0 or at + nbytes > buf.capacity:
+        raise kernels.StagingError(f"a staged block of {nbytes} bytes at {at} overruns the {buf.capacity}-byte buffer")
+    address = buf.address + at
+    tiles = None if fused is None else fused[1]
+    key = (k, gather, tokens, address & 15, 0 if tiles is None else len(tiles))
+    launch = launches.get(key)
+    if launch is not None:
+        launch.again(address, table, starts, tiles, start)
+        return
+    regions = sum(len(part.regions) for part in run)
+    staging = buf.view(at, (regions, tokens, first.piece.head_count, first.piece.head_dim), first.kv.torch_dtype)
+    launch = triton_kernels.prepare([part.regions for part in run], staging, table, layout=first.kv.geometry.layout,
+                                    start_token=start, end_token=end, head_offset=first.head_offset,
+                                    to_staging=gather, slots=fused, starts=starts)
+    if launch is not None:
+        launch.run(0, launch.regions)
+        launches[key] = launch
 
 
 def _joins(buf: StagingBuffer) -> bool:
@@ -528,10 +556,11 @@ def _joins(buf: StagingBuffer) -> bool:
 def _blocks(parts: Sequence[PiecePart], offset: int, tokens: int, *, joint: bool = False
             ) -> list[tuple[tuple[PiecePart, ...], int]]:
     """The piece's blocks at their offsets, runs of consecutive blocks that one launch moves
-    joined (``joint``: runs of one block otherwise)."""
+    joined (``joint``: runs of one block otherwise; at most ``JOIN_MAX`` blocks a run)."""
     out: list[tuple[tuple[PiecePart, ...], int]] = []
     for part in parts:
-        if joint and out and part.joint is not None and out[-1][0][-1].joins(part):
+        if joint and out and part.joint is not None and len(out[-1][0]) < kernels.JOIN_MAX \
+                and out[-1][0][-1].joins(part):
             out[-1] = (out[-1][0] + (part,), out[-1][1])
         else:
             out.append(((part,), offset))
@@ -582,12 +611,12 @@ class StateBlock:
                     else (self._offset, zeros, self._address, self._stride)
                 self._kernel[gather] = pattern.plan_strided_rows(src, src_stride, dst, dst_stride, self._length,
                                                                  base_align=base)
-            self._zero = torch.zeros(2, dtype=torch.int64, device=self.device)
+            self._zero = torch.zeros(4, dtype=torch.int64, device=self.device)  # the kernels read 3 words
 
     def tiles(self, buf: StagingBuffer, at: int, slots: dict[int, int], *, gather: bool
               ) -> tuple[Any, np.ndarray, torch.Tensor] | None:
         """The block at byte ``at`` of ``buf`` for a kernel: (its pattern plan, its tiles for these
-        slots, a device table whose first entry is 0), for a staging launch to move as well
+        slots, a device table whose first three entries are 0), for a staging launch to move as well
         (``triton_kernels.Slots`` once the tiles are on the device); None where the block has no
         kernel (``copy`` moves it)."""
         strided = self._kernel.get(gather)

@@ -4,11 +4,14 @@ Theory of operation
 -------------------
 A decode rank owns one staging buffer of ``capacity`` bytes. Writers ask for room to stage a
 piece of a chunk (``request``: up to ``units`` units of ``unit`` bytes, a unit being one token
-of the writer's head slice over every region); the ring grants, in request order, as many
-whole units as fit in one contiguous region (at least one). A writer that got fewer units than
-it asked for asks again for the rest: so a chunk larger than the ring is split into pieces that
-fit, never refused and never deadlocked, as long as one unit fits in the ring at all
-(``request`` refuses units larger than the ring up front).
+of the writer's head slice over every region); the ring grants, in request order, a request that
+fits the ring whole only whole, in one contiguous region: before the end of the buffer, else
+wrapping to its start, waiting for space if neither has room yet (split, its remainder would
+queue behind every request asked meanwhile and its room would end a whole turn later). A request
+larger than the ring gets as many whole units as fit in one contiguous region (at least one); a
+writer that got fewer units than it asked for asks again for the rest: so a chunk larger than the
+ring is split into pieces that fit, never refused and never deadlocked, as long as one unit fits
+in the ring at all (``request`` refuses units larger than the ring up front).
 
 A request may carry a *tail*: bytes that follow its units only in a grant of all of them (the
 state block of the piece that ends a room's tokens, staging.md minor 3). A grant of fewer units
@@ -146,9 +149,17 @@ class StagingRing:
         offset = self.head % self.capacity
         to_end = self.capacity - offset
         k = self._fit(req, min(free, to_end))
-        if k == 0:
-            # Not even one unit before the end of the buffer: wrap, if the start has room.
-            if offset == 0 or free <= to_end or self._fit(req, free - to_end) == 0:
+        at_start = self._fit(req, free - to_end) if offset and free > to_end else 0
+        if k < req.units and self._round(self._size(req, req.units)) <= self.capacity:
+            # The request fits the ring whole: it waits to be granted whole, at the start of the
+            # buffer if not before its end. Split, its remainder would be asked for again behind
+            # every request queued meanwhile, and its room would end a whole turn of the ring later.
+            if at_start < req.units:
+                return None
+        if k < req.units and at_start == req.units or k == 0:
+            # all of it fits at the start of the buffer (not before its end), or, for a request
+            # larger than the ring, not even one unit fits before the end: wrap, if the start has room
+            if at_start == 0:
                 return None
             self._pads += 1
             self._live[("pad", self._pads)] = _Region(self.head, to_end, None, released=True)

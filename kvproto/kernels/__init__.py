@@ -38,10 +38,10 @@ from typing import Literal
 import torch
 
 from kvproto.geometry.model import Layout
-from kvproto.kernels.plan import CopyPlan, Regions, StagingError, plan_copy
+from kvproto.kernels.plan import JOIN_MAX, CopyPlan, Regions, StagingError, plan_copy
 
-__all__ = ["Backend", "CopyPlan", "Regions", "StagingError", "copy_joined", "gather", "plan_copy", "scatter",
-           "triton_available", "warm_up"]
+__all__ = ["JOIN_MAX", "Backend", "CopyPlan", "Regions", "StagingError", "copy_joined", "gather", "on", "plan_copy",
+           "scatter", "triton_available", "warm_up"]
 
 Backend = Literal["auto", "triton", "torch", "cpu"]
 
@@ -78,7 +78,7 @@ def gather(
         out=out,
     )
     device = _device(src)
-    with _on(device, stream):
+    with on(device, stream):
         if _use_triton(backend, device):
             from kvproto.kernels import triton_kernels
 
@@ -114,7 +114,7 @@ def scatter(
     """
     args = dict(layout=layout, pages=pages, start_token=start_token, end_token=end_token, head_offset=head_offset)
     device = _device(dst)
-    with _on(device, stream):
+    with on(device, stream):
         if _use_triton(backend, device):
             from kvproto.kernels import triton_kernels
 
@@ -143,20 +143,20 @@ def copy_joined(
     to_staging: bool,
     stream: torch.cuda.Stream | None = None,
     slots: tuple | None = None,
-    lists: torch.Tensor | None = None,
+    starts: Sequence[int] | None = None,
 ) -> None:
     """:func:`gather` (``to_staging``) or :func:`scatter` of several groups whose pages look
     alike, in one Triton launch: ``staging`` holds their blocks back to back; ``table`` is every
-    group's pages from token 0, then each region's offset into them, or those offsets are
-    ``lists`` (``kvproto.kernels.triton_kernels.copy_joined``). CPU tensors run in Triton's
-    interpreter."""
+    group's pages from token 0 back to back, ``starts`` where each group's start (without it: a
+    host table ending with each region's offset into them;
+    ``kvproto.kernels.triton_kernels.copy_joined``). CPU tensors run in Triton's interpreter."""
     device = _device(groups[0])
-    with _on(device, stream):
+    with on(device, stream):
         from kvproto.kernels import triton_kernels
 
         triton_kernels.copy_joined(groups, staging, table, layout=layout, start_token=start_token,
                                    end_token=end_token, head_offset=head_offset, to_staging=to_staging,
-                                   interpret=device.type != "cuda", slots=slots, lists=lists)
+                                   interpret=device.type != "cuda", slots=slots, starts=starts)
 
 
 def triton_available() -> bool:
@@ -245,7 +245,7 @@ def _have_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _on(device: torch.device, stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[None]:
+def on(device: torch.device, stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[None]:
     """Make ``device`` current (for CUDA) and ``stream`` its current stream, if given; nothing to do
     (the common case: a staged copy runs inside its ``Copies`` stream) costs no context switch."""
     if device.type != "cuda":

@@ -31,6 +31,11 @@ import torch
 from kvproto.geometry.model import Layout
 
 
+JOIN_MAX = 4
+"""Most groups one staging launch moves (``copy_joined``): where each group's regions start and
+where its pages start in the table are scalar arguments of the kernel, not a table it reads first."""
+
+
 class StagingError(ValueError):
     """Arguments that do not describe a valid staging copy."""
 

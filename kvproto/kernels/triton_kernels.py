@@ -48,7 +48,8 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 from kvproto.geometry.model import Layout
-from kvproto.kernels.plan import CopyPlan, Regions, StagingError, as_regions, check_staging, plan_copy, staging_heads
+from kvproto.kernels.plan import (JOIN_MAX, CopyPlan, Regions, StagingError, as_regions, check_staging, plan_copy,
+                                  staging_heads)
 from kvproto.kernels.uploads import Pointer
 
 HostPath = Literal["bounce", "mapped"]
@@ -57,14 +58,20 @@ TILE_BYTES = 8192  # bytes one program moves (rounded down to a power of two of 
 NUM_WARPS = 8
 _TABLE_CACHE_SIZE = 64
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-_RUNTIME_INTS = ("start_token", "num_rows", "head_offset", "first_region", "num_slot_tiles", "num_regions")
+_RUNTIME_INTS = ("start_token", "num_rows", "head_offset", "first_region", "num_slot_tiles", "num_regions",
+                 "split1", "base1", "split2", "base2", "split3", "base3")
 
 
 def _copy_rows(
     table_ptr,
     stage_ptr,
     pages_ptr,
-    lists_ptr,
+    split1,
+    base1,
+    split2,
+    base2,
+    split3,
+    base3,
     slot_tiles,
     num_slot_tiles,
     slot_base,
@@ -96,9 +103,12 @@ def _copy_rows(
     if SLOTS:  # the grid's last row copies a piece's state block (absolute addresses: ``_Launch``)
         t = tl.minimum(tl.program_id(0).to(tl.int64), num_slot_tiles - 1)  # a tile there is (no scalar masks)
         on = ((tl.program_id(1) == num_regions) & (tl.program_id(0) < num_slot_tiles)).to(tl.int64)
-        s_src = tl.load(slot_tiles + t * 3) * S_VEC
-        s_dst = tl.load(slot_tiles + t * 3 + 1) * S_VEC
-        s_count = tl.load(slot_tiles + t * 3 + 2) * S_VEC * on  # 0 words outside the block's own programs
+        # only the block's own programs read its tiles (in host memory, read over the bus); the
+        # others read the zero table's words: 0 words to copy
+        tile = tl.where(on != 0, slot_tiles + t * 3, slot_base)
+        s_src = tl.load(tile) * S_VEC
+        s_dst = tl.load(tile + 1) * S_VEC
+        s_count = tl.load(tile + 2) * S_VEC * on  # 0 words outside the block's own programs
         zero = tl.multiple_of(tl.load(slot_base).to(tl.pointer_type(slot_word_ptr.dtype.element_ty)), S_ALIGN)
         s_words = tl.arange(0, S_TILE_WORDS)
         s_mask = s_words < s_count
@@ -108,8 +118,12 @@ def _copy_rows(
     live = rows < limit
     token = start_token + rows // HEAD_COUNT
     head = head_offset + rows % HEAD_COUNT
-    if LISTS:  # regions of several groups (``copy_joined``): region r's pages start at lists[r]
-        pages_ptr += tl.load(lists_ptr + region)
+    if LISTS:  # regions of several groups (``copy_joined``): group g's regions, from split_g on, read
+        # their pages from base_g on (unused groups: a split no region reaches)
+        base = tl.where(region >= split1, base1, 0)
+        base = tl.where(region >= split2, base2, base)
+        base = tl.where(region >= split3, base3, base)
+        pages_ptr += base
     page = tl.load(pages_ptr + token // BLOCK_SIZE, mask=live, other=0).to(tl.int64)
     slot = token % BLOCK_SIZE
     if HND:
@@ -211,8 +225,9 @@ def _knobs() -> Any:
 
 Slots = tuple[Any, torch.Tensor, torch.Tensor]
 """A state block's copy riding in a staging launch: ``(PatternPlan, its tiles, a table whose first
-entry is 0)``, the tiles of absolute addresses where the kernel reads them (``kvproto.aio.staging
-.StateBlock``); one more grid row copies them as ``copy_pattern`` does over one region of base 0."""
+three entries are 0)``, the tiles of absolute addresses where the kernel reads them (``kvproto.aio.staging
+.StateBlock``); one more grid row copies them as ``copy_pattern`` does over one region of base 0 (the other
+programs read the zero table's first three words in place of a tile: 0 words to copy)."""
 
 
 @dataclass(slots=True)
@@ -392,16 +407,45 @@ def copy_joined(
     tile_bytes: int = TILE_BYTES,
     num_warps: int = NUM_WARPS,
     slots: Slots | None = None,
-    lists: torch.Tensor | None = None,
+    starts: Sequence[int] | None = None,
 ) -> None:
-    """One launch for the staged blocks of several groups whose pages look alike (same page shape,
-    page stride and dtype; pools of any size): ``staging`` is their blocks back to back, ``(sum of
-    regions, T, head_count, head_dim)`` on the cache's device; ``table`` (int64, where the kernel
-    reads it) is every group's pages from token 0 back to back, then each region's offset into
-    them, unless ``lists`` (int64, where the kernel reads it) holds those offsets. The pages are
-    trusted (checked when they entered the core), as a device table is. ``slots``: a state block
-    moved in the same launch."""
+    """One launch for the staged blocks of up to ``JOIN_MAX`` groups whose pages look alike (same
+    page shape, page stride and dtype; pools of any size): ``staging`` is their blocks back to back,
+    ``(sum of regions, T, head_count, head_dim)`` on the cache's device; ``table`` (int64, where
+    the kernel reads it) is every group's pages from token 0 back to back, and ``starts`` where
+    each group's pages start in it; without ``starts``, ``table`` is a host tensor that ends with
+    each region's offset into its pages. The pages are trusted (checked when they entered the
+    core), as a device table is. ``slots``: a state block moved in the same launch."""
+    launch = prepare(groups, staging, table, layout=layout, start_token=start_token, end_token=end_token,
+                     head_offset=head_offset, to_staging=to_staging, interpret=interpret, tile_bytes=tile_bytes,
+                     num_warps=num_warps, slots=slots, starts=starts)
+    if launch is not None:
+        launch.run(0, launch.regions)
+
+
+def prepare(
+    groups: Sequence[Regions],
+    staging: torch.Tensor,
+    table: Any,
+    *,
+    layout: Layout | int,
+    start_token: int,
+    end_token: int,
+    head_offset: int,
+    to_staging: bool,
+    interpret: bool = False,
+    tile_bytes: int = TILE_BYTES,
+    num_warps: int = NUM_WARPS,
+    slots: Slots | None = None,
+    starts: Sequence[int] | None = None,
+) -> _Launch | None:
+    """The checked launch of a device-staging copy of one group's blocks (``table``: its pages), or
+    of several groups' (``copy_joined``'s arguments), not yet run: ``run(0, launch.regions)`` runs
+    it, and ``again`` runs the same launch for another piece of the same shape (the staged path's
+    later pieces: ``kvproto.aio.staging``). None for a piece of no tokens."""
     first = groups[0]
+    if len(groups) > JOIN_MAX:
+        raise StagingError(f"{len(groups)} groups in one launch: at most {JOIN_MAX}")
     for g, regions in enumerate(groups):
         if (regions.shape[1:], regions.page_stride, regions.dtype, regions.device) != \
                 (first.shape[1:], first.page_stride, first.dtype, first.device):
@@ -415,19 +459,51 @@ def copy_joined(
             or not staging.is_contiguous():
         raise StagingError(f"staging is {tuple(staging.shape)} {staging.dtype} on {staging.device}, the groups "
                            f"need {want} {plan.dtype} on {plan.device}, contiguous")
-    if lists is not None and (lists.dim() != 1 or lists.dtype != torch.int64 or len(lists) != total):
-        raise StagingError(f"the joined launch's region offsets must be 1-D int64, one per region ({total})")
-    if table.dim() != 1 or table.dtype != torch.int64 or (lists is None and len(table) < total):
-        raise StagingError(f"the joined page table must be 1-D int64 ending in {total} region offsets")
+    joined = len(groups) > 1
+    if table.dim() != 1 or table.dtype not in (torch.int64, torch.int32) or (joined and table.dtype != torch.int64):
+        raise StagingError("the page table must be 1-D int64 (int32 for one group)")
+    if joined and starts is None:
+        starts = _group_starts(groups, table)
+    if joined and (len(starts) != len(groups) or any(b < a for a, b in zip(starts, starts[1:]))):
+        raise StagingError(f"the groups' pages must start in table order, one start per group: {starts}")
     if not plan.num_tokens:
         _no_empty_launch(slots)
-    else:
-        if not isinstance(table, Pointer):
-            table = table.to(plan.device, non_blocking=True)
-        if lists is None:
-            lists = table.after(len(table) - total) if isinstance(table, Pointer) else table[len(table) - total:]
-        _Launch(plan, staging, table, to_staging, interpret, tile_bytes, num_warps, joined=groups,
-                lists=lists, slots=slots).run(0, total)
+        return None
+    if not isinstance(table, Pointer):
+        table = table.to(plan.device, non_blocking=True)
+    return _Launch(plan, staging, table, to_staging, interpret, tile_bytes, num_warps, joined=groups if joined else (),
+                   starts=starts if joined else None, slots=slots)
+
+
+def _group_starts(groups: Sequence[Regions], table: torch.Tensor) -> list[int]:
+    """Where each group's pages start in a host ``table`` that ends with each region's offset."""
+    total = sum(len(regions) for regions in groups)
+    if table.device.type != "cpu" or len(table) < total:
+        raise StagingError(f"a joined launch needs the groups' page starts, or a host table ending in {total} "
+                           f"region offsets")
+    offsets = table[len(table) - total:].tolist()
+    starts, at = [], 0
+    for regions in groups:
+        group = offsets[at:at + len(regions)]
+        if any(o != group[0] for o in group):
+            raise StagingError("the regions of one group must read one page list")
+        starts.append(group[0])
+        at += len(regions)
+    return starts
+
+
+def _splits(joined: Sequence[Regions], starts: Sequence[int] | None) -> tuple[int, ...]:
+    """The kernel's (split, base) pairs of a joined launch's groups beyond the first: the region
+    where each group starts and where its pages start (unused pairs: a split no region reaches)."""
+    out: list[int] = []
+    at = 0
+    for g, regions in enumerate(joined):
+        if g:
+            assert starts is not None
+            out += [at, starts[g]]
+        at += len(regions)
+    out += [0x7FFFFFFF, 0] * (JOIN_MAX - 1 - len(out) // 2)
+    return tuple(out)
 
 
 def _no_empty_launch(slots: Slots | None) -> None:
@@ -448,7 +524,7 @@ class _Launch:
         tile_bytes: int,
         num_warps: int,
         joined: Sequence[Regions] = (),
-        lists: torch.Tensor | None = None,
+        starts: Sequence[int] | None = None,
         slots: Slots | None = None,
     ) -> None:
         itemsize = plan.dtype.itemsize
@@ -472,17 +548,21 @@ class _Launch:
             slot_args = (tiles, self.slot_tiles, base, _word_tensor(slot_plan.word, plan.device))
             slot_constants = {"SLOTS": True, "S_TILE_WORDS": slot_plan.tile_words, "S_VEC": slot_plan.vec,
                               "S_ALIGN": slot_plan.word * slot_plan.vec}
+        self.joined = tuple(joined)
         self.args = (
             table.tensor,
             staging.view(_WORDS[word]),
             pages,
-            pages if lists is None else lists,
+            *_splits(self.joined, starts),
             *slot_args,
         )
         self.tail = (plan.start_token, self.num_rows, plan.head_offset)
+        self.regions = plan.num_regions if not joined else sum(len(regions) for regions in joined)
+        self.word = _WORDS[word]
+        self.device = plan.device
         self.constants: dict[str, Any] = {
             **slot_constants,
-            "LISTS": lists is not None,
+            "LISTS": bool(joined),
             "BLOCK_SIZE": plan.block_size,
             "HEADS": plan.heads,
             "HEAD_COUNT": plan.head_count,
@@ -496,6 +576,20 @@ class _Launch:
         }
         if not interpret:
             self.constants.update(num_warps=num_warps, enable_fp_fusion=False)
+
+    def again(self, staging: int, pages: Any, starts: Sequence[int] | None = None, tiles: Any = None,
+              start_token: int = 0) -> None:
+        """This launch for another piece of its shape (its token count, staging alignment, groups and
+        state block, which the caller keys it by), whose staging starts at address ``staging``: its
+        pages (a joined launch's groups from ``starts``) and its state block's ``tiles`` where the
+        kernel reads them, its tokens from ``start_token``. Nothing is checked again: the caller
+        keeps the staging inside its buffer and the pages are the core's, range-checked."""
+        stage = Pointer(staging, 0, self.device, self.word)
+        table = self.args[0]
+        slot_args = (tiles, *self.args[-3:]) if self.slot_tiles else (pages, 0, pages, stage)
+        self.args = (table, stage, pages, *_splits(self.joined, starts), *slot_args)
+        self.tail = (start_token, *self.tail[1:])
+        self.run(0, self.regions)
 
     def run(self, first: int, last: int) -> None:
         """Copy regions ``[first, last)`` (and the state block, in one more grid row, if any)."""
@@ -593,9 +687,10 @@ def _copy_paged(src_table, dst_table, src_pages, dst_pages, lists, start_token, 
     if SLOTS:  # the grid's last row copies a state slot's tiles (absolute addresses, ``copy_paged``)
         t = tl.minimum(tl.program_id(0).to(tl.int64), num_slot_tiles - 1)  # a tile there is (no scalar masks)
         on = ((region == num_regions) & (tl.program_id(0) < num_slot_tiles)).to(tl.int64)
-        s_src = tl.load(slot_tiles + t * 3) * S_VEC
-        s_dst = tl.load(slot_tiles + t * 3 + 1) * S_VEC
-        s_count = tl.load(slot_tiles + t * 3 + 2) * S_VEC * on  # 0 words outside the state's own programs
+        tile = tl.where(on != 0, slot_tiles + t * 3, slot_base)  # others read the zero table (``_copy_rows``)
+        s_src = tl.load(tile) * S_VEC
+        s_dst = tl.load(tile + 1) * S_VEC
+        s_count = tl.load(tile + 2) * S_VEC * on  # 0 words outside the state's own programs
         zero = tl.multiple_of(tl.load(slot_base).to(tl.pointer_type(slot_word_ptr.dtype.element_ty)), S_ALIGN)
         s_words = tl.arange(0, S_TILE_WORDS)
         s_mask = s_words < s_count
@@ -646,8 +741,8 @@ def copy_paged(plan: Any, src_table: torch.Tensor, dst_table: Any, src_pages: An
     regions); tables and page lists are where the kernel reads them (CPU: the interpreter).
     ``lists``: where regions of several groups share a launch, int64 offsets into the page lists,
     ``regions`` for the source lists then ``regions`` for the destination lists. ``slots``: a
-    state slot's copy in the same launch, ``(PatternPlan, its tiles, a table whose first entry is
-    0)``: one more grid row copies those tiles as ``copy_pattern`` does over one region of base 0."""
+    state slot's copy in the same launch, ``(PatternPlan, its tiles, a table whose first three entries
+    are 0)``: one more grid row copies those tiles as ``copy_pattern`` does over one region of base 0."""
     device = src_table.device
     interpret = device.type != "cuda"
     constants = dict(plan.constants)

@@ -25,18 +25,18 @@ import torch
 
 
 class Pointer:
-    """An int64 array at ``address`` as a kernel argument: what Triton reads of a tensor (its
-    address and dtype), and, for the checks of the staging kernels, what a trusted device table
-    shows (``length`` entries, one dimension, on ``device``)."""
+    """An array at ``address`` as a kernel argument: what Triton reads of a tensor (its address and
+    dtype), and, for the checks of the staging kernels, what a trusted device table shows
+    (``length`` entries, one dimension, on ``device``)."""
 
-    __slots__ = ("address", "length", "device")
+    __slots__ = ("address", "length", "device", "dtype")
 
-    def __init__(self, address: int, length: int = 0, device: Any = None) -> None:
+    def __init__(self, address: int, length: int = 0, device: Any = None, dtype: Any = torch.int64) -> None:
         self.address = address
         self.length = length
         self.device = device
-
-    dtype = torch.int64
+        self.dtype = dtype
+        """What the kernel reads there: int64 tables; a staging launch's words (``_Launch.again``)."""
 
     def data_ptr(self) -> int:
         return self.address
@@ -52,7 +52,7 @@ class Pointer:
 
     def after(self, entries: int) -> Pointer:
         """The entries from ``entries`` on."""
-        return Pointer(self.address + 8 * entries, self.length - entries, self.device)
+        return Pointer(self.address + self.dtype.itemsize * entries, self.length - entries, self.device, self.dtype)
 
 
 class Uploads:

@@ -141,9 +141,9 @@ def test_ring_refuses_a_unit_that_can_never_fit() -> None:
 
 
 def test_ring_tail_comes_only_with_the_last_unit() -> None:
-    """A request's tail (a piece's state block) follows its units only in a grant of all of them: a
-    ring with room for the units but not the tail grants one unit less, and the rest, asked for
-    again, gets the tail."""
+    """A request's tail (a piece's state block) follows its units only in a grant of all of them. A
+    request that fits the ring whole waits to be granted whole, tail and all, rather than split;
+    one larger than the ring is granted in parts, the tail with the part that holds the last unit."""
     ring = StagingRing(1024, align=64)
     ring.request("a", "A", unit=100, units=4, tail=48)
     (grant,) = ring.take_grants()
@@ -152,14 +152,35 @@ def test_ring_tail_comes_only_with_the_last_unit() -> None:
     ring.request("filler", "B", unit=64, units=10)  # 640 bytes: 384 free, 400 + 48 no longer fit
     ring.take_grants()
     ring.request("b", "A", unit=100, units=4, tail=48)
-    (grant,) = ring.take_grants()
-    assert (grant.units, grant.length) == (3, 300)  # the tail waits for the last unit
-    ring.request("c", "A", unit=100, units=1, tail=48)
-    assert ring.take_grants() == []  # 148 bytes: only behind the watermark
+    assert ring.take_grants() == []  # no part of it now: the whole once there is room
     ring.release("filler")
-    ring.release("b")
     (grant,) = ring.take_grants()
-    assert (grant.units, grant.length) == (1, 148)
+    assert (grant.units, grant.length) == (4, 448)
+    ring.release("b")
+    ring.request("c", "A", unit=100, units=12, tail=48)  # 1248 bytes: more than the ring
+    (grant,) = ring.take_grants()
+    assert (grant.units, grant.length) == (10, 1000)  # the tail waits for the last unit
+    ring.request("d", "A", unit=100, units=2, tail=48)
+    assert ring.take_grants() == []  # 248 bytes: only behind the watermark
+    ring.release("c")
+    (grant,) = ring.take_grants()
+    assert (grant.units, grant.length) == (2, 248)
+
+
+def test_ring_wraps_a_request_that_fits_whole_rather_than_split_it() -> None:
+    """A request that does not fit before the end of the buffer but fits the ring whole is granted
+    whole at the start once there is room there (the end's stretch padded), never in two parts."""
+    ring = StagingRing(1024, align=64)
+    for key in ("x", "y", "z"):
+        ring.request(key, "A", unit=64, units=4)  # 256 bytes each: 768 used, 256 left before the end
+    assert len(ring.take_grants()) == 3
+    ring.request("w", "B", unit=64, units=5)  # 320 bytes: 4 units would fit before the end
+    assert ring.take_grants() == []
+    ring.release("x")  # 256 free at the start: still not the whole
+    assert ring.take_grants() == []
+    ring.release("y")
+    (grant,) = ring.take_grants()
+    assert (grant.offset, grant.units, grant.length) == (0, 5, 320)
 
 
 def test_ring_refuses_a_tail_that_can_never_fit() -> None:
