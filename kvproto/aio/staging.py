@@ -259,13 +259,13 @@ def _upload(values: np.ndarray, kv: KVCache, tiles: np.ndarray | None = None, up
     cuda = bool(kv.tensors) and kv.tensors[0].device.type == "cuda"
     if cuda and uploads is not None:
         device = kv.tensors[0].device
-        table = uploads.put(values, device)[0]
         if tiles is None:
-            return table, None
-        on_device = uploads.put(np.ascontiguousarray(tiles, dtype=np.int64), device)[0]
-        if isinstance(on_device, torch.Tensor):
-            return table, on_device.view(-1, 3)
-        return table, Pointer(on_device.address, len(tiles), device)  # its length: tiles, not words
+            return uploads.put(values, device)[0], None
+        n = len(values)  # one put for both: the tiles after the table
+        both = uploads.put(np.concatenate([values, np.ascontiguousarray(tiles, dtype=np.int64).reshape(-1)]), device)[0]
+        if isinstance(both, torch.Tensor):
+            return both[:n], both[n:].view(-1, 3)
+        return Pointer(both.address, n, device), Pointer(both.address + 8 * n, len(tiles), device)  # length: tiles
     table = torch.from_numpy(values)
     on = None if tiles is None else torch.from_numpy(np.ascontiguousarray(tiles, dtype=np.int64).reshape(-1, 3))
     if cuda:
@@ -441,9 +441,11 @@ class Piece:
     (run of blocks, direction, tokens, staging alignment, state block), made and checked by the
     first piece of that shape and run again for the later ones (``_copy_parts``)."""
 
-    @property
-    def unit(self) -> int:
-        return piece_unit(self.parts)
+    unit: int = field(init=False)
+    """Bytes per token of the pair's pieces."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "unit", piece_unit(self.parts))
 
     @property
     def tail(self) -> int:
@@ -488,7 +490,13 @@ def _copy_parts(parts: Sequence[PiecePart], buf: StagingBuffer, offset: int, roo
     by shape: a piece of a shape seen before runs it again with its own pointers, unchecked (its
     pages are the core's; its staging is checked to lie in the buffer here)."""
     joint = _joins(buf)
-    runs = _blocks(parts, offset, end - start, joint=joint)
+    if launches is None:
+        runs = _blocks(parts, offset, end - start, joint=joint)
+    else:  # the runs of a pair's pieces, planned once: each run's bytes per token before it
+        shape = launches.get(("runs", joint))
+        if shape is None:
+            shape = launches[("runs", joint)] = _blocks(parts, 0, 1, joint=joint)
+        runs = [(run, offset + (end - start) * before) for run, before in shape]
     prepared = launches is not None and joint and buf.tensor.device.type == "cuda"
     for k, (run, at) in enumerate(runs):
         tiles = block[1] if block is not None and k == len(runs) - 1 else None
@@ -568,12 +576,19 @@ def _blocks(parts: Sequence[PiecePart], offset: int, tokens: int, *, joint: bool
     return out
 
 
+_BLOCK_SIDE = {True: np.array([0, 1, 0], dtype=np.int64), False: np.array([1, 0, 0], dtype=np.int64)}
+"""The column of a state block's tiles (source, destination, length) that lies in the block."""
+
+
 class StateBlock:
     """One side's view of a pair's state block (``kvproto.geometry.groups.state_block``): where
     each run lies in this rank's state slots (``side``: "prefill" reads the runs' sources, "decode"
     writes their destinations) and in the block; ``copy`` moves a piece's block between the slots
     and the staging buffer. ``unit``: the pair's bytes per token (a block starts ``tokens x unit``
     bytes into its piece, and the kernel's plan must divide every such start)."""
+
+    SHIFTED = 4096
+    """Most choices of slots whose tiles a block keeps (all forgotten at once beyond that)."""
 
     def __init__(self, runs: Sequence[BlockRun], states: dict[int, StateCache], *, side: str, unit: int,
                  buf: StagingBuffer, kernel: bool | None = None) -> None:
@@ -599,6 +614,7 @@ class StateBlock:
         if any((states[g].mem_kind, states[g].device_id) != (first.mem_kind, first.device_id) for g in self.groups):
             raise ValueError("a state block's groups live on one device")
         self._kernel: dict[bool, Any] = {}
+        self._shifted: dict[tuple[bool, tuple[int, ...]], np.ndarray] = {}
         if kernel is None:
             kernel = _joins(buf) and buf.tensor.device == self.device
         if kernel:
@@ -611,25 +627,33 @@ class StateBlock:
                     else (self._offset, zeros, self._address, self._stride)
                 self._kernel[gather] = pattern.plan_strided_rows(src, src_stride, dst, dst_stride, self._length,
                                                                  base_align=base)
-            self._zero = torch.zeros(4, dtype=torch.int64, device=self.device)  # the kernels read 3 words
+            self._zero = torch.zeros(2, dtype=torch.int64, device=self.device)
 
     def tiles(self, buf: StagingBuffer, at: int, slots: dict[int, int], *, gather: bool
               ) -> tuple[Any, np.ndarray, torch.Tensor] | None:
         """The block at byte ``at`` of ``buf`` for a kernel: (its pattern plan, its tiles for these
-        slots, a device table whose first three entries are 0), for a staging launch to move as well
+        slots, a device table whose first entry is 0), for a staging launch to move as well
         (``triton_kernels.Slots`` once the tiles are on the device); None where the block has no
         kernel (``copy`` moves it)."""
         strided = self._kernel.get(gather)
         if strided is None:
             return None
-        if len(self.groups) == 1:  # the common case: one slot for every tile
-            per_tile: Any = slots[self.groups[0]]
-        else:
-            per_tile = np.array([slots[g] for g in self._group.tolist()], dtype=np.int64)[strided.rows][:, None]
+        chosen = (slots[self.groups[0]],) if len(self.groups) == 1 else tuple(slots[g] for g in self.groups)
+        shifted = self._shifted.get((gather, chosen))
+        if shifted is None:  # the slots' tiles at block 0, kept per slots (a slot serves many rooms)
+            if len(self.groups) == 1:  # the common case: one slot for every tile
+                per_tile: Any = chosen[0]
+            else:
+                per_tile = np.array([slots[g] for g in self._group.tolist()], dtype=np.int64)[strided.rows][:, None]
+            shifted = strided.tiles(src_slot=per_tile) if gather else strided.tiles(dst_slot=per_tile)
+            if len(self._shifted) >= self.SHIFTED:
+                self._shifted.clear()
+            self._shifted[(gather, chosen)] = shifted
         block = buf.address + at
-        tiles = strided.tiles(src_slot=per_tile, dst_base=block) if gather \
-            else strided.tiles(dst_slot=per_tile, src_base=block)
-        return strided.plan, tiles, self._zero
+        if block % strided.align:
+            raise ValueError(f"a state block at {block:#x} is not a multiple of the plan's {strided.align} bytes")
+        # the block's side of every tile moves by the block's address: the destination's when gathering
+        return strided.plan, shifted + _BLOCK_SIDE[gather] * (block // strided.align), self._zero
 
     def copy(self, buf: StagingBuffer, at: int, slots: dict[int, int], *, gather: bool, stream: Any) -> None:
         """Gather (``gather``) this side's ``slots`` (slot by group number) into the block at byte

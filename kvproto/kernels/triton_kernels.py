@@ -100,21 +100,22 @@ def _copy_rows(
     region = first_region + tl.program_id(1)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     limit = num_rows
-    if SLOTS:  # the grid's last row copies a piece's state block (absolute addresses: ``_Launch``)
-        t = tl.minimum(tl.program_id(0).to(tl.int64), num_slot_tiles - 1)  # a tile there is (no scalar masks)
-        on = ((tl.program_id(1) == num_regions) & (tl.program_id(0) < num_slot_tiles)).to(tl.int64)
-        # only the block's own programs read its tiles (in host memory, read over the bus); the
-        # others read the zero table's words: 0 words to copy
-        tile = tl.where(on != 0, slot_tiles + t * 3, slot_base)
-        s_src = tl.load(tile) * S_VEC
-        s_dst = tl.load(tile + 1) * S_VEC
-        s_count = tl.load(tile + 2) * S_VEC * on  # 0 words outside the block's own programs
-        zero = tl.multiple_of(tl.load(slot_base).to(tl.pointer_type(slot_word_ptr.dtype.element_ty)), S_ALIGN)
-        s_words = tl.arange(0, S_TILE_WORDS)
-        s_mask = s_words < s_count
-        tl.store(zero + s_dst + s_words, tl.load(zero + s_src + s_words, mask=s_mask), mask=s_mask)
-        limit = num_rows * (tl.program_id(1) < num_regions).to(tl.int64)  # the block's row copies no rows
-        region = tl.minimum(region, first_region + num_regions - 1)  # and its loads below stay in the table
+    if SLOTS:  # the grid's first rows copy a piece's state block (absolute addresses: ``_Launch``),
+        # tile row x columns + column, beside the regions' programs rather than after them
+        slot_rows = (num_slot_tiles + tl.num_programs(0) - 1) // tl.num_programs(0)
+        if tl.program_id(1) < slot_rows:  # only the block's programs read its tiles (over the bus)
+            t = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
+            on = (t < num_slot_tiles).to(tl.int64)
+            t = tl.minimum(t, num_slot_tiles - 1)  # a tile there is (no scalar masks)
+            s_src = tl.load(slot_tiles + t * 3) * S_VEC
+            s_dst = tl.load(slot_tiles + t * 3 + 1) * S_VEC
+            s_count = tl.load(slot_tiles + t * 3 + 2) * S_VEC * on  # 0 words past the block's last tile
+            zero = tl.multiple_of(tl.load(slot_base).to(tl.pointer_type(slot_word_ptr.dtype.element_ty)), S_ALIGN)
+            s_words = tl.arange(0, S_TILE_WORDS)
+            s_mask = s_words < s_count
+            tl.store(zero + s_dst + s_words, tl.load(zero + s_src + s_words, mask=s_mask), mask=s_mask)
+        limit = num_rows * (tl.program_id(1) >= slot_rows).to(tl.int64)  # the block's rows copy no rows
+        region = first_region + tl.maximum(tl.program_id(1) - slot_rows, 0)  # the regions' rows follow
     live = rows < limit
     token = start_token + rows // HEAD_COUNT
     head = head_offset + rows % HEAD_COUNT
@@ -225,9 +226,9 @@ def _knobs() -> Any:
 
 Slots = tuple[Any, torch.Tensor, torch.Tensor]
 """A state block's copy riding in a staging launch: ``(PatternPlan, its tiles, a table whose first
-three entries are 0)``, the tiles of absolute addresses where the kernel reads them (``kvproto.aio.staging
-.StateBlock``); one more grid row copies them as ``copy_pattern`` does over one region of base 0 (the other
-programs read the zero table's first three words in place of a tile: 0 words to copy)."""
+entry is 0)``, the tiles of absolute addresses where the kernel reads them
+(``kvproto.aio.staging.StateBlock``); the grid's first rows copy them as ``copy_pattern`` does
+over one region of base 0, and only those programs read them."""
 
 
 @dataclass(slots=True)
@@ -592,9 +593,9 @@ class _Launch:
         self.run(0, self.regions)
 
     def run(self, first: int, last: int) -> None:
-        """Copy regions ``[first, last)`` (and the state block, in one more grid row, if any)."""
-        if self.slot_tiles:
-            grid = (max(self.tiles, self.slot_tiles), last - first + 1)
+        """Copy regions ``[first, last)`` (and the state block, in grid rows before theirs, if any)."""
+        if self.slot_tiles:  # the block's tiles in rows of their own, before the regions' rows
+            grid = (self.tiles, last - first - (-self.slot_tiles // self.tiles))
         else:
             grid = (self.tiles, last - first)
         _launch(self.kernel, grid, (*self.args, last - first, *self.tail, first), self.constants)
@@ -684,19 +685,22 @@ def _copy_paged(src_table, dst_table, src_pages, dst_pages, lists, start_token, 
     region = tl.program_id(1)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     limit = num_rows
-    if SLOTS:  # the grid's last row copies a state slot's tiles (absolute addresses, ``copy_paged``)
-        t = tl.minimum(tl.program_id(0).to(tl.int64), num_slot_tiles - 1)  # a tile there is (no scalar masks)
-        on = ((region == num_regions) & (tl.program_id(0) < num_slot_tiles)).to(tl.int64)
-        tile = tl.where(on != 0, slot_tiles + t * 3, slot_base)  # others read the zero table (``_copy_rows``)
-        s_src = tl.load(tile) * S_VEC
-        s_dst = tl.load(tile + 1) * S_VEC
-        s_count = tl.load(tile + 2) * S_VEC * on  # 0 words outside the state's own programs
-        zero = tl.multiple_of(tl.load(slot_base).to(tl.pointer_type(slot_word_ptr.dtype.element_ty)), S_ALIGN)
-        s_words = tl.arange(0, S_TILE_WORDS)
-        s_mask = s_words < s_count
-        tl.store(zero + s_dst + s_words, tl.load(zero + s_src + s_words, mask=s_mask), mask=s_mask)
-        limit = num_rows * (region < num_regions).to(tl.int64)  # the state's row copies no paged rows
-        region = tl.minimum(region, num_regions - 1)  # and its loads below stay in the tables
+    if SLOTS:  # the grid's first rows copy a state slot's tiles (absolute addresses, ``copy_paged``),
+        # the regions' rows follow (as ``_copy_rows``)
+        slot_rows = (num_slot_tiles + tl.num_programs(0) - 1) // tl.num_programs(0)
+        if region < slot_rows:  # only the slot's programs read its tiles (``_copy_rows``)
+            t = region.to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
+            on = (t < num_slot_tiles).to(tl.int64)
+            t = tl.minimum(t, num_slot_tiles - 1)  # a tile there is (no scalar masks)
+            s_src = tl.load(slot_tiles + t * 3) * S_VEC
+            s_dst = tl.load(slot_tiles + t * 3 + 1) * S_VEC
+            s_count = tl.load(slot_tiles + t * 3 + 2) * S_VEC * on  # 0 words past the slot's last tile
+            zero = tl.multiple_of(tl.load(slot_base).to(tl.pointer_type(slot_word_ptr.dtype.element_ty)), S_ALIGN)
+            s_words = tl.arange(0, S_TILE_WORDS)
+            s_mask = s_words < s_count
+            tl.store(zero + s_dst + s_words, tl.load(zero + s_src + s_words, mask=s_mask), mask=s_mask)
+        limit = num_rows * (region >= slot_rows).to(tl.int64)  # the state's rows copy no paged rows
+        region = tl.maximum(region - slot_rows, 0)
     live = rows < limit
     token = start_token + rows // HEAD_COUNT
     head = rows % HEAD_COUNT
@@ -741,8 +745,8 @@ def copy_paged(plan: Any, src_table: torch.Tensor, dst_table: Any, src_pages: An
     regions); tables and page lists are where the kernel reads them (CPU: the interpreter).
     ``lists``: where regions of several groups share a launch, int64 offsets into the page lists,
     ``regions`` for the source lists then ``regions`` for the destination lists. ``slots``: a
-    state slot's copy in the same launch, ``(PatternPlan, its tiles, a table whose first three entries
-    are 0)``: one more grid row copies those tiles as ``copy_pattern`` does over one region of base 0."""
+    state slot's copy in the same launch, ``(PatternPlan, its tiles, a table whose first entry is
+    0)``: the grid's first rows copy those tiles as ``copy_pattern`` does over one region of base 0."""
     device = src_table.device
     interpret = device.type != "cuda"
     constants = dict(plan.constants)
@@ -755,7 +759,7 @@ def copy_paged(plan: Any, src_table: torch.Tensor, dst_table: Any, src_pages: An
         slot_plan, tiles, base = slots
         constants.update(S_TILE_WORDS=slot_plan.tile_words, S_VEC=slot_plan.vec,
                          S_ALIGN=slot_plan.word * slot_plan.vec)
-        programs, regions = max(programs, len(slot_plan.tiles)), regions + 1
+        regions += -(-len(slot_plan.tiles) // programs)  # the slot's tiles in rows before the regions' rows
     if not interpret:
         constants["num_warps"] = NUM_WARPS
     word = _word_tensor(plan.word, device)

@@ -726,7 +726,7 @@ class CudaIpcTransport:
         if bases is None:
             zero = np.zeros(1, np.int64)
             bases = self._bases_cache[key] = _Bases(None, zero, zero, 0, 0, align=16,
-                                                    table=self._table(np.zeros(4, np.int64), kind))  # 3 words read
+                                                    table=self._table(np.zeros(2, np.int64), kind))
         return bases
 
     def _descs_launch(self, mapped: _Peer, local_rows: np.ndarray, local_kind: MemKind, remote_rows: np.ndarray,

@@ -300,7 +300,7 @@ def test_triton_state_block_rides_in_the_staging_launch(interpret: None, case: C
     if case.start == case.end:  # a piece has tokens: the kernels refuse a block without any
         with pytest.raises(StagingError, match="at least one token"):
             kernels.gather(cache.regions, **span, head_count=case.head_count, backend="triton",
-                           slots=(None, torch.zeros((1, 3), dtype=torch.int64), torch.zeros(4, dtype=torch.int64)))
+                           slots=(None, torch.zeros((1, 3), dtype=torch.int64), torch.zeros(1, dtype=torch.int64)))
         return
     gen = torch.Generator().manual_seed(case.seed)
     state = torch.randint(0, 256, (128,), dtype=torch.uint8, generator=gen)
@@ -309,7 +309,7 @@ def test_triton_state_block_rides_in_the_staging_launch(interpret: None, case: C
     src = [state.data_ptr() + at for at, _ in runs]
     dst = [block.data_ptr() + at for at in offsets]
     plan = pattern.plan_pattern(torch.tensor([src, dst, [n for _, n in runs]]).T.numpy(), regions=1)
-    slots = (plan, torch.from_numpy(plan.tiles), torch.zeros(4, dtype=torch.int64))
+    slots = (plan, torch.from_numpy(plan.tiles), torch.zeros(1, dtype=torch.int64))
     want = kernels.gather(cache.regions, **span, head_count=case.head_count, backend="torch")
     if joined:
         got = torch.empty((2 * case.num_regions, *want.shape[1:]), dtype=want.dtype)
@@ -328,7 +328,7 @@ def test_triton_state_block_rides_in_the_staging_launch(interpret: None, case: C
     staging = case.staging(case.seed + 1)
     twin = [r.clone() for r in cache.regions]
     kernels.scatter(staging, cache.regions, **span, backend="triton",
-                    slots=(plan, torch.from_numpy(plan.tiles), torch.zeros(4, dtype=torch.int64)))
+                    slots=(plan, torch.from_numpy(plan.tiles), torch.zeros(1, dtype=torch.int64)))
     kernels.scatter(staging, twin, **span, backend="torch")
     assert all_same_bytes(cache.regions, twin)
     for at, n in runs:  # overlapping runs: the last writer of a byte wins, as in any copy order here
