@@ -4,7 +4,8 @@ Theory of operation
 -------------------
 With ``KVPROTO_TRACE=DIR`` in the environment, the endpoints append ``(time.monotonic(), event,
 room, seq)`` for each step of every staged piece (prefill: granted, gathered, written; decode:
-tagged, scattered) to a list in memory, and each endpoint writes its list to
+tagged, scattered) to a list in memory, with the GPU time of each copy and, through ``step``,
+which step of a slow progress pass took its time, and each endpoint writes its list to
 ``DIR/<role>-<pid>.trace`` when it closes: one line per event. ``time.monotonic`` is one clock
 for every process of a host, so the files of both sides merge into one timeline. Without the
 variable ``mark`` is a test of a module constant and nothing is kept.

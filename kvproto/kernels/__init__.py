@@ -149,14 +149,16 @@ def copy_joined(
     alike, in one Triton launch: ``staging`` holds their blocks back to back; ``table`` is every
     group's pages from token 0 back to back, ``starts`` where each group's start (without it: a
     host table ending with each region's offset into them;
-    ``kvproto.kernels.triton_kernels.copy_joined``). CPU tensors run in Triton's interpreter."""
+    ``kvproto.kernels.triton_kernels.prepare``). CPU tensors run in Triton's interpreter."""
     device = _device(groups[0])
     with on(device, stream):
         from kvproto.kernels import triton_kernels
 
-        triton_kernels.copy_joined(groups, staging, table, layout=layout, start_token=start_token,
-                                   end_token=end_token, head_offset=head_offset, to_staging=to_staging,
-                                   interpret=device.type != "cuda", slots=slots, starts=starts)
+        launch = triton_kernels.prepare(groups, staging, table, layout=layout, start_token=start_token,
+                                        end_token=end_token, head_offset=head_offset, to_staging=to_staging,
+                                        interpret=device.type != "cuda", slots=slots, starts=starts)
+        if launch is not None:
+            launch.run(0, launch.regions)
 
 
 def triton_available() -> bool:

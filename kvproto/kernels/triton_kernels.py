@@ -394,36 +394,6 @@ def scatter(
         launch.run(first, last)
 
 
-def copy_joined(
-    groups: Sequence[Regions],
-    staging: torch.Tensor,
-    table: torch.Tensor,
-    *,
-    layout: Layout | int,
-    start_token: int,
-    end_token: int,
-    head_offset: int,
-    to_staging: bool,
-    interpret: bool = False,
-    tile_bytes: int = TILE_BYTES,
-    num_warps: int = NUM_WARPS,
-    slots: Slots | None = None,
-    starts: Sequence[int] | None = None,
-) -> None:
-    """One launch for the staged blocks of up to ``JOIN_MAX`` groups whose pages look alike (same
-    page shape, page stride and dtype; pools of any size): ``staging`` is their blocks back to back,
-    ``(sum of regions, T, head_count, head_dim)`` on the cache's device; ``table`` (int64, where
-    the kernel reads it) is every group's pages from token 0 back to back, and ``starts`` where
-    each group's pages start in it; without ``starts``, ``table`` is a host tensor that ends with
-    each region's offset into its pages. The pages are trusted (checked when they entered the
-    core), as a device table is. ``slots``: a state block moved in the same launch."""
-    launch = prepare(groups, staging, table, layout=layout, start_token=start_token, end_token=end_token,
-                     head_offset=head_offset, to_staging=to_staging, interpret=interpret, tile_bytes=tile_bytes,
-                     num_warps=num_warps, slots=slots, starts=starts)
-    if launch is not None:
-        launch.run(0, launch.regions)
-
-
 def prepare(
     groups: Sequence[Regions],
     staging: torch.Tensor,
@@ -441,9 +411,16 @@ def prepare(
     starts: Sequence[int] | None = None,
 ) -> _Launch | None:
     """The checked launch of a device-staging copy of one group's blocks (``table``: its pages), or
-    of several groups' (``copy_joined``'s arguments), not yet run: ``run(0, launch.regions)`` runs
-    it, and ``again`` runs the same launch for another piece of the same shape (the staged path's
-    later pieces: ``kvproto.aio.staging``). None for a piece of no tokens."""
+    of up to ``JOIN_MAX`` groups' whose pages look alike (same page shape, page stride and dtype;
+    pools of any size) in one launch, not yet run: ``run(0, launch.regions)`` runs it
+    (``kvproto.kernels.copy_joined``), and ``again`` runs the same launch for another piece of the
+    same shape (the staged path's later pieces: ``kvproto.aio.staging``). None for a piece of no
+    tokens. ``staging`` is the groups' blocks back to back, ``(sum of regions, T, head_count,
+    head_dim)`` on the cache's device; ``table`` (int64 where several groups share it, where the
+    kernel reads it) is every group's pages from token 0 back to back, and ``starts`` where each
+    group's pages start in it; without ``starts``, ``table`` is a host tensor that ends with each
+    region's offset into its pages. The pages are trusted (checked when they entered the core), as a
+    device table is. ``slots``: a state block moved in the same launch."""
     first = groups[0]
     if len(groups) > JOIN_MAX:
         raise StagingError(f"{len(groups)} groups in one launch: at most {JOIN_MAX}")
