@@ -440,6 +440,9 @@ class Piece:
     """Where the cache and the staging share a GPU: each launch this pair's pieces make, by shape
     (run of blocks, direction, tokens, staging alignment, state block), made and checked by the
     first piece of that shape and run again for the later ones (``_copy_parts``)."""
+    runs: dict[bool, Any] = field(default_factory=dict, repr=False)
+    """The pieces' runs of blocks (``_blocks`` at one token: each run's bytes per token before
+    it), planned once per way of joining them."""
 
     unit: int = field(init=False)
     """Bytes per token of the pair's pieces."""
@@ -467,7 +470,7 @@ class Piece:
             if fused is None:
                 self.block.copy(buf, at, slots, gather=gather, stream=stream)
         _copy_parts(self.parts, buf, offset, room_id, pages, start=start, end=end, keep=keep, stream=stream,
-                    gather=gather, block=fused, launches=self.launches)
+                    gather=gather, block=fused, launches=self.launches, runs=self.runs)
 
 
 def pair_piece(kernels_: CacheKernels, prefill: CacheGeometry, decode: CacheGeometry, *, side: str, minor: int,
@@ -483,23 +486,22 @@ def pair_piece(kernels_: CacheKernels, prefill: CacheGeometry, decode: CacheGeom
 def _copy_parts(parts: Sequence[PiecePart], buf: StagingBuffer, offset: int, room_id: int,
                 pages: Sequence[Sequence[int]], *, start: int, end: int, keep: bool, stream: Any,
                 gather: bool, block: tuple[Any, np.ndarray, torch.Tensor] | None = None,
-                launches: dict[tuple[Any, ...], Any] | None = None) -> None:
+                launches: dict[tuple[Any, ...], Any] | None = None, runs: dict[bool, Any] | None = None) -> None:
     """Every block of the piece, a launch per run of blocks that join; ``block``: a state block's
     (pattern plan, tiles, zero table) that rides in the last launch, its tiles uploaded with that
     launch's page table. Where the staging is on the cache's GPU, ``launches`` keeps each launch
     by shape: a piece of a shape seen before runs it again with its own pointers, unchecked (its
     pages are the core's; its staging is checked to lie in the buffer here)."""
     joint = _joins(buf)
-    if launches is None:
-        runs = _blocks(parts, offset, end - start, joint=joint)
-    else:  # the runs of a pair's pieces, planned once: each run's bytes per token before it
-        shape = launches.get(("runs", joint))
-        if shape is None:
-            shape = launches[("runs", joint)] = _blocks(parts, 0, 1, joint=joint)
-        runs = [(run, offset + (end - start) * before) for run, before in shape]
+    planned = None if runs is None else runs.get(joint)
+    if planned is None:  # each run's bytes per token before it, kept where the pair keeps them
+        planned = _blocks(parts, 0, 1, joint=joint)
+        if runs is not None:
+            runs[joint] = planned
     prepared = launches is not None and joint and buf.tensor.device.type == "cuda"
-    for k, (run, at) in enumerate(runs):
-        tiles = block[1] if block is not None and k == len(runs) - 1 else None
+    for k, (run, before) in enumerate(planned):
+        at = offset + (end - start) * before
+        tiles = block[1] if block is not None and k == len(planned) - 1 else None
         first = run[0]
         starts = None
         if len(run) > 1:

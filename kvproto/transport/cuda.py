@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from kvproto.kernels.uploads import Pointer, Uploads
 from kvproto.transport.base import TransportError
 
