@@ -312,16 +312,18 @@ class JointTables:
 
     def __init__(self, uploads: Uploads | None = None) -> None:
         self.uploads = uploads
-        self._tables: dict[tuple[int, tuple[int, ...]], tuple[tuple[tuple[int, ...], ...], np.ndarray,
-                                                              tuple[int, ...]]] = {}
+        self._tables: dict[int, dict[tuple[int, ...], tuple[tuple[tuple[int, ...], ...], np.ndarray,
+                                                             tuple[int, ...]]]] = {}
+        """By room: by the groups a launch joins, (their pages, the table, where each starts in it)."""
 
     def get(self, room_id: int, parts: Sequence[PiecePart], pages: Sequence[Sequence[int]], *,
             keep: bool = True, tiles: np.ndarray | None = None) -> tuple[Any, Any, tuple[int, ...]]:
         """The joined table, a state block's ``tiles`` where the kernel reads them (as
         ``PageTables.with_tiles``), and where each group's pages start in the table."""
-        key = (room_id, tuple(part.group for part in parts))
-        lists = tuple(tuple(pages[part.group]) for part in parts)
-        known = self._tables.get(key)
+        groups = tuple(part.group for part in parts)
+        lists = tuple(tuple(pages[g]) for g in groups)
+        room = self._tables.get(room_id)
+        known = None if room is None else room.get(groups)
         if known is not None and known[0] == lists:
             values, starts = known[1], known[2]
         else:
@@ -332,15 +334,14 @@ class JointTables:
                 at += len(listed)
             starts = tuple(begins)
             if keep:
-                self._tables[key] = (lists, values, starts)
+                self._tables.setdefault(room_id, {})[groups] = (lists, values, starts)
         return (*_upload(values, parts[0].kv, tiles, self.uploads), starts)
 
     def forget(self, room_id: int) -> None:
-        for key in [k for k in self._tables if k[0] == room_id]:
-            del self._tables[key]
+        self._tables.pop(room_id, None)
 
     def __len__(self) -> int:
-        return len(self._tables)
+        return sum(len(room) for room in self._tables.values())
 
 
 class CacheKernels:
