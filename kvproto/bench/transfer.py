@@ -6,7 +6,10 @@ Theory of operation
 Every rank is its own process with its own cache, endpoint and transport agent, driven by the
 parent over a pipe. Prefill ranks live on the first GPU and decode ranks on the second where
 two exist (several ranks may share a GPU), all on one GPU where there is one, in host memory
-otherwise. A *case* is one (prefill TP → decode TP, room size, page order, path, rooms in
+otherwise. Where the host has a physical core for every rank process and one more, each rank
+process is pinned to a core of its own (both hyperthreads; ``--no-pin`` leaves them to the OS):
+a rank's loop spins while data is expected, and two spinning loops that share a core move far
+less than two that do not. A *case* is one (prefill TP → decode TP, room size, page order, path, rooms in
 flight); for each the parent starts fresh endpoints, so the first room also pays for the new
 link (bootstrap, descriptor lists, kernels), and reports:
 
@@ -533,7 +536,37 @@ def _room_id(case: Case, i: int) -> int:
     return (case.seed + 1) * 1_000_000 + i
 
 
-def _rank_main(role: str, rank: int, tp: int, shape: Shape, device: str, transport: str, conn: Any) -> None:
+def physical_cores() -> list[set[int]]:
+    """This process's usable logical CPUs grouped by physical core (hyperthread siblings
+    together), in the order of their first CPU; one group per CPU where the topology is unknown."""
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    cores: dict[tuple[str, str], set[int]] = {}
+    for cpu in allowed:
+        base = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+        try:
+            with open(base + "physical_package_id") as f, open(base + "core_id") as g:
+                key = (f.read().strip(), g.read().strip())
+        except OSError:
+            key = ("cpu", str(cpu))
+        cores.setdefault(key, set()).add(cpu)
+    return sorted(cores.values(), key=min)
+
+
+def rank_cpus(ranks: int) -> list[set[int]] | None:
+    """A physical core of its own for each rank process (the last cores; the first stay with the
+    parent, the system and the transport's threads), or None where there are too few: two rank
+    loops that spin on hyperthread siblings of one core run at a fraction of their speed, and
+    where they land differs from run to run, which turns into run-to-run spread."""
+    cores = physical_cores()
+    if len(cores) < ranks + 1:
+        return None
+    return cores[len(cores) - ranks:]
+
+
+def _rank_main(role: str, rank: int, tp: int, shape: Shape, device: str, transport: str, conn: Any,
+               cpus: set[int] | None = None) -> None:
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     if device.startswith("cuda"):
         import torch
 
@@ -575,13 +608,17 @@ def _rank_main(role: str, rank: int, tp: int, shape: Shape, device: str, transpo
 class _Group:
     """The rank processes of one (prefill TP, decode TP)."""
 
-    def __init__(self, prefill_tp: int, decode_tp: int, shape: Shape, devices: tuple[str, str], transport: str):
+    def __init__(self, prefill_tp: int, decode_tp: int, shape: Shape, devices: tuple[str, str], transport: str,
+                 pin: bool = True):
         ctx = mp.get_context("spawn")
         self.ranks: list[tuple[str, int, Any, Any]] = []
+        self.cpus = rank_cpus(prefill_tp + decode_tp) if pin else None
+        """The physical core (its logical CPUs) of every rank process in order, or None: not pinned."""
         for role, tp, device in (("prefill", prefill_tp, devices[0]), ("decode", decode_tp, devices[1])):
             for rank in range(tp):
                 parent, child = ctx.Pipe()
-                proc = ctx.Process(target=_rank_main, args=(role, rank, tp, shape, device, transport, child),
+                cpus = self.cpus[len(self.ranks)] if self.cpus else None
+                proc = ctx.Process(target=_rank_main, args=(role, rank, tp, shape, device, transport, child, cpus),
                                    daemon=True, name=f"{role}-{rank}")
                 proc.start()
                 self.ranks.append((role, rank, parent, proc))
@@ -775,6 +812,9 @@ def main(argv: list[str] | None = None) -> int:
                          "(every case of both is printed with the hybrid's GB/s over the one-group's)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs of every case, the cache kinds taking turns; the median run is printed")
+    ap.add_argument("--no-pin", action="store_true",
+                    help="leave the rank processes where the OS puts them (default: each on a physical core of its "
+                         "own where there are enough)")
     ap.add_argument("--tamper", action="store_true", help=argparse.SUPPRESS)  # tests: the byte check must fail
     ap.add_argument("--json", help="write every figure to this file")
     args = ap.parse_args(argv)
@@ -794,8 +834,13 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for pair in args.tp:
         p_tp, d_tp = (int(x) for x in pair.split(":"))
-        group = _Group(p_tp, d_tp, shape, devices, args.transport)
+        group = _Group(p_tp, d_tp, shape, devices, args.transport, pin=not args.no_pin)
         try:
+            print(f"{p_tp}->{d_tp}: " + ("every rank process on a physical core of its own: " + ", ".join(
+                f"{role}-{rank} CPUs {','.join(map(str, sorted(cpus)))}"
+                for (role, rank, _c, _p), cpus in zip(group.ranks, group.cpus))
+                if group.cpus else "rank processes not pinned" + ("" if args.no_pin else " (too few physical cores)")),
+                flush=True)
             if not constants:
                 probe = min(int(s * MIB) for s in args.sizes_mib)
                 page = shape.block * shape.heads * shape.head_dim * 2
