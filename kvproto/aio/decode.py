@@ -232,7 +232,7 @@ class DecodeEndpoint(EndpointBase):
         if self._staging is not None:
             assert self.transport is not None
             self.transport.register([self._staging.region()])
-            warming = warm_kernels(self.kv, self._kernels.regions, gather=False, host=self._staging.where == "host")
+            warming = warm_kernels(self.kv, self._kernels, self._staging, gather=False)
             if warming is not None and self.config.warm_up:
                 await asyncio.to_thread(warming.join)
 

@@ -227,7 +227,7 @@ class PrefillEndpoint(EndpointBase):
                               for extra in self.kv.groups]
         if self._staging is not None:
             self._staging_registration = self.transport.register([self._staging.region()])
-            warming = warm_kernels(self.kv, self._kernels.regions, gather=True, host=self._staging.where == "host")
+            warming = warm_kernels(self.kv, self._kernels, self._staging, gather=True)
             if warming is not None and self.config.warm_up:
                 await asyncio.to_thread(warming.join)
         advertised = self.config.advertise_host or self.config.host

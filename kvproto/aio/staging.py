@@ -228,25 +228,61 @@ class PageTables:
         return len(self._tables)
 
 
-def warm_kernels(kv: KVCache, regions: kernels.Regions, *, gather: bool, host: bool) -> threading.Thread | None:
+WARM_PEER_TP = (1, 2, 4, 8, 16, 32)
+"""The peer TP sizes whose state-block launches a rank compiles at start (``warm_kernels``)."""
+
+
+def warm_kernels(kv: KVCache, kernels_: CacheKernels, buf: StagingBuffer, *, gather: bool) -> threading.Thread | None:
     """Compile, in a background thread, the staging kernels this rank will launch: for every
     head count a pair can move (the local heads and their divisors, which is what other TP
-    sizes take), so that the first room of a new link does not wait for compilation."""
+    sizes take), so that the first room of a new link does not wait for compilation; and, for a
+    cache with state groups, the launches that carry a pair's state block (``state_launches``)."""
     if not kv.tensors or kv.tensors[0].device.type != "cuda":
         return None
     heads = kv.geometry.local_heads
     counts = [n for n in range(heads, 0, -1) if heads % n == 0]
+    host = buf.where == "host"
+    with_state = [] if host else state_launches(kernels_, kv.cache_geometry, buf, gather=gather)
 
     def run() -> None:
         try:
-            kernels.warm_up(regions, layout=kv.geometry.layout, head_counts=counts, to_staging=gather,
-                            host_staging=host, joined=any(isinstance(g, KVCache) for g in kv.groups))
+            kernels.warm_up(kernels_.regions, layout=kv.geometry.layout, head_counts=counts, to_staging=gather,
+                            host_staging=host, joined=any(isinstance(g, KVCache) for g in kv.groups),
+                            slot_launches=with_state)
         except Exception:  # noqa: BLE001 - a failed warm-up only means the first room compiles
             log.warning("staging kernel warm-up failed; the first staged room will compile", exc_info=True)
 
     thread = threading.Thread(target=run, name="kvproto-kernel-warm-up", daemon=True)
     thread.start()
     return thread
+
+
+def state_launches(kernels_: CacheKernels, own: CacheGeometry, buf: StagingBuffer, *, gather: bool
+                   ) -> list[tuple[Any, int, bool]]:
+    """The launches that carry a state block which this rank's pieces make (``gather``: as the
+    prefill rank, else as the decode rank) with a peer of the same model at any TP size of
+    ``WARM_PEER_TP``, each once: ``(the block's pattern plan, head count, joined)``, what the kernel
+    specialises on beyond the rank's own cache. The block's plan depends on the peer (which rows
+    of a slot move, and where), so the pairs are planned here as a link would plan them."""
+    if not kernels_.states:
+        return []
+    side = "prefill" if gather else "decode"
+    seen: dict[tuple[Any, ...], tuple[Any, int, bool]] = {}
+    for tp in sorted({*WARM_PEER_TP, own.tp_size}):
+        for rank in range(tp):
+            try:
+                peer = own.with_tp(tp, rank)
+                pair = (own, peer) if gather else (peer, own)
+                piece = pair_piece(kernels_, *pair, side=side, minor=STATE_BLOCK_MINOR, buf=buf)
+            except (ValueError, KeyError):  # the model does not split over tp ranks
+                continue
+            plan = piece.block.plan(gather) if piece.block is not None else None
+            if plan is None:
+                continue
+            last = _blocks(piece.parts, 0, 1, joint=_joins(buf))[-1][0]
+            launch = (plan, last[0].piece.head_count, len(last) > 1)
+            seen.setdefault((plan.word, plan.vec, plan.tile_words, *launch[1:]), launch)
+    return list(seen.values())
 
 
 def _upload(values: np.ndarray, kv: KVCache, tiles: np.ndarray | None = None, uploads: Uploads | None = None
@@ -261,11 +297,14 @@ def _upload(values: np.ndarray, kv: KVCache, tiles: np.ndarray | None = None, up
         device = kv.tensors[0].device
         if tiles is None:
             return uploads.put(values, device)[0], None
-        n = len(values)  # one put for both: the tiles after the table
-        both = uploads.put(np.concatenate([values, np.ascontiguousarray(tiles, dtype=np.int64).reshape(-1)]), device)[0]
+        # one put for both, the tiles after the table, 16-byte aligned as the table is: the kernel
+        # specialises on that alignment, so a table of odd length would mean a kernel of its own
+        n, at = len(values), len(values) + (len(values) & 1)
+        both = uploads.put(np.concatenate([values, np.zeros(at - n, dtype=np.int64),
+                                           np.ascontiguousarray(tiles, dtype=np.int64).reshape(-1)]), device)[0]
         if isinstance(both, torch.Tensor):
-            return both[:n], both[n:].view(-1, 3)
-        return Pointer(both.address, n, device), Pointer(both.address + 8 * n, len(tiles), device)  # length: tiles
+            return both[:n], both[at:].view(-1, 3)
+        return Pointer(both.address, n, device), Pointer(both.address + 8 * at, len(tiles), device)  # length: tiles
     table = torch.from_numpy(values)
     on = None if tiles is None else torch.from_numpy(np.ascontiguousarray(tiles, dtype=np.int64).reshape(-1, 3))
     if cuda:
@@ -631,6 +670,11 @@ class StateBlock:
                 self._kernel[gather] = pattern.plan_strided_rows(src, src_stride, dst, dst_stride, self._length,
                                                                  base_align=base)
             self._zero = torch.zeros(2, dtype=torch.int64, device=self.device)
+
+    def plan(self, gather: bool) -> Any:
+        """The kernel's pattern plan of the block in this direction (None: the block has no kernel)."""
+        strided = self._kernel.get(gather)
+        return None if strided is None else strided.plan
 
     def tiles(self, buf: StagingBuffer, at: int, slots: dict[int, int], *, gather: bool
               ) -> tuple[Any, np.ndarray, torch.Tensor] | None:

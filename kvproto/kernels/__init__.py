@@ -33,7 +33,7 @@ import functools
 import importlib.util
 import os
 from collections.abc import Iterator, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -167,7 +167,8 @@ def triton_available() -> bool:
 
 
 def warm_up(regions: Regions, *, layout: Layout | int, head_counts: Sequence[int], to_staging: bool,
-            host_staging: bool = False, joined: bool = False) -> int:
+            host_staging: bool = False, joined: bool = False, slot_launches: Sequence[tuple[Any, int, bool]] = ()
+            ) -> int:
     """Compile the Triton kernels that staged copies of ``regions`` will launch, by running each
     once on small dummy tensors of the same dtype, page shape and page stride (so the cache
     itself is never touched), on a stream of their own; returns how many variants ran.
@@ -176,7 +177,9 @@ def warm_up(regions: Regions, *, layout: Layout | int, head_counts: Sequence[int
     one copy of at least a tile's rows per head count compiles what a piece of any size uses.
     Meant to run in a background thread when an endpoint starts, so that the first room of a
     new link does not pay for compilation; CUDA regions with Triton only (else returns 0).
-    ``joined``: also the variant that moves several groups in one launch (``copy_joined``)."""
+    ``joined``: also the variant that moves several groups in one launch (``copy_joined``).
+    ``slot_launches``: launches that carry a state block, ``(its pattern plan, head count, joined)``
+    each (``kvproto.aio.staging.state_launches``), run with one tile of no bytes: nothing is moved."""
     device = regions.device
     if device.type != "cuda" or not _have_triton():
         return 0
@@ -188,15 +191,21 @@ def warm_up(regions: Regions, *, layout: Layout | int, head_counts: Sequence[int
     row_bytes = head_dim * regions.dtype.itemsize
     stream = torch.cuda.Stream(device)
     ran = 0
+
+    def dummy_of(count: int) -> tuple[int, int, Regions, torch.Tensor]:
+        """Tokens, pages, regions of the cache's page shape and stride, and their page table, for
+        one copy of at least a tile's rows at ``count`` heads."""
+        tokens = max(block, -(-max(1, TILE_BYTES // row_bytes) // count))
+        pages = -(-tokens // block)
+        dummy = Regions([torch.empty_strided((pages, *regions.shape[1:]), regions[0].stride(),
+                                             dtype=regions.dtype, device=device)])
+        return tokens, pages, dummy, torch.arange(pages, dtype=torch.int64)
+
     with torch.cuda.device(device), torch.cuda.stream(stream):
         for count in head_counts:
-            tokens = max(block, -(-max(1, TILE_BYTES // row_bytes) // count))
-            pages = -(-tokens // block)
-            dummy = Regions([torch.empty_strided((pages, *regions.shape[1:]), regions[0].stride(),
-                                                 dtype=regions.dtype, device=device)])
+            tokens, pages, dummy, table = dummy_of(count)
             staging = torch.empty((1, tokens, count, head_dim), dtype=regions.dtype, device="cpu" if host_staging
                                   else device, pin_memory=host_staging)
-            table = torch.arange(pages, dtype=torch.int64)
             if to_staging:
                 gather(dummy, layout=layout, pages=table, start_token=0, end_token=tokens, head_offset=0,
                        head_count=count, out=staging, stream=stream)
@@ -209,6 +218,16 @@ def warm_up(regions: Regions, *, layout: Layout | int, head_counts: Sequence[int
                 copy_joined([dummy, dummy], both, torch.cat([table, table, torch.tensor([0, pages])]), layout=layout,
                             start_token=0, end_token=tokens, head_offset=0, to_staging=to_staging, stream=stream)
                 ran += 1
+        for plan, count, join in slot_launches:
+            tokens, pages, dummy, table = dummy_of(count)
+            n = 2 if join else 1
+            staging = torch.empty((n, tokens, count, head_dim), dtype=regions.dtype, device=device)
+            empty_tile = torch.zeros((1, 3), dtype=torch.int64, device=device)  # 0 words: the block moves nothing
+            copy_joined([dummy] * n, staging, torch.cat([table] * n).to(device), layout=layout, start_token=0,
+                        end_token=tokens, head_offset=0, to_staging=to_staging, stream=stream,
+                        slots=(plan, empty_tile, torch.zeros(2, dtype=torch.int64, device=device)),
+                        starts=[0, pages] if join else None)
+            ran += 1
     stream.synchronize()
     return ran
 

@@ -81,3 +81,51 @@ def test_later_pieces_of_a_shape_run_the_first_ones_launch_and_move_the_same_byt
                 assert torch.equal(buf.tensor[:nbytes], buf.tensor[4 << 20:(4 << 20) + nbytes]), (start, end)
     # each direction: the 32-token pieces after the first of their shape (with a block, without)
     assert len(again) == (2 * 2 if kind == "hybrid" else 2 * 3), again
+
+
+def _tp_hybrid(tp: int, rank: int) -> KVCache:
+    """The model of ``_hybrid`` (4 KV heads, a state of 8 rows) on rank ``rank`` of TP ``tp``."""
+    def group(layers: list[int], **kw: object) -> KVCache:
+        return KVCache.from_tensors([[torch.zeros(40, 16, 4 // tp, 32, dtype=torch.bfloat16, device="cuda")
+                                      for _ in layers] for _ in range(2)], tp_size=tp, tp_rank=rank, num_kv_heads=4,
+                                    model_layers=layers, **kw)
+
+    state = StateCache.from_tensors("state", [[torch.zeros(8, 8 // tp, 64, dtype=torch.bfloat16, device="cuda")]
+                                              for _ in range(3)], shard_dims=[0], tp_size=tp, tp_rank=rank,
+                                    model_layers=[0, 1, 2])
+    return group([3]).with_groups(group([0, 1, 2], name="lin"), state)
+
+
+@pytest.mark.parametrize("tps", [(1, 2), (2, 1), (1, 1)])
+def test_the_start_up_warm_up_compiles_every_launch_a_hybrid_pair_makes(
+        tps: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``warm_kernels`` (an endpoint's start) compiles the launches that carry a pair's state block
+    for peers of other TP sizes too: a pair's pieces, of an odd and an even page count, both ways,
+    then find every kernel compiled (a kernel compiled in a room costs it ~100 ms)."""
+    from kvproto.aio.staging import state_launches, warm_kernels
+    from kvproto.kernels import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "_compiled", {})  # what this test's launches compile, from nothing
+    prefill, decode = _tp_hybrid(tps[0], 0), _tp_hybrid(tps[1], tps[1] - 1)
+    for kv, gather in ((prefill, True), (decode, False)):
+        buf = StagingBuffer(kv, 8 << 20)
+        kern = CacheKernels(kv)
+        launches = state_launches(kern, kv.cache_geometry, buf, gather=gather)
+        assert launches and all(joined for _plan, _count, joined in launches)
+        before = set(triton_kernels._compiled)
+        thread = warm_kernels(kv, kern, buf, gather=gather)
+        assert thread is not None
+        thread.join()
+        warmed = set(triton_kernels._compiled) - before
+        assert any(("SLOTS", True) in key for key in warmed)
+        piece = pair_piece(kern, prefill.cache_geometry, decode.cache_geometry,
+                           side="prefill" if gather else "decode", minor=3, buf=buf)
+        copies = Copies(torch.device("cuda"), kern.uploads)
+        # pieces of at least a tile's rows (a smaller piece takes a smaller tile: its own kernel)
+        for room, (start, end) in enumerate([(0, 96), (0, 80), (16, 96)]):  # 6 pages, 5 pages, a part of 6
+            pages = list(range(5, 5 + -(-end // 16)))
+            copies.run(lambda stream, s=start, e=end, p=pages, r=room: piece.copy(
+                buf, 0, r, [p] * 3, start=s, end=e, slots={2: r}, keep=False, stream=stream, gather=gather),
+                lambda: None)
+            copies.finish()
+        assert set(triton_kernels._compiled) - before == warmed, "a room's launch compiled a kernel"
