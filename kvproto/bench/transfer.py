@@ -7,7 +7,7 @@ Every rank is its own process with its own cache, endpoint and transport agent, 
 parent over a pipe. Prefill ranks live on the first GPU and decode ranks on the second where
 two exist (several ranks may share a GPU), all on one GPU where there is one, in host memory
 otherwise. Where the host has a physical core for every rank process and one more, each rank
-process is pinned to a core of its own (both hyperthreads; ``--no-pin`` leaves them to the OS):
+process is pinned to cores of its own (two where there are enough; ``--no-pin`` leaves them to the OS):
 a rank's loop spins while data is expected, and two spinning loops that share a core move far
 less than two that do not. A *case* is one (prefill TP → decode TP, room size, page order, path, rooms in
 flight); for each the parent starts fresh endpoints, so the first room also pays for the new
@@ -552,15 +552,18 @@ def physical_cores() -> list[set[int]]:
     return sorted(cores.values(), key=min)
 
 
-def rank_cpus(ranks: int) -> list[set[int]] | None:
-    """A physical core of its own for each rank process (the last cores; the first stay with the
-    parent, the system and the transport's threads), or None where there are too few: two rank
-    loops that spin on hyperthread siblings of one core run at a fraction of their speed, and
-    where they land differs from run to run, which turns into run-to-run spread."""
+def rank_cpus(ranks: int, per_rank: int = 2) -> list[set[int]] | None:
+    """Physical cores of their own for each rank process (up to ``per_rank``: its loop, and the
+    transport's and CUDA's threads beside it; the last cores, the first stay with the parent and
+    the system), or None where there is not one for each rank and one more. Two rank loops that
+    spin on one core (or on hyperthread siblings) run at a fraction of their speed, and where the
+    OS puts them differs from run to run, which turns into run-to-run spread."""
     cores = physical_cores()
     if len(cores) < ranks + 1:
         return None
-    return cores[len(cores) - ranks:]
+    each = max(1, min(per_rank, (len(cores) - 1) // ranks))
+    mine = cores[len(cores) - ranks * each:]
+    return [set().union(*mine[i * each:(i + 1) * each]) for i in range(ranks)]
 
 
 def _rank_main(role: str, rank: int, tp: int, shape: Shape, device: str, transport: str, conn: Any,
@@ -813,7 +816,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs of every case, the cache kinds taking turns; the median run is printed")
     ap.add_argument("--no-pin", action="store_true",
-                    help="leave the rank processes where the OS puts them (default: each on a physical core of its "
+                    help="leave the rank processes where the OS puts them (default: each on physical cores of its "
                          "own where there are enough)")
     ap.add_argument("--tamper", action="store_true", help=argparse.SUPPRESS)  # tests: the byte check must fail
     ap.add_argument("--json", help="write every figure to this file")
@@ -836,7 +839,7 @@ def main(argv: list[str] | None = None) -> int:
         p_tp, d_tp = (int(x) for x in pair.split(":"))
         group = _Group(p_tp, d_tp, shape, devices, args.transport, pin=not args.no_pin)
         try:
-            print(f"{p_tp}->{d_tp}: " + ("every rank process on a physical core of its own: " + ", ".join(
+            print(f"{p_tp}->{d_tp}: " + ("rank processes pinned to cores of their own: " + ", ".join(
                 f"{role}-{rank} CPUs {','.join(map(str, sorted(cpus)))}"
                 for (role, rank, _c, _p), cpus in zip(group.ranks, group.cpus))
                 if group.cpus else "rank processes not pinned" + ("" if args.no_pin else " (too few physical cores)")),
