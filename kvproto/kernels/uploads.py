@@ -6,9 +6,14 @@ Theory of operation
 A launch that moves a few MiB reads a table of a few hundred bytes. Made the plain way (a tensor,
 ``pin_memory()``, ``.to(device)``) that table costs the host more than the copy costs the GPU, and
 both paths that launch per write (the kernel path, per WRITE; the staged path, per piece) are
-bound by the host. ``Uploads`` is a ring of pinned host memory: ``put`` copies the table into
-the ring (a numpy slice assignment) and hands the kernel a ``Pointer`` to it, which the kernel
-reads directly over the bus (a few words per program). A slot is reused only once the event of
+bound by the host. ``Uploads`` is a ring of pinned host memory with a mirror of the same size on
+the device: ``put`` copies the table into the ring (a numpy slice assignment), enqueues one
+asynchronous copy of that slot to the mirror on the current stream (the stream of the launch that
+reads it: ``put`` is called there), and hands the kernel a ``Pointer`` into the mirror. A kernel
+may read the pinned ring directly over the bus, but then every program waits for a bus round
+trip before it copies: an 8 MiB staged piece took the GPU 20 µs that way (36 µs for a hybrid
+piece's joined table) against 10 µs (12.5 µs) with its tables on the device, which is what the
+one small copy buys (``benchmarks/piece_host.py``). A slot is reused only once the event of
 the launch that read it has completed: ``used(slot, event)`` names it for one slot, ``seal(event)``
 for every slot put since the last seal (a piece's launches, put before its one event exists).
 Slots are freed oldest first, as the launches run in order on one stream. A table too big for
@@ -62,6 +67,8 @@ class Uploads:
 
     def __init__(self) -> None:
         self._host: Any = None
+        self._mirror: Any = None
+        """The ring's copy on the device, where the kernels read it."""
         self._words: np.ndarray | None = None
         self._head = 0
         self._live: deque[list[Any]] = deque()
@@ -69,7 +76,8 @@ class Uploads:
         launched yet (a write of several kernels holds several slots before its one event)."""
 
     def put(self, table: np.ndarray, device: Any) -> tuple[Any, Any]:
-        """``table`` where a kernel on ``device`` reads it; returns (tensor-like, slot)."""
+        """``table`` where a kernel on ``device`` reads it (call on the stream of that kernel's
+        launch); returns (tensor-like, slot)."""
         n = table.size
         if self._host is None:
             self._host = torch.empty(self.ENTRIES, dtype=torch.int64, pin_memory=True)
@@ -80,9 +88,13 @@ class Uploads:
             return flat.pin_memory().to(device, non_blocking=True), None
         assert self._words is not None
         self._words[start:start + n] = table.reshape(-1)
+        if self._mirror is None:
+            self._mirror = torch.empty(self.ENTRIES, dtype=torch.int64, device=device)
+        # on the current stream, before the launch that reads it; the slot's event covers both
+        self._mirror[start:start + n].copy_(self._host[start:start + n], non_blocking=True)
         slot = [start, start + n + (n & 1), None]
         self._live.append(slot)  # held from now: the next put of the same write must not reuse it
-        return Pointer(self._host.data_ptr() + 8 * start, n, device), slot
+        return Pointer(self._mirror.data_ptr() + 8 * start, n, device), slot
 
     def used(self, slot: Any, event: Any) -> None:
         """The kernel reading ``slot`` is launched: the slot is free once ``event`` has completed."""

@@ -451,5 +451,8 @@ def test_uploads_keep_every_table_of_a_write_until_its_event() -> None:
     assert third[0] >= second[1]  # the write still runs: its slots are not reused
     event.done = True
     up.used(third, _Event(True))
-    _, fourth = up.put(b, "cpu")
+    ptr, fourth = up.put(b, "cpu")
     assert fourth[0] == 0  # every write has run: the ring starts over
+    # the kernels read the mirror (on the device; here plain memory too), which holds the same words
+    assert ptr.data_ptr() == up._mirror.data_ptr() + 8 * fourth[0] and len(ptr) == 10
+    assert (up._mirror[:10].numpy() == b).all()
