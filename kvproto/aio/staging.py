@@ -191,8 +191,8 @@ class PageTables:
     """Each room's page table, made once and reused by every piece of the room.
 
     A room of a few GiB moves in a dozen or more pieces, all reading the same table. On a CUDA
-    cache each piece's launch reads it from the endpoint's ring of pinned memory
-    (``kvproto.kernels.uploads.Uploads``: a copy into the ring, no allocation or transfer call),
+    cache each piece's launch reads it from the endpoint's ring (``kvproto.kernels.uploads.Uploads``:
+    a copy into pinned memory and one small copy to its device mirror, no allocation),
     so a piece enqueues its kernel and little else. The pages were range-checked when they
     entered the core (the application's by the core's own checks, a peer's against what it
     registered), which is why such a table may skip the kernels' checks. ``forget`` drops a
@@ -289,7 +289,7 @@ def _upload(values: np.ndarray, kv: KVCache, tiles: np.ndarray | None = None, up
             ) -> tuple[Any, Any]:
     """``values`` (an int64 page table, range-checked by the kernels' plan, as by the core) where the
     kernels read it, and a state block's ``tiles`` (``(n, 3)``, None: none) likewise. On a CUDA cache
-    both go into ``uploads`` (the kernel reads them from pinned memory; the copy's event frees
+    both go into ``uploads`` (the kernel reads their copy on the device; the copy's event frees
     them); without a ring they go up as pinned tensors, so that the upload is truly asynchronous:
     a copy from pageable memory makes the host wait for the stream."""
     cuda = bool(kv.tensors) and kv.tensors[0].device.type == "cuda"

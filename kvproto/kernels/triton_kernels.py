@@ -103,7 +103,7 @@ def _copy_rows(
     if SLOTS:  # the grid's first rows copy a piece's state block (absolute addresses: ``_Launch``),
         # tile row x columns + column, beside the regions' programs rather than after them
         slot_rows = (num_slot_tiles + tl.num_programs(0) - 1) // tl.num_programs(0)
-        if tl.program_id(1) < slot_rows:  # only the block's programs read its tiles (over the bus)
+        if tl.program_id(1) < slot_rows:  # only the block's programs read its tiles
             t = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
             on = (t < num_slot_tiles).to(tl.int64)
             t = tl.minimum(t, num_slot_tiles - 1)  # a tile there is (no scalar masks)
