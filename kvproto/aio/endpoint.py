@@ -154,9 +154,10 @@ class EndpointConfig:
     the cache's memory kind. ``kvproto bench transfer`` measures them."""
     staging_bytes: int | None = None
     """Size of this rank's staging buffer (0: no staging; None: 1 GiB for GPU caches, 64 MiB for
-    host caches). A staged piece spends a few milliseconds between its grant and its scatter, so
-    the bytes a pair moves per second are bounded by this size over that time: 1 GiB keeps an
-    NVLink busy. Needs the cache's tensors."""
+    host caches, plus, for a cache with state groups, room for the state blocks its pieces end with:
+    ``kvproto.aio.staging.state_room``). A staged piece spends a few milliseconds between its grant
+    and its scatter, so the bytes a pair moves per second are bounded by this size over that time:
+    1 GiB keeps an NVLink busy. Needs the cache's tensors."""
     host_staging: bool = False
     """Stage GPU caches through pinned host memory instead of device memory."""
     warm_up: bool = True
@@ -291,7 +292,9 @@ class EndpointBase:
         if not self.kv.tensors:
             return 0
         if size is None:
-            size = (1 << 30) if self.kv.tensors[0].device.type == "cuda" else (64 << 20)
+            from kvproto.aio.staging import state_room
+
+            size = ((1 << 30) if self.kv.tensors[0].device.type == "cuda" else (64 << 20)) + state_room(self.kv)
         return size
 
     def _now(self) -> float:

@@ -48,6 +48,7 @@ from kvproto.aio.staging import (
     StagingBuffer,
     Stager,
     pair_piece,
+    piece_tokens,
     warm_kernels,
 )
 from kvproto.core import (
@@ -101,10 +102,6 @@ from kvproto.wire import (
 
 log = logging.getLogger("kvproto")
 
-STAGING_DEPTH = 8
-"""Staged pieces are at most 1/STAGING_DEPTH of the smaller of the two staging buffers, so that
-several are in flight at once (gathered, on the wire, scattered, granted ahead): what a pair moves
-per second is the bytes in flight over the few milliseconds a piece takes from grant to scatter."""
 MAX_PENDING_GROUPS = 1024
 """Most sockets whose CACHE_GROUPS waits for their REGISTER (the oldest are forgotten first)."""
 
@@ -428,7 +425,7 @@ class PrefillEndpoint(EndpointBase):
             aux_owner=is_writer and chosen[0] == g.tp_rank,
             stage_unit=unit if staged else 0,
             stage_capacity=remote.staging[1] if staged and remote.staging else 0,
-            stage_max_units=max(1, capacity // (STAGING_DEPTH * unit)) if staged else 0,
+            stage_max_units=piece_tokens(capacity, unit, piece.tail if piece is not None else 0) if staged else 0,
             cost=(self.config.path_cost or (DEVICE_COST if self.kv.mem_kind is MemKind.VRAM else HOST_COST))
             if by_cost else None,
             regions=sum(p.piece.regions for p in piece.parts) if piece is not None else g.num_regions,

@@ -63,6 +63,35 @@ from kvproto.transport.base import MemKind, MemoryRegion
 log = logging.getLogger("kvproto")
 
 
+STAGING_DEPTH = 8
+"""Staged pieces are at most 1/STAGING_DEPTH of the smaller of the two staging buffers, so that
+several are in flight at once (gathered, on the wire, scattered, granted ahead): what a pair moves
+per second is the bytes in flight over the few milliseconds a piece takes from grant to scatter."""
+STATE_ROOM_MAX = 256 << 20
+"""Most bytes a default staging buffer adds for the state blocks of its pieces (``state_room``)."""
+STAGING_ALIGN = 64
+"""Where staged pieces start in a staging buffer (``kvproto.core.staging.StagingRing``'s alignment)."""
+
+
+def piece_tokens(capacity: int, unit: int, tail: int) -> int:
+    """Most tokens of a pair's staged piece: STAGING_DEPTH pieces of that many tokens (``unit``
+    bytes each), each ending with the pair's state block (``tail`` bytes) and taking a multiple of
+    ``STAGING_ALIGN`` bytes of the ring, fit in ``capacity``; at least one."""
+    share = capacity // STAGING_DEPTH // STAGING_ALIGN * STAGING_ALIGN
+    return max(1, (share - tail) // unit)
+
+
+def state_room(kv: KVCache) -> int:
+    """What a default staging buffer adds so that its STAGING_DEPTH pieces keep their tokens when
+    each ends with a state block: STAGING_DEPTH times this rank's state bytes of one request (a
+    pair's block carries at most those: its share of every state group), at most STATE_ROOM_MAX.
+    Without it a buffer sized for STAGING_DEPTH whole pieces holds one fewer of them in flight."""
+    per_request = sum(state.group.num_layers * sum(state.group.slot_bytes(state.tp_size))
+                      for state in kv.groups if isinstance(state, StateCache))
+    per_piece = -(-per_request // STAGING_ALIGN) * STAGING_ALIGN
+    return min(STAGING_DEPTH * per_piece, STATE_ROOM_MAX)
+
+
 class StagingBuffer:
     """``capacity`` bytes for staged pieces, on ``kv``'s device or in (pinned) host memory."""
 
@@ -319,7 +348,7 @@ class Stager:
 
     def __init__(self, buf: StagingBuffer) -> None:
         self.buf = buf
-        self.ring = StagingRing(buf.capacity)
+        self.ring = StagingRing(buf.capacity, align=STAGING_ALIGN)
         self._waiting: deque[tuple[Any, Callable[[int, Any], None]]] = deque()
         self._keys = 0
 

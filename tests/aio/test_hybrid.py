@@ -577,3 +577,56 @@ async def test_hybrid_bad_group_destination_from_a_peer_fails_only_its_room(bad:
             await asyncio.wait_for(ok.wait(), 10)
         finally:
             raw.close()
+
+
+async def test_staged_pieces_and_the_default_buffer_leave_room_for_the_state_block() -> None:
+    """A staged piece that ends a room carries the pair's state block after its tokens: the piece
+    size keeps STAGING_DEPTH such pieces inside the buffer, and a default buffer adds room for
+    their blocks, so a hybrid pair keeps as many pieces in flight, of as many tokens, as a
+    one-group pair (a buffer sized for whole pieces held one fewer)."""
+    from kvproto.aio import KVCache, StateCache
+    from kvproto.aio.endpoint import EndpointConfig
+    from kvproto.aio.staging import STAGING_ALIGN, STAGING_DEPTH, STATE_ROOM_MAX, piece_tokens, state_room
+    from kvproto.core.staging import StagingRing
+
+    def fit(capacity: int, nbytes: int) -> int:
+        """Pieces of ``nbytes`` the decode's ring grants at once."""
+        ring = StagingRing(capacity // STAGING_ALIGN * STAGING_ALIGN, align=STAGING_ALIGN)
+        for key in range(STAGING_DEPTH + 1):
+            ring.request(key, key, unit=nbytes, units=1)
+        return len(ring.take_grants())
+
+    unit, tail = 4000, 1500
+    for capacity in (1 << 20, (1 << 20) + STAGING_DEPTH * 1536, 3 * STAGING_DEPTH * (unit + tail) - 1):
+        tokens = piece_tokens(capacity, unit, tail)
+        assert fit(capacity, tokens * unit + tail) >= STAGING_DEPTH
+        assert STAGING_DEPTH * ((tokens + 1) * unit + tail) > capacity  # one token more would not fit
+    assert piece_tokens(1 << 20, unit, 0) == (1 << 20) // (STAGING_DEPTH * unit)
+    assert piece_tokens(1024, unit, tail) == 1  # a buffer too small for the rule: pieces of one token
+    assert piece_tokens((1 << 20) + STAGING_DEPTH * tail, unit, tail) == piece_tokens(1 << 20, unit, 0)
+
+    def hybrid(rows: int, tp: int = 1) -> KVCache:
+        paged = KVCache.from_tensors([[torch.zeros(8, 16, 4 // tp, 32, dtype=torch.bfloat16)] for _ in range(2)],
+                                     tp_size=tp, tp_rank=0, num_kv_heads=4, model_layers=[3])
+        conv = [[torch.zeros(6, 3, 8 // tp, dtype=torch.float32), torch.zeros(6, rows, dtype=torch.bfloat16)]
+                for _ in range(3)]  # the second tensor replicated
+        state = StateCache.from_tensors("conv", conv, shard_dims=[1, None], tp_size=tp, tp_rank=0,
+                                        model_layers=[0, 1, 2])
+        return paged.with_groups(state)
+
+    for tp in (1, 2):
+        kv = hybrid(7, tp)
+        per_request = 3 * (3 * (8 // tp) * 4 + 7 * 2)  # 3 layers: the sharded fp32 tensor's share, the bf16 replica
+        per_piece = -(-per_request // STAGING_ALIGN) * STAGING_ALIGN  # a piece's place in the ring
+        assert state_room(kv) == STAGING_DEPTH * per_piece
+        endpoint = DecodeEndpoint(kv, config=EndpointConfig(transport="loopback"))
+        assert endpoint._staging is not None and endpoint._staging.capacity == (64 << 20) + STAGING_DEPTH * per_piece
+        # a one-group piece's worth of tokens, with the block after them: STAGING_DEPTH still fit
+        unit = 2 * 4 // tp * 32 * 2
+        tokens = piece_tokens(endpoint._staging.capacity, unit, per_request)
+        assert tokens == piece_tokens(64 << 20, unit, 0)
+        assert fit(endpoint._staging.capacity, tokens * unit + per_request) == STAGING_DEPTH
+    assert state_room(hybrid(STATE_ROOM_MAX // 4)) == STATE_ROOM_MAX  # a huge state: the addition is capped
+    one = KVCache.from_tensors([[torch.zeros(8, 16, 4, 32, dtype=torch.bfloat16)] for _ in range(2)], tp_size=1,
+                               tp_rank=0, num_kv_heads=4)
+    assert state_room(one) == 0
