@@ -31,9 +31,10 @@ gathered after the token blocks and scattered from there, so that a hybrid room'
 still one descriptor (a state slot is one run per layer and tensor on both sides: as descriptors
 of their own, a GDN model's slot costs a write of dozens). On a CUDA cache with device staging
 the block rides in the piece's last staging launch (the rows kernel's ``SLOTS`` variant, its tiles
-planned once per link as ``kvproto.kernels.pattern.StridedRows`` and uploaded with the launch's
-page table), so that piece costs the launches and uploads a one-group piece does; elsewhere it
-moves run by run.
+planned once per link as ``kvproto.kernels.pattern.StridedRows`` and put on the device once per
+direction; a piece passes only each group's slot and the block's place, from which the kernel
+finds every tile's two ends: ``StateBlock.fused``), so that piece costs the launches and uploads
+a one-group piece does; elsewhere it moves run by run.
 """
 
 from __future__ import annotations
@@ -236,11 +237,6 @@ class PageTables:
     def get(self, room_id: int, pages: Sequence[int], *, keep: bool = True) -> Any:
         """The table of ``pages`` (a room's pages from token 0); call inside the copy's stream.
         ``keep=False`` (the room has ended: a piece queued before its end) keeps nothing."""
-        return self.with_tiles(room_id, pages, None, keep=keep)[0]
-
-    def with_tiles(self, room_id: int, pages: Sequence[int], tiles: np.ndarray | None, *,
-                   keep: bool = True) -> tuple[Any, Any]:
-        """``get``, and a state block's ``tiles`` where the kernel reads them."""
         known = self._tables.get(room_id)
         if known is not None and known[0] == tuple(pages):
             values = known[1]
@@ -248,7 +244,7 @@ class PageTables:
             values = np.array(pages, dtype=np.int64)
             if keep:
                 self._tables[room_id] = (tuple(pages), values)
-        return _upload(values, self.kv, tiles, self.uploads)
+        return _upload(values, self.kv, self.uploads)
 
     def forget(self, room_id: int) -> None:
         self._tables.pop(room_id, None)
@@ -314,33 +310,18 @@ def state_launches(kernels_: CacheKernels, own: CacheGeometry, buf: StagingBuffe
     return list(seen.values())
 
 
-def _upload(values: np.ndarray, kv: KVCache, tiles: np.ndarray | None = None, uploads: Uploads | None = None
-            ) -> tuple[Any, Any]:
+def _upload(values: np.ndarray, kv: KVCache, uploads: Uploads | None = None) -> Any:
     """``values`` (an int64 page table, range-checked by the kernels' plan, as by the core) where the
-    kernels read it, and a state block's ``tiles`` (``(n, 3)``, None: none) likewise. On a CUDA cache
-    both go into ``uploads`` (the kernel reads their copy on the device; the copy's event frees
-    them); without a ring they go up as pinned tensors, so that the upload is truly asynchronous:
-    a copy from pageable memory makes the host wait for the stream."""
+    kernels read it. On a CUDA cache it goes into ``uploads`` (the kernel reads its copy on the
+    device; the copy's event frees it); without a ring it goes up as a pinned tensor, so that the
+    upload is truly asynchronous: a copy from pageable memory makes the host wait for the stream."""
     cuda = bool(kv.tensors) and kv.tensors[0].device.type == "cuda"
     if cuda and uploads is not None:
-        device = kv.tensors[0].device
-        if tiles is None:
-            return uploads.put(values, device)[0], None
-        # one put for both, the tiles after the table, 16-byte aligned as the table is: the kernel
-        # specialises on that alignment, so a table of odd length would mean a kernel of its own
-        n, at = len(values), len(values) + (len(values) & 1)
-        both = uploads.put(np.concatenate([values, np.zeros(at - n, dtype=np.int64),
-                                           np.ascontiguousarray(tiles, dtype=np.int64).reshape(-1)]), device)[0]
-        if isinstance(both, torch.Tensor):
-            return both[:n], both[at:].view(-1, 3)
-        return Pointer(both.address, n, device), Pointer(both.address + 8 * at, len(tiles), device)  # length: tiles
+        return uploads.put(values, kv.tensors[0].device)[0]
     table = torch.from_numpy(values)
-    on = None if tiles is None else torch.from_numpy(np.ascontiguousarray(tiles, dtype=np.int64).reshape(-1, 3))
     if cuda:
-        device = kv.tensors[0].device
-        table = table.pin_memory().to(device, non_blocking=True)
-        on = None if on is None else on.pin_memory().to(device, non_blocking=True)
-    return table, on
+        table = table.pin_memory().to(kv.tensors[0].device, non_blocking=True)
+    return table
 
 
 class Stager:
@@ -385,9 +366,9 @@ class JointTables:
         """By room: by the groups a launch joins, (their pages, the table, where each starts in it)."""
 
     def get(self, room_id: int, parts: Sequence[PiecePart], pages: Sequence[Sequence[int]], *,
-            keep: bool = True, tiles: np.ndarray | None = None) -> tuple[Any, Any, tuple[int, ...]]:
-        """The joined table, a state block's ``tiles`` where the kernel reads them (as
-        ``PageTables.with_tiles``), and where each group's pages start in the table."""
+            keep: bool = True) -> tuple[Any, tuple[int, ...]]:
+        """The joined table where the kernel reads it (as ``PageTables.get``), and where each
+        group's pages start in it."""
         groups = tuple(part.group for part in parts)
         lists = tuple(tuple(pages[g]) for g in groups)
         room = self._tables.get(room_id)
@@ -403,7 +384,7 @@ class JointTables:
             starts = tuple(begins)
             if keep:
                 self._tables.setdefault(room_id, {})[groups] = (lists, values, starts)
-        return (*_upload(values, parts[0].kv, tiles, self.uploads), starts)
+        return _upload(values, parts[0].kv, self.uploads), starts
 
     def forget(self, room_id: int) -> None:
         self._tables.pop(room_id, None)
@@ -535,7 +516,7 @@ class Piece:
             at = offset + (end - start) * self.unit
             # the last launch is Triton's where the cache is on a GPU, or where it joins blocks
             triton = buf.tensor.device.type == "cuda" or len(_blocks(self.parts, 0, 1, joint=_joins(buf))[-1][0]) > 1
-            fused = self.block.tiles(buf, at, slots, gather=gather) if triton else None
+            fused = self.block.fused(buf, at, slots, gather=gather) if triton else None
             if fused is None:
                 self.block.copy(buf, at, slots, gather=gather, stream=stream)
         _copy_parts(self.parts, buf, offset, room_id, pages, start=start, end=end, keep=keep, stream=stream,
@@ -554,11 +535,11 @@ def pair_piece(kernels_: CacheKernels, prefill: CacheGeometry, decode: CacheGeom
 
 def _copy_parts(parts: Sequence[PiecePart], buf: StagingBuffer, offset: int, room_id: int,
                 pages: Sequence[Sequence[int]], *, start: int, end: int, keep: bool, stream: Any,
-                gather: bool, block: tuple[Any, np.ndarray, torch.Tensor] | None = None,
+                gather: bool, block: Any = None,
                 launches: dict[tuple[Any, ...], Any] | None = None, runs: dict[bool, Any] | None = None) -> None:
-    """Every block of the piece, a launch per run of blocks that join; ``block``: a state block's
-    (pattern plan, tiles, zero table) that rides in the last launch, its tiles uploaded with that
-    launch's page table. Where the staging is on the cache's GPU, ``launches`` keeps each launch
+    """Every block of the piece, a launch per run of blocks that join; ``block``: a state block
+    (``triton_kernels.Slots``) that rides in the last launch. Where the staging is on the cache's
+    GPU, ``launches`` keeps each launch
     by shape: a piece of a shape seen before runs it again with its own pointers, unchecked (its
     pages are the core's; its staging is checked to lie in the buffer here)."""
     joint = _joins(buf)
@@ -570,15 +551,14 @@ def _copy_parts(parts: Sequence[PiecePart], buf: StagingBuffer, offset: int, roo
     prepared = launches is not None and joint and buf.tensor.device.type == "cuda"
     for k, (run, before) in enumerate(planned):
         at = offset + (end - start) * before
-        tiles = block[1] if block is not None and k == len(planned) - 1 else None
+        fused = block if k == len(planned) - 1 else None
         first = run[0]
         starts = None
         if len(run) > 1:
             assert first.joint is not None
-            table, on_device, starts = first.joint.get(room_id, run, pages, keep=keep, tiles=tiles)
+            table, starts = first.joint.get(room_id, run, pages, keep=keep)
         else:
-            table, on_device = first.tables.with_tiles(room_id, pages[first.group], tiles, keep=keep)
-        fused = None if on_device is None else (block[0], on_device, block[2])  # type: ignore[index]
+            table = first.tables.get(room_id, pages[first.group], keep=keep)
         if prepared:
             assert launches is not None
             with kernels.on(buf.tensor.device, stream):
@@ -609,11 +589,10 @@ def _launch_run(launches: dict[tuple[Any, ...], Any], k: int, run: Sequence[Piec
     if at < 0 or at + nbytes > buf.capacity:
         raise kernels.StagingError(f"a staged block of {nbytes} bytes at {at} overruns the {buf.capacity}-byte buffer")
     address = buf.address + at
-    tiles = None if fused is None else fused[1]
-    key = (k, gather, tokens, address & 15, 0 if tiles is None else len(tiles))
+    key = (k, gather, tokens, address & 15, 0 if fused is None else len(fused.tiles))
     launch = launches.get(key)
     if launch is not None:
-        launch.again(address, table, starts, tiles, start)
+        launch.again(address, table, starts, fused, start)
         return
     regions = sum(len(part.regions) for part in run)
     staging = buf.view(at, (regions, tokens, first.piece.head_count, first.piece.head_dim), first.kv.torch_dtype)
@@ -686,6 +665,8 @@ class StateBlock:
             raise ValueError("a state block's groups live on one device")
         self._kernel: dict[bool, Any] = {}
         self._shifted: dict[tuple[bool, tuple[int, ...]], np.ndarray] = {}
+        self._fixed: dict[bool, torch.Tensor] = {}
+        """Per direction, the tiles a staging launch reads for every piece (``fused``)."""
         if kernel is None:
             kernel = _joins(buf) and buf.tensor.device == self.device
         if kernel:
@@ -705,12 +686,37 @@ class StateBlock:
         strided = self._kernel.get(gather)
         return None if strided is None else strided.plan
 
+    def fused(self, buf: StagingBuffer, at: int, slots: dict[int, int], *, gather: bool) -> Any:
+        """The block at byte ``at`` of ``buf`` for a staging launch to move as well
+        (``triton_kernels.Slots``): its tiles, made and put where the kernel reads them once per
+        direction (on the current stream: the copy's), and per piece only scalars, each group's
+        slot and the block's place; None where the block has no kernel or more state groups than
+        a launch takes (``copy`` moves it)."""
+        from kvproto.kernels.triton_kernels import SLOT_GROUPS, Slots
+
+        strided = self._kernel.get(gather)
+        if strided is None or len(self.groups) > SLOT_GROUPS:
+            return None
+        tiles = self._fixed.get(gather)
+        if tiles is None:
+            wide = np.empty((len(strided.plan.tiles), 5), dtype=np.int64)
+            wide[:, :3] = strided.plan.tiles
+            wide[:, 3] = strided.src_step[:, 0] if gather else strided.dst_step[:, 1]
+            wide[:, 4] = np.searchsorted(self.groups, self._group[strided.rows])
+            tiles = torch.from_numpy(wide)
+            if self.device.type == "cuda":
+                tiles = tiles.pin_memory().to(self.device, non_blocking=True)
+            self._fixed[gather] = tiles
+        block = buf.address + at
+        if block % strided.align:
+            raise ValueError(f"a state block at {block:#x} is not a multiple of the plan's {strided.align} bytes")
+        return Slots(strided.plan, tiles, self._zero, tuple(slots[g] for g in self.groups), block // strided.align)
+
     def tiles(self, buf: StagingBuffer, at: int, slots: dict[int, int], *, gather: bool
               ) -> tuple[Any, np.ndarray, torch.Tensor] | None:
-        """The block at byte ``at`` of ``buf`` for a kernel: (its pattern plan, its tiles for these
-        slots, a device table whose first entry is 0), for a staging launch to move as well
-        (``triton_kernels.Slots`` once the tiles are on the device); None where the block has no
-        kernel (``copy`` moves it)."""
+        """The block at byte ``at`` of ``buf`` for a pattern launch of its own (``copy``): its
+        pattern plan, its tiles of absolute addresses for these slots, a device table whose first
+        entry is 0; None where the block has no kernel."""
         strided = self._kernel.get(gather)
         if strided is None:
             return None

@@ -40,7 +40,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 import triton.language as tl
@@ -59,7 +59,8 @@ NUM_WARPS = 8
 _TABLE_CACHE_SIZE = 64
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _RUNTIME_INTS = ("start_token", "num_rows", "head_offset", "first_region", "num_slot_tiles", "num_regions",
-                 "split1", "base1", "split2", "base2", "split3", "base3")
+                 "split1", "base1", "split2", "base2", "split3", "base3", "slot0", "slot1", "slot2", "slot3",
+                 "slot_shift")
 
 
 def _copy_rows(
@@ -76,6 +77,11 @@ def _copy_rows(
     num_slot_tiles,
     slot_base,
     slot_word_ptr,
+    slot0,
+    slot1,
+    slot2,
+    slot3,
+    slot_shift,
     num_regions,
     start_token,
     num_rows,
@@ -100,16 +106,24 @@ def _copy_rows(
     region = first_region + tl.program_id(1)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     limit = num_rows
-    if SLOTS:  # the grid's first rows copy a piece's state block (absolute addresses: ``_Launch``),
-        # tile row x columns + column, beside the regions' programs rather than after them
+    if SLOTS:  # the grid's first rows copy a piece's state block (``Slots``), tile row x columns +
+        # column, beside the regions' programs rather than after them
         slot_rows = (num_slot_tiles + tl.num_programs(0) - 1) // tl.num_programs(0)
         if tl.program_id(1) < slot_rows:  # only the block's programs read its tiles
             t = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
             on = (t < num_slot_tiles).to(tl.int64)
             t = tl.minimum(t, num_slot_tiles - 1)  # a tile there is (no scalar masks)
-            s_src = tl.load(slot_tiles + t * 3) * S_VEC
-            s_dst = tl.load(slot_tiles + t * 3 + 1) * S_VEC
-            s_count = tl.load(slot_tiles + t * 3 + 2) * S_VEC * on  # 0 words past the block's last tile
+            tile = slot_tiles + t * 5
+            group = tl.load(tile + 4)
+            slot = tl.where(group == 0, slot0, tl.where(group == 1, slot1, tl.where(group == 2, slot2, slot3)))
+            moved = tl.load(tile + 3) * slot  # the slot side: that group's slot, strides of its row
+            if TO_STAGING:  # slots -> the block, which lies slot_shift vectors on
+                s_src = (tl.load(tile) + moved) * S_VEC
+                s_dst = (tl.load(tile + 1) + slot_shift) * S_VEC
+            else:
+                s_src = (tl.load(tile) + slot_shift) * S_VEC
+                s_dst = (tl.load(tile + 1) + moved) * S_VEC
+            s_count = tl.load(tile + 2) * S_VEC * on  # 0 words past the block's last tile
             zero = tl.multiple_of(tl.load(slot_base).to(tl.pointer_type(slot_word_ptr.dtype.element_ty)), S_ALIGN)
             s_words = tl.arange(0, S_TILE_WORDS)
             s_mask = s_words < s_count
@@ -224,11 +238,41 @@ def _knobs() -> Any:
     return knobs
 
 
-Slots = tuple[Any, torch.Tensor, torch.Tensor]
-"""A state block's copy riding in a staging launch: ``(PatternPlan, its tiles, a table whose first
-entry is 0)``, the tiles of absolute addresses where the kernel reads them
-(``kvproto.aio.staging.StateBlock``); the grid's first rows copy them as ``copy_pattern`` does
-over one region of base 0, and only those programs read them."""
+SLOT_GROUPS = 4
+"""Most state groups whose slots one launch's state block moves (the kernel's ``slot0..slot3``)."""
+
+
+class Slots(NamedTuple):
+    """A state block's copy riding in a staging launch (``kvproto.aio.staging.StateBlock``): the
+    grid's first rows copy its tiles as ``copy_pattern`` does over one region of base 0, and only
+    those programs read them. The tiles stay where the kernel reads them for every piece; what
+    differs between pieces is scalars: each state group's slot, and where the block lies."""
+
+    plan: Any
+    """The block's ``PatternPlan`` (its word, vector and tile size)."""
+    tiles: torch.Tensor
+    """``(T, 5)`` int64, in vectors: source and destination at slot 0 and block 0 (the slot side's
+    absolute address, the block side's offset), length, the slot side's step per slot, and the
+    tile's group (an index into ``slots``)."""
+    zero: torch.Tensor
+    """A table whose first entry is 0 (the base the tiles' addresses are relative to)."""
+    slots: tuple[int, ...] = (0,) * SLOT_GROUPS
+    """The slot of each group (up to ``SLOT_GROUPS``)."""
+    shift: int = 0
+    """Vectors the block side lies past the tiles' offsets: the block's address / the plan's
+    alignment (0 for tiles of absolute addresses)."""
+
+    @classmethod
+    def fixed(cls, plan: Any, tiles: Any, zero: torch.Tensor) -> Slots:
+        """Tiles of absolute addresses ``(T, 3)`` (source, destination, length, as a plan's) as slots
+        of one group that never move."""
+        wide = torch.zeros((len(tiles), 5), dtype=torch.int64, device=zero.device)
+        wide[:, :3] = torch.as_tensor(tiles, dtype=torch.int64).to(zero.device)
+        return cls(plan, wide, zero)
+
+    def args(self) -> tuple[Any, ...]:
+        """The kernel's runtime arguments after the word type: the four slots, the shift."""
+        return (*self.slots, *(0,) * (SLOT_GROUPS - len(self.slots)), self.shift)
 
 
 @dataclass(slots=True)
@@ -484,6 +528,10 @@ def _splits(joined: Sequence[Regions], starts: Sequence[int] | None) -> tuple[in
     return tuple(out)
 
 
+_NO_SLOTS = (0,) * (SLOT_GROUPS + 1)
+"""The slot scalars of a launch without a state block."""
+
+
 def _no_empty_launch(slots: Slots | None) -> None:
     if slots is not None:
         raise StagingError("a state block rides in a launch of at least one token")
@@ -517,13 +565,15 @@ class _Launch:
         if not isinstance(pages, Pointer):  # a Pointer: a table the kernel reads where it lies (``Uploads``)
             pages = pages.to(device=plan.device, non_blocking=True).contiguous()
         self.slot_tiles = 0
+        self.slot_word: Any = None
         if slots is None:
-            slot_args: tuple[Any, ...] = (pages, 0, pages, staging.view(_WORDS[word]))
+            slot_args: tuple[Any, ...] = (pages, 0, pages, staging.view(_WORDS[word]), *_NO_SLOTS)
             slot_constants = {"SLOTS": False, "S_TILE_WORDS": 1, "S_VEC": 1, "S_ALIGN": 1}
         else:
-            slot_plan, tiles, base = slots
-            self.slot_tiles = len(tiles)
-            slot_args = (tiles, self.slot_tiles, base, _word_tensor(slot_plan.word, plan.device))
+            slot_plan = slots.plan
+            self.slot_tiles = len(slots.tiles)
+            self.slot_word = _word_tensor(slot_plan.word, plan.device)
+            slot_args = (slots.tiles, self.slot_tiles, slots.zero, self.slot_word, *slots.args())
             slot_constants = {"SLOTS": True, "S_TILE_WORDS": slot_plan.tile_words, "S_VEC": slot_plan.vec,
                               "S_ALIGN": slot_plan.word * slot_plan.vec}
         self.joined = tuple(joined)
@@ -555,16 +605,20 @@ class _Launch:
         if not interpret:
             self.constants.update(num_warps=num_warps, enable_fp_fusion=False)
 
-    def again(self, staging: int, pages: Any, starts: Sequence[int] | None = None, tiles: Any = None,
+    def again(self, staging: int, pages: Any, starts: Sequence[int] | None = None, slots: Slots | None = None,
               start_token: int = 0) -> None:
         """This launch for another piece of its shape (its token count, staging alignment, groups and
         state block, which the caller keys it by), whose staging starts at address ``staging``: its
-        pages (a joined launch's groups from ``starts``) and its state block's ``tiles`` where the
-        kernel reads them, its tokens from ``start_token``. Nothing is checked again: the caller
+        pages (a joined launch's groups from ``starts``) and its state block's ``slots`` (tiles of
+        the same length), its tokens from ``start_token``. Nothing is checked again: the caller
         keeps the staging inside its buffer and the pages are the core's, range-checked."""
         stage = Pointer(staging, 0, self.device, self.word)
         table = self.args[0]
-        slot_args = (tiles, *self.args[-3:]) if self.slot_tiles else (pages, 0, pages, stage)
+        if self.slot_tiles:
+            assert slots is not None and len(slots.tiles) == self.slot_tiles
+            slot_args = (slots.tiles, self.slot_tiles, slots.zero, self.slot_word, *slots.args())
+        else:
+            slot_args = (pages, 0, pages, stage, *_NO_SLOTS)
         self.args = (table, stage, pages, *_splits(self.joined, starts), *slot_args)
         self.tail = (start_token, *self.tail[1:])
         self.run(0, self.regions)

@@ -86,6 +86,62 @@ def test_state_block_kernel_and_runs_move_the_same_bytes(tps: tuple[int, int], d
         assert want_slots, "some prefill rank writes state into every decode rank"
 
 
+@settings(max_examples=20, deadline=None)
+@given(tps=st.sampled_from([(1, 1), (1, 2), (2, 1)]), data=st.data())
+def test_state_block_in_a_staging_launch_moves_what_its_runs_move(tps: tuple[int, int], data: st.DataObject) -> None:
+    """``StateBlock.fused``: the block rides in a gather's and a scatter's staging launch (Triton's
+    interpreter here) as tiles made once, the slots of its two groups and the block's place passed
+    per piece; the block and the slots end up as the run-by-run copies leave them."""
+    from kvproto import kernels
+
+    p_tp, d_tp = tps
+    src, _, _ = _cache(p_tp, 0, seed=3)
+    dst, dst_conv, dst_ssm = _cache(d_tp, d_tp - 1, seed=4)
+    runs = state_block(src.cache_geometry, dst.cache_geometry)
+    if not runs:
+        return
+    unit = 2 * (4 // p_tp) * 8 * 2  # the first group's piece bytes per token on the prefill side
+    src_buf, plain_buf = StagingBuffer(src, 1 << 16), StagingBuffer(src, 1 << 16)
+    states = {1: src.groups[0], 2: src.groups[1]}
+    fused = StateBlock(runs, states, side="prefill", unit=unit, buf=src_buf, kernel=True)
+    plain = StateBlock(runs, states, side="prefill", unit=unit, buf=plain_buf, kernel=False)
+    pages = torch.tensor([2, 0], dtype=torch.int64)
+    regions = kernels.Regions(src.tensors)
+    for piece in range(2):  # the same tiles, other slots and another place
+        slots = {1: data.draw(st.integers(0, 5)), 2: data.draw(st.integers(0, 5))}
+        tokens = data.draw(st.integers(1, 32))
+        at = tokens * unit + 64 * data.draw(st.integers(0, 4))
+        out = src_buf.view(0, (len(regions), tokens, 4 // p_tp, 8), torch.bfloat16)
+        kernels.copy_joined([regions], out, pages, layout=0, start_token=0, end_token=tokens, head_offset=0,
+                            to_staging=True, slots=fused.fused(src_buf, at, slots, gather=True))
+        plain.copy(plain_buf, at, slots, gather=True, stream=None)
+        assert torch.equal(src_buf.tensor[at:at + fused.nbytes], plain_buf.tensor[at:at + fused.nbytes])
+        assert torch.equal(out, kernels.gather(regions, layout=0, pages=pages, start_token=0, end_token=tokens,
+                                               head_offset=0, head_count=4 // p_tp, backend="torch"))
+        # and back into the decode rank's slots, through a scatter's launch
+        d_unit = 2 * (4 // d_tp) * 8 * 2
+        twin, twin_conv, twin_ssm = _cache(d_tp, d_tp - 1, seed=4)
+        for mine, was in zip(dst_conv + dst_ssm, twin_conv + twin_ssm):  # the twin as this rank's slots are
+            for a, b in zip(mine, was):
+                b.copy_(a)
+        d_buf = StagingBuffer(dst, 1 << 16)
+        d_at = tokens * d_unit + 64 * data.draw(st.integers(0, 4))
+        d_buf.tensor[d_at:d_at + fused.nbytes] = src_buf.tensor[at:at + fused.nbytes]
+        d_slots = {1: data.draw(st.integers(0, 5)), 2: data.draw(st.integers(0, 5))}
+        into = StateBlock(runs, {1: dst.groups[0], 2: dst.groups[1]}, side="decode", unit=d_unit, buf=d_buf,
+                          kernel=True)
+        staging = d_buf.view(0, (len(dst.tensors), tokens, 4 // d_tp, 8), torch.bfloat16)
+        kernels.copy_joined([kernels.Regions(dst.tensors)], staging, pages, layout=0, start_token=0,
+                            end_token=tokens, head_offset=0, to_staging=False,
+                            slots=into.fused(d_buf, d_at, d_slots, gather=False))
+        twin_buf = StagingBuffer(twin, 1 << 16)
+        twin_buf.tensor[d_at:d_at + fused.nbytes] = src_buf.tensor[at:at + fused.nbytes]
+        StateBlock(runs, {1: twin.groups[0], 2: twin.groups[1]}, side="decode", unit=d_unit, buf=twin_buf,
+                   kernel=False).copy(twin_buf, d_at, d_slots, gather=False, stream=None)
+        for mine, want in zip(dst_conv + dst_ssm, twin_conv + twin_ssm):
+            assert all(torch.equal(a, b) for a, b in zip(mine, want))
+
+
 def test_state_block_kernel_is_one_launch_per_piece(monkeypatch) -> None:
     """With the kernel, a piece's whole state block (two groups, every layer and tensor) is one
     pattern launch each way; without it, one copy per run."""

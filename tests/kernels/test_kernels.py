@@ -290,17 +290,18 @@ def test_triton_gather_matches_reference(interpret: None, case: Case) -> None:
        joined=st.booleans())
 def test_triton_state_block_rides_in_the_staging_launch(interpret: None, case: Case, runs: list[tuple[int, int]],
                                                         joined: bool) -> None:
-    """A state block (runs of absolute addresses, ``triton_kernels.Slots``) moved in a gather's or a
+    """A state block (runs of absolute addresses, ``triton_kernels.Slots.fixed``) moved in a gather's or a
     scatter's launch, single or joined, lands as a pattern copy of its own would, and the token rows
     are those of the launch without it."""
     from kvproto.kernels import pattern
+    from kvproto.kernels.triton_kernels import Slots
 
     cache = case.cache()
     span = cache.span(case.start, case.end, case.head_offset)
     if case.start == case.end:  # a piece has tokens: the kernels refuse a block without any
         with pytest.raises(StagingError, match="at least one token"):
             kernels.gather(cache.regions, **span, head_count=case.head_count, backend="triton",
-                           slots=(None, torch.zeros((1, 3), dtype=torch.int64), torch.zeros(1, dtype=torch.int64)))
+                           slots=Slots(None, torch.zeros((1, 5), dtype=torch.int64), torch.zeros(1, dtype=torch.int64)))
         return
     gen = torch.Generator().manual_seed(case.seed)
     state = torch.randint(0, 256, (128,), dtype=torch.uint8, generator=gen)
@@ -309,7 +310,7 @@ def test_triton_state_block_rides_in_the_staging_launch(interpret: None, case: C
     src = [state.data_ptr() + at for at, _ in runs]
     dst = [block.data_ptr() + at for at in offsets]
     plan = pattern.plan_pattern(torch.tensor([src, dst, [n for _, n in runs]]).T.numpy(), regions=1)
-    slots = (plan, torch.from_numpy(plan.tiles), torch.zeros(1, dtype=torch.int64))
+    slots = Slots.fixed(plan, plan.tiles, torch.zeros(1, dtype=torch.int64))
     want = kernels.gather(cache.regions, **span, head_count=case.head_count, backend="torch")
     if joined:
         got = torch.empty((2 * case.num_regions, *want.shape[1:]), dtype=want.dtype)
@@ -328,7 +329,7 @@ def test_triton_state_block_rides_in_the_staging_launch(interpret: None, case: C
     staging = case.staging(case.seed + 1)
     twin = [r.clone() for r in cache.regions]
     kernels.scatter(staging, cache.regions, **span, backend="triton",
-                    slots=(plan, torch.from_numpy(plan.tiles), torch.zeros(1, dtype=torch.int64)))
+                    slots=Slots.fixed(plan, plan.tiles, torch.zeros(1, dtype=torch.int64)))
     kernels.scatter(staging, twin, **span, backend="torch")
     assert all_same_bytes(cache.regions, twin)
     for at, n in runs:  # overlapping runs: the last writer of a byte wins, as in any copy order here
