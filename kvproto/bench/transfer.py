@@ -8,8 +8,9 @@ parent over a pipe. Prefill ranks live on the first GPU and decode ranks on the 
 two exist (several ranks may share a GPU), all on one GPU where there is one, in host memory
 otherwise. Where the host has a physical core for every rank process and one more, each rank
 process is pinned to cores of its own (two where there are enough; ``--no-pin`` leaves them to the OS):
-a rank's loop spins while data is expected, and two spinning loops that share a core move far
-less than two that do not. A *case* is one (prefill TP → decode TP, room size, page order, path, rooms in
+a rank's loop spins while data is expected, and it should not share a core with another rank's
+loop or with the parent. (Pinning does not remove the run-to-run spread that ``--repeat`` is
+for: on the GPU hosts measured, runs of one case still differ by 20-30 %.) A *case* is one (prefill TP → decode TP, room size, page order, path, rooms in
 flight); for each the parent starts fresh endpoints, so the first room also pays for the new
 link (bootstrap, descriptor lists, kernels), and reports:
 
@@ -555,9 +556,8 @@ def physical_cores() -> list[set[int]]:
 def rank_cpus(ranks: int, per_rank: int = 2) -> list[set[int]] | None:
     """Physical cores of their own for each rank process (up to ``per_rank``: its loop, and the
     transport's and CUDA's threads beside it; the last cores, the first stay with the parent and
-    the system), or None where there is not one for each rank and one more. Two rank loops that
-    spin on one core (or on hyperthread siblings) run at a fraction of their speed, and where the
-    OS puts them differs from run to run, which turns into run-to-run spread."""
+    the system), or None where there is not one for each rank and one more: two rank loops that
+    spin on one core (or on hyperthread siblings) run at a fraction of their speed."""
     cores = physical_cores()
     if len(cores) < ranks + 1:
         return None
