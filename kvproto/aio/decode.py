@@ -44,7 +44,6 @@ from kvproto.aio.memory import KVCache, geometry_from_wire, geometry_to_wire, gr
 from kvproto.aio import trace
 from kvproto.aio.room import ReceiverRoomHandle
 from kvproto.aio.staging import (
-    STAGING_ALIGN,
     CacheKernels,
     Copies,
     Piece,
@@ -139,7 +138,7 @@ class DecodeEndpoint(EndpointBase):
         self.core = ReceiverCore(
             block_size=g.block_size, num_blocks=g.num_blocks, aux_slots=kv.aux.slots if kv.aux else 0,
             timeouts=self.config.timeouts,
-            staging=StagingRing(self._staging.capacity, align=STAGING_ALIGN) if self._staging is not None else None,
+            staging=StagingRing(self._staging.capacity) if self._staging is not None else None,
             groups=kv.group_specs(),
         )
         self._cache = kv.cache_geometry

@@ -56,7 +56,7 @@ import numpy as np
 from kvproto.aio import trace
 from kvproto.aio.memory import KVCache, StateCache
 from kvproto.kernels.uploads import Pointer, Uploads
-from kvproto.core.staging import StagingRing
+from kvproto.core.staging import ALIGN as STAGING_ALIGN, StagingRing
 from kvproto.geometry import plan_pair
 from kvproto.geometry.groups import BlockRun, CacheGeometry, PagedGroup, block_bytes, staged_groups, state_block
 from kvproto.transport.base import MemKind, MemoryRegion
@@ -70,8 +70,6 @@ several are in flight at once (gathered, on the wire, scattered, granted ahead):
 per second is the bytes in flight over the few milliseconds a piece takes from grant to scatter."""
 STATE_ROOM_MAX = 256 << 20
 """Most bytes a default staging buffer adds for the state blocks of its pieces (``state_room``)."""
-STAGING_ALIGN = 64
-"""Where staged pieces start in a staging buffer (``kvproto.core.staging.StagingRing``'s alignment)."""
 
 
 def piece_tokens(capacity: int, unit: int, tail: int) -> int:
@@ -329,7 +327,7 @@ class Stager:
 
     def __init__(self, buf: StagingBuffer) -> None:
         self.buf = buf
-        self.ring = StagingRing(buf.capacity, align=STAGING_ALIGN)
+        self.ring = StagingRing(buf.capacity)
         self._waiting: deque[tuple[Any, Callable[[int, Any], None]]] = deque()
         self._keys = 0
 
@@ -515,7 +513,7 @@ class Piece:
             assert self.block is not None, "state slots for a piece without a state block"
             at = offset + (end - start) * self.unit
             # the last launch is Triton's where the cache is on a GPU, or where it joins blocks
-            triton = buf.tensor.device.type == "cuda" or len(_blocks(self.parts, 0, 1, joint=_joins(buf))[-1][0]) > 1
+            triton = buf.tensor.device.type == "cuda" or len(_planned(self.parts, _joins(buf), self.runs)[-1][0]) > 1
             fused = self.block.fused(buf, at, slots, gather=gather) if triton else None
             if fused is None:
                 self.block.copy(buf, at, slots, gather=gather, stream=stream)
@@ -539,15 +537,11 @@ def _copy_parts(parts: Sequence[PiecePart], buf: StagingBuffer, offset: int, roo
                 launches: dict[tuple[Any, ...], Any] | None = None, runs: dict[bool, Any] | None = None) -> None:
     """Every block of the piece, a launch per run of blocks that join; ``block``: a state block
     (``triton_kernels.Slots``) that rides in the last launch. Where the staging is on the cache's
-    GPU, ``launches`` keeps each launch
-    by shape: a piece of a shape seen before runs it again with its own pointers, unchecked (its
-    pages are the core's; its staging is checked to lie in the buffer here)."""
+    GPU, ``launches`` keeps each launch by shape: a piece of a shape seen before runs it again with
+    its own pointers, unchecked (its pages are the core's; its staging is checked to lie in the
+    buffer here)."""
     joint = _joins(buf)
-    planned = None if runs is None else runs.get(joint)
-    if planned is None:  # each run's bytes per token before it, kept where the pair keeps them
-        planned = _blocks(parts, 0, 1, joint=joint)
-        if runs is not None:
-            runs[joint] = planned
+    planned = _planned(parts, joint, runs)
     prepared = launches is not None and joint and buf.tensor.device.type == "cuda"
     for k, (run, before) in enumerate(planned):
         at = offset + (end - start) * before
@@ -575,6 +569,18 @@ def _copy_parts(parts: Sequence[PiecePart], buf: StagingBuffer, offset: int, roo
         copy = gather_piece if gather else scatter_piece
         copy(first.kv, first.regions, buf, at, first.piece, pages=table, start=start, end=end,
              head_offset=first.head_offset, stream=stream, slots=fused)
+
+
+def _planned(parts: Sequence[PiecePart], joint: bool, runs: dict[bool, Any] | None
+             ) -> list[tuple[tuple[PiecePart, ...], int]]:
+    """The runs of blocks of ``parts`` with each run's bytes per token before it (``_blocks`` at
+    one token), kept in ``runs`` (a pair's ``Piece.runs``) once planned."""
+    planned = None if runs is None else runs.get(joint)
+    if planned is None:
+        planned = _blocks(parts, 0, 1, joint=joint)
+        if runs is not None:
+            runs[joint] = planned
+    return planned
 
 
 def _launch_run(launches: dict[tuple[Any, ...], Any], k: int, run: Sequence[PiecePart], buf: StagingBuffer, at: int,

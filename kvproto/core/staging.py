@@ -63,8 +63,12 @@ class _Region:
     released: bool = False
 
 
+ALIGN = 64
+"""Where a ring's regions start, by default (bytes)."""
+
+
 class StagingRing:
-    def __init__(self, capacity: int, *, align: int = 64) -> None:
+    def __init__(self, capacity: int, *, align: int = ALIGN) -> None:
         if capacity <= 0 or align <= 0 or capacity % align:
             raise ValueError(f"capacity {capacity} must be a positive multiple of align {align}")
         self.capacity = capacity

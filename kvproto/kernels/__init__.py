@@ -218,15 +218,17 @@ def warm_up(regions: Regions, *, layout: Layout | int, head_counts: Sequence[int
                 copy_joined([dummy, dummy], both, torch.cat([table, table, torch.tensor([0, pages])]), layout=layout,
                             start_token=0, end_token=tokens, head_offset=0, to_staging=to_staging, stream=stream)
                 ran += 1
+        if slot_launches:
+            from kvproto.kernels.triton_kernels import Slots
+
+            empty_tile = torch.zeros((1, 5), dtype=torch.int64, device=device)  # 0 words: the block moves nothing
+            zero = torch.zeros(2, dtype=torch.int64, device=device)
         for plan, count, join in slot_launches:
             tokens, pages, dummy, table = dummy_of(count)
             n = 2 if join else 1
             staging = torch.empty((n, tokens, count, head_dim), dtype=regions.dtype, device=device)
-            from kvproto.kernels.triton_kernels import Slots
-
-            empty_tile = torch.zeros((1, 5), dtype=torch.int64, device=device)  # 0 words: the block moves nothing
             # a block's place in device memory is past 2**31 vectors (the shift an int64, as in a piece)
-            slots = Slots(plan, empty_tile, torch.zeros(2, dtype=torch.int64, device=device), shift=1 << 40)
+            slots = Slots(plan, empty_tile, zero, shift=1 << 40)
             copy_joined([dummy] * n, staging, torch.cat([table] * n).to(device), layout=layout, start_token=0,
                         end_token=tokens, head_offset=0, to_staging=to_staging, stream=stream, slots=slots,
                         starts=[0, pages] if join else None)
