@@ -123,39 +123,41 @@ def check_chunk_pages(groups: Sequence[GroupSpec], held: Sequence[Sequence[int]]
     return None
 
 
-def check_destinations(groups: Sequence[GroupSpec], sizes: Sequence[tuple[int, int]],
+def check_destinations(groups: Sequence[GroupSpec], sizes: Sequence[GroupSpec | LinkGroup],
                        dests: Sequence[GroupDestination], num_tokens: int,
                        prefix_tokens: int) -> tuple[ErrorCode, str] | None:
     """``(code, reason)`` unless ``dests`` names, for every group beyond the first and in order,
-    exactly what the decode rank needs: ``sizes[g]`` = the decode rank's (pool, block size) of group
-    ``g`` (its own, or what a link registered). None when they fit."""
+    exactly what the decode rank needs: ``sizes[g]`` holds the decode rank's ``pool`` and
+    ``block_size`` of group ``g`` (its own ``GroupSpec``, or the ``LinkGroup`` a link registered).
+    None when they fit. Runs once per room on each side: the common case is a few comparisons."""
     if len(dests) != len(groups):
         return ErrorCode.PEER_PROTOCOL_ERROR, (
             f"the room names {len(dests)} destinations for the {len(groups)} groups beyond the first "
             f"({', '.join(repr(s.name) for s in groups) or 'none'})")
-    for spec, (pool, block), dest in zip(groups, sizes, dests, strict=True):
-        name = spec.name
+    for spec, size, dest in zip(groups, sizes, dests, strict=True):
+        pool = size.pool
         if spec.state:
             if dest.pages or dest.first_page:
-                return ErrorCode.PEER_PROTOCOL_ERROR, f"state group {name!r} takes a slot, not pages"
+                return ErrorCode.PEER_PROTOCOL_ERROR, f"state group {spec.name!r} takes a slot, not pages"
             if not 0 <= dest.slot < pool:
-                return ErrorCode.INDEX_OUT_OF_RANGE, f"slot {dest.slot} of group {name!r} outside [0, {pool})"
+                return ErrorCode.INDEX_OUT_OF_RANGE, f"slot {dest.slot} of group {spec.name!r} outside [0, {pool})"
             continue
+        name, block, pages = spec.name, size.block_size, dest.pages
         if dest.slot != NO_SLOT:
             return ErrorCode.PEER_PROTOCOL_ERROR, f"paged group {name!r} takes pages, not a slot"
         need = spec.needed_pages(num_tokens, block)
-        if dest.first_page != need.start or len(dest.pages) != len(need):
+        if dest.first_page != need.start or len(pages) != len(need):
             return ErrorCode.TOKEN_COUNT_MISMATCH, (
                 f"{num_tokens} tokens need pages {need.start}..{need.stop - 1} of group {name!r} (blocks of {block}"
-                f"{'' if spec.window is None else f', window {spec.window}'}), the room names {len(dest.pages)} "
+                f"{'' if spec.window is None else f', window {spec.window}'}), the room names {len(pages)} "
                 f"from page {dest.first_page}")
         if prefix_tokens % block:
             return ErrorCode.INDEX_OUT_OF_RANGE, (
                 f"prefix of {prefix_tokens} tokens is not a whole number of group {name!r}'s blocks of {block}")
-        bad = [p for p in dest.pages if not 0 <= p < pool]
-        if bad:
-            return ErrorCode.INDEX_OUT_OF_RANGE, f"page {bad[0]} of group {name!r} outside the {pool} registered pages"
-        twice = duplicate_page(dest.pages)
+        if pages and (min(pages) < 0 or max(pages) >= pool):
+            bad = next(p for p in pages if not 0 <= p < pool)
+            return ErrorCode.INDEX_OUT_OF_RANGE, f"page {bad} of group {name!r} outside the {pool} registered pages"
+        twice = duplicate_page(pages)
         if twice is not None:
             return ErrorCode.INDEX_OUT_OF_RANGE, (
                 f"page {twice} of group {name!r} is listed twice: two token ranges would share it")

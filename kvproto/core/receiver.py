@@ -318,12 +318,12 @@ class ReceiverCore(CoreBase):
             if len(group_pages) != len(self.groups) or len(state_slots) != len(self.groups):
                 raise LocalProtocolError(f"the cache has {len(self.groups)} groups beyond the first: give pages or a "
                                          f"slot for each ({', '.join(repr(g.name) for g in self.groups) or 'none'})")
-            groups = tuple(
+            groups = tuple([
                 GroupDestination(first_page=0, pages=(), slot=int(slot)) if spec.state else
-                GroupDestination(first_page=spec.needed_pages(num_tokens).start, pages=tuple(group), slot=NO_SLOT)
-                for spec, group, slot in zip(self.groups, group_pages, state_slots))
-            problem = check_destinations(self.groups, [(g.pool, g.block_size) for g in self.groups], groups,
-                                         num_tokens, prefix_tokens)
+                GroupDestination(first_page=spec.window_start(num_tokens) // spec.block_size, pages=tuple(group),
+                                 slot=NO_SLOT)
+                for spec, group, slot in zip(self.groups, group_pages, state_slots)])
+            problem = check_destinations(self.groups, self.groups, groups, num_tokens, prefix_tokens)
             if problem is not None:
                 raise LocalProtocolError(problem[1], problem[0])
         return Destination(pages=tuple(pages), num_tokens=num_tokens, prefix_tokens=prefix_tokens, aux_slot=aux_slot,

@@ -533,7 +533,7 @@ class SenderCore(CoreBase):
         if msg.generation == 0:
             return ErrorCode.PEER_PROTOCOL_ERROR, "transfer request without a generation"
         if self.groups or msg.groups:
-            return check_destinations(self.groups, [(g.pool, g.block_size) for g in link.groups], msg.groups,
+            return check_destinations(self.groups, link.groups, msg.groups,
                                       msg.num_tokens, msg.prefix_tokens)
         return None
 

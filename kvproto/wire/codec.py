@@ -32,6 +32,16 @@ compiled once into *steps* (``_steps``): a run of fixed-width integer fields tha
 version may leave out becomes one ``struct`` call, every other field one step with its error
 label made in advance. A step that meets bad input (a truncated run, a value out of range, a
 wrong type) goes back to the field-by-field rules above, so errors read exactly as they did.
+
+The bodies on every room's path (``TRANSFER_REQUEST`` with its per-group destinations, the
+staging messages, ``TRANSFER_DONE``) hold only integers, ``u32[]`` and lists of such records.
+For those, ``_Fast`` goes further: it writes out, once per class, one Python function that reads
+(and one that writes) the whole body field by field with the offsets worked out in the code, the
+way ``dataclasses`` writes ``__init__``. A fast function never raises and never guesses: on any
+input it does not take as valid (a short body, a value out of range, a wrong type) it gives up and
+the steps above run from the same offset, so every error is the steps' own; where it succeeds, it
+produces what the steps would (``tests/wire/test_codec.py`` checks both on the same inputs).
+``_Fast.code(cls)`` shows the code written for ``cls``.
 """
 
 from __future__ import annotations
@@ -115,6 +125,16 @@ class Body:
         return n
 
     def encode_into(self, out: bytearray) -> None:
+        fast = _Fast.of(type(self))
+        if fast is not None:
+            at = len(out)
+            if fast.write(self, out):
+                return
+            del out[at:]  # the steps write it again, and raise what they raise
+        self.encode_steps(out)
+
+    def encode_steps(self, out: bytearray) -> None:
+        """``encode_into`` by the compiled steps alone (what a fast writer must match)."""
         sent = self._sent_count()
         for step in _steps(type(self)):
             if step.index >= sent:
@@ -123,6 +143,17 @@ class Body:
 
     @classmethod
     def decode_from(cls, r: _Reader, **header_fields: int) -> Any:
+        fast = _Fast.of(cls)
+        if fast is not None:
+            got = fast.read(r.buf, r.pos, r.end, header_fields)
+            if got is not None:
+                r.pos = got[1]
+                return got[0]
+        return cls.decode_steps(r, **header_fields)
+
+    @classmethod
+    def decode_steps(cls, r: _Reader, **header_fields: int) -> Any:
+        """``decode_from`` by the compiled steps alone (what a fast reader must match)."""
         values: dict[str, Any] = header_fields
         for step in _steps(cls):
             if step.optional and r.pos >= r.end:
@@ -343,6 +374,121 @@ def _decode_field(r: _Reader, kind: Any, what: str) -> Any:
             raise MalformedFrame(f"{what}: count {n} exceeds the frame")
         return tuple(sub.decode_from(r) for _ in range(n))
     return kind.decode_from(r)
+
+
+def _is_int(kind: Any) -> bool:
+    return isinstance(kind, str) and kind in _INT_CODE
+
+
+class _Fast:
+    """A body's reader and writer written out as code (module docstring), for a class whose
+    fields are integers, ``u32[]`` and lists of such records; ``of`` gives None for any other
+    class (and on a big-endian host), which the steps alone decode and encode.
+
+    ``read(buf, pos, end, head)`` returns ``(body, end offset)`` or None (not taken: the steps
+    decode it from ``pos``); ``head`` holds the header's fields. ``write(body, out)`` appends the
+    body and returns True, or returns False (``out`` maybe part-written: the caller cuts it)."""
+
+    __slots__ = ("read", "write", "source")
+    _KNOWN: ClassVar[dict[type, _Fast | None]] = {}
+
+    def __init__(self, read: Any, write: Any, source: str) -> None:
+        self.read = read
+        self.write = write
+        self.source = source
+
+    @classmethod
+    def of(cls, body: type) -> _Fast | None:
+        try:
+            return cls._KNOWN[body]
+        except KeyError:
+            pass
+        cls._KNOWN[body] = None  # while a nested record is written out
+        made = cls._make(body) if _LITTLE else None
+        cls._KNOWN[body] = made
+        return made
+
+    @classmethod
+    def _make(cls, body: type) -> _Fast | None:
+        fields = body.FIELDS
+        names = {name for name, _ in fields}
+        env: dict[str, Any] = {"C": body, "array": array, "U32": _U32, "struct_error": struct.error}
+        for k, (_, kind) in enumerate(fields):
+            if isinstance(kind, list):
+                sub = cls.of(kind[0]) if isinstance(kind[0], type) and issubclass(kind[0], Body) else None
+                if sub is None:
+                    return None
+                env[f"R{k}"], env[f"W{k}"], env[f"T{k}"] = sub.read, sub.write, kind[0]
+            elif kind != "u32[]" and not _is_int(kind):
+                return None
+        if "head" in names or any(not name.isidentifier() for name in names):  # pragma: no cover
+            return None
+        optional = len(fields) if body.OPTIONAL_FROM is None else body.OPTIONAL_FROM
+        read = ["def read(buf, pos, end, head):", "    try:"]
+        write = ["def write(body, out):", "    try:"]
+        # encode: trailing optional fields holding their defaults are not sent (Body._sent_count)
+        sent_from = len(fields)
+        for k in range(len(fields) - 1, optional - 1, -1):
+            name, kind = fields[k]
+            empty = f"body.{name} == 0" if _is_int(kind) else f"len(body.{name}) == 0"
+            write.append(f"        {'if' if k == len(fields) - 1 else 'elif'} not ({empty}): sent = {k + 1}")
+            sent_from = k
+        if sent_from < len(fields):
+            write.append(f"        else: sent = {optional}")
+        k = 0
+        while k < len(fields):
+            name, kind = fields[k]
+            if k >= optional:  # a body may end before an optional field: the rest take their defaults
+                given = ", ".join(f"{n}=f{j}" for j, (n, _) in enumerate(fields[:k]))
+                read.append(f"        if pos >= end: return C({given}{', ' if given else ''}**head), pos")
+                write.append(f"        if sent <= {k}: return True")
+            if _is_int(kind):
+                run = [k]  # consecutive integers before the optional ones: one struct
+                while k + 1 < optional and _is_int(fields[k + 1][1]):
+                    k += 1
+                    run.append(k)
+                ints = struct.Struct("<" + "".join(_INT_CODE[fields[j][1]] for j in run))
+                env[f"S{run[0]}"] = ints
+                got = ", ".join(f"f{j}" for j in run)
+                read += [f"        if pos + {ints.size} > end: return None",
+                         f"        {got}, = S{run[0]}.unpack_from(buf, pos)", f"        pos += {ints.size}"]
+                values = ", ".join(f"body.{fields[j][0]}" for j in run)
+                write += [f"        v = ({values},)", "        for x in v:",
+                          "            if x.__class__ is not int: return False",
+                          f"        out += S{run[0]}.pack(*v)"]
+            elif kind == "u32[]":
+                read += ["        if pos + 4 > end: return None", "        n, = U32.unpack_from(buf, pos)",
+                         "        stop = pos + 4 + 4 * n", "        if stop > end: return None",
+                         "        a = array('I')", "        a.frombytes(buf[pos + 4:stop])",
+                         f"        f{k} = tuple(a)", "        pos = stop"]
+                write += [f"        v = body.{name}", "        if v.__class__ is not tuple and v.__class__ is not list:",
+                          "            return False", "        a = array('I', v)",
+                          "        out += U32.pack(len(a))", "        out += a.tobytes()"]
+            else:  # a list of records
+                read += ["        if pos + 4 > end: return None", "        n, = U32.unpack_from(buf, pos)",
+                         "        pos += 4", "        if n > end - pos: return None", "        items = []",
+                         "        for _ in range(n):", f"            got = R{k}(buf, pos, end, NO_HEAD)",
+                         "            if got is None: return None", "            items.append(got[0])",
+                         "            pos = got[1]", f"        f{k} = tuple(items)"]
+                write += [f"        v = body.{name}", "        if v.__class__ is not tuple and v.__class__ is not list:",
+                          "            return False", "        out += U32.pack(len(v))", "        for x in v:",
+                          f"            if x.__class__ is not T{k} or not W{k}(x, out): return False"]
+            k += 1
+        given = ", ".join(f"{n}=f{j}" for j, (n, _) in enumerate(fields))
+        read += [f"        return C({given}{', ' if given else ''}**head), pos",
+                 "    except (TypeError, ValueError):", "        return None"]
+        write += ["        return True", "    except (TypeError, ValueError, OverflowError, struct_error):",
+                  "        return False"]
+        env["NO_HEAD"] = {}
+        source = "\n".join(read) + "\n\n\n" + "\n".join(write) + "\n"
+        exec(compile(source, f"<kvproto.wire codec for {body.__name__}>", "exec"), env)  # noqa: S102 - our own text
+        return cls(env["read"], env["write"], source)
+
+    @classmethod
+    def code(cls, body: type) -> str | None:
+        """The code written for ``body`` (None: the steps alone read and write it)."""
+        fast = cls.of(body)
+        return None if fast is None else fast.source
 
 
 # --- frames ------------------------------------------------------------------------------

@@ -343,3 +343,92 @@ def test_codec_encode_rejects_bytes_for_u32_array_field() -> None:
     with pytest.raises(TypeError):
         encode(TransferRequest(num_tokens=1, prefix_tokens=0, aux_slot=0, expected_writers=1,
                                dst_pages=b"abcd"))  # type: ignore[arg-type]
+
+
+# --- the written-out fast path (codec._Fast) against the compiled steps ----------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from kvproto.wire import MESSAGE_TYPES, GroupDestination  # noqa: E402
+from kvproto.wire.codec import _MAX, _Fast, _Reader  # noqa: E402
+
+FAST = [cls for cls in (*MESSAGE_TYPES.values(), GroupDestination) if _Fast.of(cls) is not None]
+
+
+def test_the_bodies_on_every_rooms_path_have_a_fast_reader_and_writer() -> None:
+    names = {cls.__name__ for cls in FAST}
+    assert {"TransferRequest", "GroupDestination", "StagingRequest", "StagingGrant", "StagingWatermark",
+            "TransferDone"} <= names
+    assert _Fast.of(Abort) is None  # a string: the steps alone
+    assert "def read" in (_Fast.code(TransferRequest) or "")
+
+
+def _values(kind: object, valid: bool) -> st.SearchStrategy:
+    if isinstance(kind, list):
+        return st.lists(_bodies(kind[0], valid), max_size=3).map(tuple) if valid else \
+            st.one_of(st.lists(_bodies(kind[0], valid), max_size=3).map(tuple),
+                      st.lists(_bodies(kind[0], valid), max_size=2), st.just(None), st.just((1,)))
+    if kind == "u32[]":
+        items = st.integers(0, _MAX["u32"]) if valid else st.one_of(
+            st.integers(-3, _MAX["u32"] + 3), st.booleans(), st.just(1.5))
+        return st.lists(items, max_size=5).map(tuple) if valid else \
+            st.one_of(st.lists(items, max_size=5).map(tuple), st.lists(items, max_size=5), st.just("ab"))
+    top = _MAX[kind]  # type: ignore[index]
+    if valid:
+        return st.one_of(st.integers(0, top), st.sampled_from([0, top]))
+    return st.one_of(st.integers(-2, top + 2), st.booleans(), st.just(None), st.just(2.0))
+
+
+def _bodies(cls: type, valid: bool = True) -> st.SearchStrategy:
+    head = {"room_id": st.integers(0, 2**64 - 1), "generation": st.integers(1, 2**32 - 1)} \
+        if "room_id" in {f.name for f in dataclasses.fields(cls)} else {}
+    return st.builds(cls, **head, **{name: _values(kind, valid) for name, kind in cls.FIELDS})
+
+
+def _outcome(fn: object) -> tuple[str, object]:
+    try:
+        return "ok", fn()  # type: ignore[operator]
+    except Exception as exc:  # noqa: BLE001 - the two paths must fail alike
+        return type(exc).__name__, str(exc)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(FAST).flatmap(lambda cls: _bodies(cls, valid=False)))
+def test_the_fast_writer_writes_what_the_steps_write_or_leaves_it_to_them(body: object) -> None:
+    def steps() -> bytes:
+        out = bytearray(b"x")
+        body.encode_steps(out)  # type: ignore[attr-defined]
+        return bytes(out)
+
+    def fast() -> bytes:
+        out = bytearray(b"x")
+        body.encode_into(out)  # type: ignore[attr-defined]
+        return bytes(out)
+
+    assert _outcome(fast) == _outcome(steps)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(FAST).flatmap(lambda cls: st.tuples(st.just(cls), _bodies(cls))), st.data())
+def test_the_fast_reader_reads_what_the_steps_read_on_any_bytes(case: tuple[type, object], data: st.DataObject
+                                                                  ) -> None:
+    cls, body = case
+    out = bytearray()
+    body.encode_into(out)  # type: ignore[attr-defined]
+    whole = bytes(out)
+    variants = [whole[:cut] for cut in range(len(whole) + 1)]  # every truncation
+    variants.append(whole + data.draw(st.binary(max_size=6)))
+    if whole:
+        at = data.draw(st.integers(0, len(whole) - 1))
+        variants.append(whole[:at] + bytes([whole[at] ^ data.draw(st.integers(1, 255))]) + whole[at + 1:])
+    head = {"room_id": 5, "generation": 9} if "room_id" in {f.name for f in dataclasses.fields(cls)} else {}
+    for raw in variants:
+        def read(way: str, raw: bytes = raw) -> tuple[object, int]:
+            r = _Reader(memoryview(raw))
+            got = getattr(cls, way)(r, **head)
+            return got, r.pos
+
+        assert _outcome(lambda: read("decode_from")) == _outcome(lambda: read("decode_steps"))
+    assert cls.decode_from(_Reader(memoryview(whole)), **head) == (
+        dataclasses.replace(body, **head) if head else body)  # type: ignore[type-var]
