@@ -106,6 +106,8 @@ class StagingBuffer:
         self.kind = MemKind.DRAM if on_host else MemKind.VRAM
         self.device_id = 0 if on_host else (device.index or 0)
         self.where = "host" if on_host and device.type == "cuda" else ("cpu" if on_host else "device")
+        self.on_gpu = not on_host
+        """Whether the buffer is device memory (what each piece's copy asks)."""
 
     def region(self) -> MemoryRegion:
         return MemoryRegion(self.address, self.capacity, self.device_id, self.kind)
@@ -353,9 +355,13 @@ class Stager:
 
 class JointTables:
     """Each room's page table for blocks that move in one launch (``Piece.copy``): the groups'
-    pages from token 0 back to back, made once per room and set of groups, read from the ring as
-    ``PageTables``' are, forgotten when the room ends; with where each group's pages start in it
-    (the launch's arguments)."""
+    pages from token 0 back to back, read from the ring as ``PageTables``' are, with where each
+    group's pages start in it (the launch's arguments). A room's long tables (more than
+    ``KEEP_FROM`` pages) are made once per set of groups and kept until the room ends, as its
+    chunks' pieces read them again; a short one costs less to make than to look up, and is made
+    per piece."""
+
+    KEEP_FROM = 64
 
     def __init__(self, uploads: Uploads | None = None) -> None:
         self.uploads = uploads
@@ -367,21 +373,23 @@ class JointTables:
             keep: bool = True) -> tuple[Any, tuple[int, ...]]:
         """The joined table where the kernel reads it (as ``PageTables.get``), and where each
         group's pages start in it."""
-        groups = tuple(part.group for part in parts)
-        lists = tuple(tuple(pages[g]) for g in groups)
-        room = self._tables.get(room_id)
-        known = None if room is None else room.get(groups)
-        if known is not None and known[0] == lists:
-            values, starts = known[1], known[2]
-        else:
-            values = np.array([page for listed in lists for page in listed], dtype=np.int64)
-            at, begins = 0, []
-            for listed in lists:
-                begins.append(at)
-                at += len(listed)
-            starts = tuple(begins)
-            if keep:
-                self._tables.setdefault(room_id, {})[groups] = (lists, values, starts)
+        lists = [pages[part.group] for part in parts]
+        long = sum(map(len, lists)) > self.KEEP_FROM
+        if long:
+            groups = tuple(part.group for part in parts)
+            snapshot = tuple(tuple(listed) for listed in lists)
+            room = self._tables.get(room_id)
+            known = None if room is None else room.get(groups)
+            if known is not None and known[0] == snapshot:
+                return _upload(known[1], parts[0].kv, self.uploads), known[2]
+        flat: list[int] = []
+        begins = []
+        for listed in lists:
+            begins.append(len(flat))
+            flat += listed
+        values, starts = np.array(flat, dtype=np.int64), tuple(begins)
+        if long and keep:
+            self._tables.setdefault(room_id, {})[groups] = (snapshot, values, starts)
         return _upload(values, parts[0].kv, self.uploads), starts
 
     def forget(self, room_id: int) -> None:
@@ -513,7 +521,7 @@ class Piece:
             assert self.block is not None, "state slots for a piece without a state block"
             at = offset + (end - start) * self.unit
             # the last launch is Triton's where the cache is on a GPU, or where it joins blocks
-            triton = buf.tensor.device.type == "cuda" or len(_planned(self.parts, _joins(buf), self.runs)[-1][0]) > 1
+            triton = buf.on_gpu or len(_planned(self.parts, _joins(buf), self.runs)[-1][0]) > 1
             fused = self.block.fused(buf, at, slots, gather=gather) if triton else None
             if fused is None:
                 self.block.copy(buf, at, slots, gather=gather, stream=stream)
@@ -542,7 +550,7 @@ def _copy_parts(parts: Sequence[PiecePart], buf: StagingBuffer, offset: int, roo
     buffer here)."""
     joint = _joins(buf)
     planned = _planned(parts, joint, runs)
-    prepared = launches is not None and joint and buf.tensor.device.type == "cuda"
+    prepared = launches is not None and joint and buf.on_gpu
     for k, (run, before) in enumerate(planned):
         at = offset + (end - start) * before
         fused = block if k == len(planned) - 1 else None
@@ -595,7 +603,7 @@ def _launch_run(launches: dict[tuple[Any, ...], Any], k: int, run: Sequence[Piec
     if at < 0 or at + nbytes > buf.capacity:
         raise kernels.StagingError(f"a staged block of {nbytes} bytes at {at} overruns the {buf.capacity}-byte buffer")
     address = buf.address + at
-    key = (k, gather, tokens, address & 15, 0 if fused is None else len(fused.tiles))
+    key = (k, gather, tokens, address & 15, 0 if fused is None else fused.tiles.shape[0])
     launch = launches.get(key)
     if launch is not None:
         launch.again(address, table, starts, fused, start)
@@ -613,8 +621,7 @@ def _launch_run(launches: dict[tuple[Any, ...], Any], k: int, run: Sequence[Piec
 def _joins(buf: StagingBuffer) -> bool:
     """Whether blocks that look alike move in one launch: Triton kernels on a CUDA cache, the
     staging on its device (host staging copies region by region: ``kernels.gather``)."""
-    device = buf.tensor.device
-    return device.type == "cuda" and kernels.triton_available()
+    return buf.on_gpu and kernels.triton_available()
 
 
 def _blocks(parts: Sequence[PiecePart], offset: int, tokens: int, *, joint: bool = False
@@ -673,6 +680,8 @@ class StateBlock:
         self._shifted: dict[tuple[bool, tuple[int, ...]], np.ndarray] = {}
         self._fixed: dict[bool, torch.Tensor] = {}
         """Per direction, the tiles a staging launch reads for every piece (``fused``)."""
+        self._slots: Any = None
+        """``triton_kernels.Slots``, once a launch carries the block (imported where Triton is)."""
         if kernel is None:
             kernel = _joins(buf) and buf.tensor.device == self.device
         if kernel:
@@ -698,13 +707,16 @@ class StateBlock:
         direction (on the current stream: the copy's), and per piece only scalars, each group's
         slot and the block's place; None where the block has no kernel or more state groups than
         a launch takes (``copy`` moves it)."""
-        from kvproto.kernels.triton_kernels import SLOT_GROUPS, Slots
-
         strided = self._kernel.get(gather)
-        if strided is None or len(self.groups) > SLOT_GROUPS:
+        if strided is None:
             return None
         tiles = self._fixed.get(gather)
         if tiles is None:
+            from kvproto.kernels.triton_kernels import SLOT_GROUPS, Slots
+
+            if len(self.groups) > SLOT_GROUPS:
+                return None
+            self._slots = Slots
             wide = np.empty((len(strided.plan.tiles), 5), dtype=np.int64)
             wide[:, :3] = strided.plan.tiles
             wide[:, 3] = strided.src_step[:, 0] if gather else strided.dst_step[:, 1]
@@ -716,7 +728,8 @@ class StateBlock:
         block = buf.address + at
         if block % strided.align:
             raise ValueError(f"a state block at {block:#x} is not a multiple of the plan's {strided.align} bytes")
-        return Slots(strided.plan, tiles, self._zero, tuple(slots[g] for g in self.groups), block // strided.align)
+        return self._slots(strided.plan, tiles, self._zero, tuple([slots[g] for g in self.groups]),
+                           block // strided.align)
 
     def tiles(self, buf: StagingBuffer, at: int, slots: dict[int, int], *, gather: bool
               ) -> tuple[Any, np.ndarray, torch.Tensor] | None:

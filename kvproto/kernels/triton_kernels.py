@@ -577,11 +577,12 @@ class _Launch:
             slot_constants = {"SLOTS": True, "S_TILE_WORDS": slot_plan.tile_words, "S_VEC": slot_plan.vec,
                               "S_ALIGN": slot_plan.word * slot_plan.vec}
         self.joined = tuple(joined)
+        self._starts, self._splits = starts, _splits(self.joined, starts)
         self.args = (
             table.tensor,
             staging.view(_WORDS[word]),
             pages,
-            *_splits(self.joined, starts),
+            *self._splits,
             *slot_args,
         )
         self.tail = (plan.start_token, self.num_rows, plan.head_offset)
@@ -614,12 +615,14 @@ class _Launch:
         keeps the staging inside its buffer and the pages are the core's, range-checked."""
         stage = Pointer(staging, 0, self.device, self.word)
         table = self.args[0]
-        if self.slot_tiles:
-            assert slots is not None and len(slots.tiles) == self.slot_tiles
+        if self.slot_tiles:  # the caller keys launches by their block's tiles: these are as many
+            assert slots is not None
             slot_args = (slots.tiles, self.slot_tiles, slots.zero, self.slot_word, *slots.args())
         else:
             slot_args = (pages, 0, pages, stage, *_NO_SLOTS)
-        self.args = (table, stage, pages, *_splits(self.joined, starts), *slot_args)
+        if starts != self._starts:  # a joined launch's splits: the same while the groups' page counts are
+            self._starts, self._splits = starts, _splits(self.joined, starts)
+        self.args = (table, stage, pages, *self._splits, *slot_args)
         self.tail = (start_token, *self.tail[1:])
         self.run(0, self.regions)
 
