@@ -222,6 +222,8 @@ class SenderCore(CoreBase):
         self.block_size = block_size
         self.num_layers = num_layers
         self.groups = tuple(groups)
+        self._states = tuple(g for g, spec in enumerate(self.groups) if spec.state)
+        """The state groups (by index into ``groups``): what a room's last chunk gives a slot of."""
         self.layers = tuple(range(num_layers) if layers is None else layers)
         self.num_blocks = num_blocks
         self.aux_slots = aux_slots
@@ -391,9 +393,8 @@ class SenderCore(CoreBase):
 
     def _state_slots(self, room: SenderRoom, last: bool, slots: Sequence[int] | None) -> tuple[int, ...] | None:
         """The room's state slots once this chunk is taken (checked; nothing is changed here)."""
-        states = [g.name for g in self.groups if g.state]
         if slots is not None:
-            if not states:
+            if not self._states:
                 raise LocalProtocolError("the cache has no state group: no state slots")
             if room.state_slots is not None or not last:
                 raise LocalProtocolError(f"room {room.room_id}: state slots are given once, with the first chunk "
@@ -405,9 +406,9 @@ class SenderCore(CoreBase):
                     raise LocalProtocolError(f"slot {slot} of group {spec.name!r} outside [0, {spec.pool})",
                                              ErrorCode.INDEX_OUT_OF_RANGE)
             return tuple(slot if spec.state else NO_SLOT for spec, slot in zip(self.groups, slots))
-        if last and states and room.state_slots is None:
+        if last and self._states and room.state_slots is None:
             raise LocalProtocolError(f"room {room.room_id}: the first chunk whose last flag is set gives the slot of "
-                                     f"every state group ({', '.join(map(repr, states))})")
+                                     f"every state group ({', '.join(repr(self.groups[g].name) for g in self._states)})")
         return room.state_slots
 
     def _layer_span(self, room: SenderRoom, layers: tuple[int, int] | None) -> tuple[int, int] | None:
@@ -883,8 +884,9 @@ class SenderCore(CoreBase):
         if not peer.link.stage_tail or end_token != req.num_tokens:
             return ()
         assert room.state_slots is not None, "the piece that ends a request is asked for after its last chunk"
-        return tuple(StatePart(group=g + 1, src_slot=room.state_slots[g], dst_slot=req.groups[g].slot)
-                     for g, (spec, lg) in enumerate(zip(self.groups, peer.link.groups)) if spec.state and lg.writes)
+        writes = peer.link.groups
+        return tuple([StatePart(group=g + 1, src_slot=room.state_slots[g], dst_slot=req.groups[g].slot)
+                      for g in self._states if writes[g].writes])
 
     def _post(self, room: SenderRoom, peer: _Peer, output: type, **fields: object) -> None:
         """Emit one tagged write to ``peer`` as its next ``seq``."""
