@@ -82,6 +82,20 @@ class LinkGroup:
     writes to the link stage, the pieces carry it."""
 
 
+_SLOT_DESTINATIONS: dict[int, GroupDestination] = {}
+
+
+def slot_destination(slot: int) -> GroupDestination:
+    """A state group's destination, ``slot``: one shared (immutable) object per slot, as a decode
+    rank names the same few slots room after room."""
+    dest = _SLOT_DESTINATIONS.get(slot)
+    if dest is None:
+        if len(_SLOT_DESTINATIONS) >= 1 << 16:
+            _SLOT_DESTINATIONS.clear()
+        dest = _SLOT_DESTINATIONS[slot] = GroupDestination(first_page=0, pages=(), slot=slot)
+    return dest
+
+
 def pages_from_zero(dest: GroupDestination) -> tuple[int, ...]:
     """A paged group's destination pages indexed from the prompt's page 0, as plans take them: the
     pages before ``first_page`` (a window's) are 0, never read, since no write reaches them."""
@@ -145,8 +159,9 @@ def check_destinations(groups: Sequence[GroupSpec], sizes: Sequence[GroupSpec | 
         name, block, pages = spec.name, size.block_size, dest.pages
         if dest.slot != NO_SLOT:
             return ErrorCode.PEER_PROTOCOL_ERROR, f"paged group {name!r} takes pages, not a slot"
-        need = spec.needed_pages(num_tokens, block)
-        if dest.first_page != need.start or len(pages) != len(need):
+        first = 0 if spec.window is None else max(0, num_tokens - spec.window) // block  # needed_pages, inlined
+        if dest.first_page != first or len(pages) != (-(-num_tokens // block) - first if num_tokens > 0 else 0):
+            need = spec.needed_pages(num_tokens, block)
             return ErrorCode.TOKEN_COUNT_MISMATCH, (
                 f"{num_tokens} tokens need pages {need.start}..{need.stop - 1} of group {name!r} (blocks of {block}"
                 f"{'' if spec.window is None else f', window {spec.window}'}), the room names {len(pages)} "

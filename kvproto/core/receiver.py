@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 
 from kvproto.core.base import CoreBase, RoomBase, Tombstone, duplicate_page
 from kvproto.core.events import DropLink, LinkKey, Scatter, Timeouts
-from kvproto.core.groups import GroupSpec, check_destinations, pages_from_zero
+from kvproto.core.groups import GroupSpec, check_destinations, pages_from_zero, slot_destination
 from kvproto.core.staging import StagingRing
 from kvproto.core.state import Effect, Input, Role, RoomState
 from kvproto.wire import (
@@ -319,7 +319,7 @@ class ReceiverCore(CoreBase):
                 raise LocalProtocolError(f"the cache has {len(self.groups)} groups beyond the first: give pages or a "
                                          f"slot for each ({', '.join(repr(g.name) for g in self.groups) or 'none'})")
             groups = tuple([
-                GroupDestination(first_page=0, pages=(), slot=int(slot)) if spec.state else
+                slot_destination(int(slot)) if spec.state else
                 GroupDestination(first_page=spec.window_start(num_tokens) // spec.block_size, pages=tuple(group),
                                  slot=NO_SLOT)
                 for spec, group, slot in zip(self.groups, group_pages, state_slots)])
