@@ -454,7 +454,7 @@ class _Fast:
                          f"        {got}, = S{run[0]}.unpack_from(buf, pos)", f"        pos += {ints.size}"]
                 values = ", ".join(f"body.{fields[j][0]}" for j in run)
                 write += [f"        v = ({values},)", "        for x in v:",
-                          "            if x.__class__ is not int: return False",
+                          "            if not isinstance(x, int): return False",
                           f"        out += S{run[0]}.pack(*v)"]
             elif kind == "u32[]":
                 read += ["        if pos + 4 > end: return None", "        n, = U32.unpack_from(buf, pos)",
