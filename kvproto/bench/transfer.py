@@ -44,7 +44,10 @@ A case of a few hundred small rooms lasts well under a second, so two runs of it
 than the effect being compared. ``--repeat N`` runs each case N times, the cache kinds taking
 turns (one, hybrid, one, hybrid, ...) so that slow and fast spells of the host fall on both,
 and prints the median run of each kind (every run's GB/s beside it); ``vs one`` is then the
-ratio of the two medians.
+ratio of the two medians. With three runs or more of each kind, the line also gives that ratio's
+90 % bootstrap interval (``vs one 90 %``: each kind's runs drawn again with replacement, 2000
+times, seeded): how far the spread of the runs leaves the ratio open. An interval that lies
+above a target says more than one median that does.
 
 It is a benchmark: the exit status is non-zero only when a room fails or a byte differs.
 """
@@ -148,6 +151,8 @@ class Row:
     groups: str = "one"
     vs_one: float = 0.0
     """A hybrid row: its GB/s over the one-group row's of the same case (0: not measured)."""
+    vs_one_interval: list[float] = field(default_factory=list)
+    """With three runs or more of each kind: the 90 % bootstrap interval of ``vs_one`` (low, high)."""
     prefill_cpu: float = 0.0
     """The busiest prefill rank's process CPU over its rooms (1.0: one core all the time)."""
     decode_cpu: float = 0.0
@@ -709,6 +714,20 @@ def median_run(runs: list[Row]) -> Row:
     return row
 
 
+def ratio_interval(one: list[float], other: list[float], *, level: float = 0.9, draws: int = 2000,
+                   seed: int = 0) -> tuple[float, float] | None:
+    """The ``level`` bootstrap interval of median(``other``) / median(``one``): each list drawn again
+    with replacement ``draws`` times (seeded: the same runs give the same interval); None with
+    fewer than three runs of either."""
+    if len(one) < 3 or len(other) < 3 or min(one) <= 0:
+        return None
+    rng = random.Random(seed)
+    ratios = sorted(statistics.median(rng.choices(other, k=len(other)))
+                    / statistics.median(rng.choices(one, k=len(one))) for _ in range(draws))
+    tail = int(draws * (1 - level) / 2)
+    return ratios[tail], ratios[draws - 1 - tail]
+
+
 def raw_reference(group: _Group, size: int, in_flight: int, rounds: int) -> float:
     """GB/s of ``in_flight`` concurrent one-descriptor WRITEs of ``size`` bytes, prefill 0 -> decode 0."""
     prefill, decode = group.by_role("prefill")[0], group.by_role("decode")[0]
@@ -749,7 +768,8 @@ def _print(row: Row) -> None:
           f"{row.first_room_ms:>9.1f} {row.warm_room_ms:>8.2f} {row.room_p50_ms:>7.2f} {row.room_p99_ms:>7.2f} "
           f"{f'{row.prefill_cpu * 100:.0f}/{row.decode_cpu * 100:.0f}':>9} "
           f"{'OK' if row.bad_bytes == 0 else row.bad_bytes:>6}"
-          + ("  runs " + " ".join(f"{g:.1f}" for g in row.gbps_runs) if len(row.gbps_runs) > 1 else ""), flush=True)
+          + ("  runs " + " ".join(f"{g:.1f}" for g in row.gbps_runs) if len(row.gbps_runs) > 1 else "")
+          + ("  vs one 90 % {:.2f}-{:.2f}".format(*row.vs_one_interval) if row.vs_one_interval else ""), flush=True)
 
 
 def memory_needed(case: Case, shape: Shape, devices: tuple[str, str]) -> dict[str, int]:
@@ -897,6 +917,8 @@ def main(argv: list[str] | None = None) -> int:
                         for kind, row in medians.items():
                             if kind == "hybrid" and one is not None and one.gbps:
                                 row.vs_one = row.gbps / one.gbps
+                                interval = ratio_interval(one.gbps_runs, row.gbps_runs)
+                                row.vs_one_interval = list(interval) if interval else []
                             row.bad_bytes = sum(r.bad_bytes for r in runs[kind])
                             rows.append(row)
                             _print(row)

@@ -84,6 +84,8 @@ def test_bench_transfer_repeat_prints_the_median_run_of_each_cache_kind(tmp_path
         assert len(row["gbps_runs"]) == 3 and all(g > 0 for g in row["gbps_runs"])
         assert row["gbps"] == statistics.median(row["gbps_runs"]) and row["bad_bytes"] == 0
     assert hybrid["vs_one"] == pytest.approx(hybrid["gbps"] / one["gbps"])
+    low, high = hybrid["vs_one_interval"]  # three runs of each: the ratio's bootstrap interval
+    assert low <= hybrid["vs_one"] <= high and one["vs_one_interval"] == []
 
 
 def test_bench_rooms_tiny_reports_rates_latency_and_loop_lag(tmp_path: Path) -> None:
@@ -141,3 +143,20 @@ def test_bench_sync_engine_loop_reports_every_phase(tmp_path: Path) -> None:
         assert r[f"engine_{name}_steps"] >= 5
         assert 0 < r[f"engine_{name}_p50_ms"] <= r[f"engine_{name}_p99_ms"] <= r[f"engine_{name}_max_ms"]
         assert r[f"engine_{name}_cpu_fraction"] > 0
+
+
+def test_the_ratio_interval_holds_the_ratio_and_narrows_with_more_runs() -> None:
+    """``ratio_interval``: the bootstrap interval of median(b) / median(a), seeded; runs that agree
+    give a point, runs that spread give an interval that holds the ratio, narrower with more runs;
+    fewer than three runs give none."""
+    from kvproto.bench.transfer import ratio_interval
+
+    assert ratio_interval([10.0] * 5, [8.0] * 5) == (pytest.approx(0.8), pytest.approx(0.8))
+    assert ratio_interval([10.0, 11.0], [9.0, 9.5, 10.0]) is None
+    one = [9.3, 14.8, 10.6, 11.7, 12.3, 14.8, 15.7]
+    other = [15.8, 13.8, 16.7, 13.1, 15.3, 13.8, 13.9]
+    low, high = ratio_interval(one, other)
+    assert low < 13.9 / 12.3 < high and high - low > 0.1
+    assert ratio_interval(one, other) == (low, high)  # seeded
+    low3, high3 = ratio_interval(one * 3, other * 3)
+    assert low <= low3 and high3 <= high and high3 - low3 < high - low
