@@ -405,7 +405,7 @@ class SenderCore(CoreBase):
                 if spec.state and not 0 <= slot < spec.pool:
                     raise LocalProtocolError(f"slot {slot} of group {spec.name!r} outside [0, {spec.pool})",
                                              ErrorCode.INDEX_OUT_OF_RANGE)
-            return tuple(slot if spec.state else NO_SLOT for spec, slot in zip(self.groups, slots))
+            return tuple([slot if spec.state else NO_SLOT for spec, slot in zip(self.groups, slots)])
         if last and self._states and room.state_slots is None:
             raise LocalProtocolError(f"room {room.room_id}: the first chunk whose last flag is set gives the slot of "
                                      f"every state group ({', '.join(repr(self.groups[g].name) for g in self._states)})")
@@ -858,16 +858,18 @@ class SenderCore(CoreBase):
         for g, (spec, lg) in enumerate(zip(self.groups, peer.link.groups)):
             if not lg.writes:
                 continue
+            if spec.state:
+                if not chunk.last or room.state_slots is None or defer_states:
+                    continue
+            elif lg.staged and peer.staged:
+                continue  # the link's staged pieces carry this group
             span = local_span(spec.layers, chunk.layers)
             if span is not None and span[0] == span[1]:
-                continue
+                continue  # none of the group's layers in this chunk
             if spec.state:
-                if chunk.last and room.state_slots is not None and not defer_states:
-                    parts.append(StatePart(group=g + 1, src_slot=room.state_slots[g], dst_slot=req.groups[g].slot,
-                                           layers=span))
+                parts.append(StatePart(group=g + 1, src_slot=room.state_slots[g], dst_slot=req.groups[g].slot,
+                                       layers=span))
                 continue
-            if lg.staged and peer.staged:
-                continue  # the link's staged pieces carry this group
             first = max(start, spec.window_start(req.num_tokens))
             if first < end:
                 parts.append(PagedPart(group=g + 1, start_token=first, end_token=end,
