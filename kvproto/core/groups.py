@@ -159,9 +159,8 @@ def check_destinations(groups: Sequence[GroupSpec], sizes: Sequence[GroupSpec | 
         name, block, pages = spec.name, size.block_size, dest.pages
         if dest.slot != NO_SLOT:
             return ErrorCode.PEER_PROTOCOL_ERROR, f"paged group {name!r} takes pages, not a slot"
-        first = 0 if spec.window is None else max(0, num_tokens - spec.window) // block  # needed_pages, inlined
-        if dest.first_page != first or len(pages) != (-(-num_tokens // block) - first if num_tokens > 0 else 0):
-            need = spec.needed_pages(num_tokens, block)
+        need = spec.needed_pages(num_tokens, block)
+        if dest.first_page != need.start or len(pages) != len(need):
             return ErrorCode.TOKEN_COUNT_MISMATCH, (
                 f"{num_tokens} tokens need pages {need.start}..{need.stop - 1} of group {name!r} (blocks of {block}"
                 f"{'' if spec.window is None else f', window {spec.window}'}), the room names {len(pages)} "
