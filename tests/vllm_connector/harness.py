@@ -127,6 +127,10 @@ class Instance:
         self.outputs: dict[str, list[int]] = {}
         self.finished: dict[str, Any] = {}
         self.failed_recving: set[str] = set()
+        self.landed: list[str] = []
+        """Decode: requests whose KV every rank reported received (vLLM's merged ``finished_recving``,
+        not failed), in the step order they landed. Until the next ``step`` their blocks hold what
+        the room wrote: vLLM runs the request (and may preempt it, freeing its blocks) only after."""
 
     # --- requests ------------------------------------------------------------------------------
     def add(self, req_id: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None) -> Request:
@@ -175,8 +179,11 @@ class Instance:
             outputs.append(ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                              sampled_token_ids=[list(s) for s in sampled], kv_connector_output=kvo))
         merged = self.aggregator.aggregate(outputs)
-        if merged.kv_connector_output is not None:
-            self.failed_recving |= set(merged.kv_connector_output.failed_recving or ())
+        kvo = merged.kv_connector_output
+        if kvo is not None:
+            failed = set(kvo.failed_recving or ())
+            self.failed_recving |= failed
+            self.landed += sorted(set(kvo.finished_recving or ()) - failed)
         engine_outputs = self.scheduler.update_from_output(out, merged)
         for eo in engine_outputs.values():
             for o in eo.outputs:

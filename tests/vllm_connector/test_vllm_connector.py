@@ -295,8 +295,10 @@ def test_layerwise_sends_each_layer_as_its_forward_ends_and_whole_chunks_at_once
 def test_many_requests_interleaved_like_a_proxy(case: str) -> None:
     """Forty requests of random lengths (1 to 300 tokens) arrive over time; each goes to the
     decode as soon as its prefill has finished, both engines stepping all along with chunked
-    prefill on a small token budget. Every request's bytes are exact (checked as it finishes on the
-    decode, before vLLM gives its blocks to the next request); all blocks are free at the end."""
+    prefill on a small token budget. Every request's bytes are exact, checked as its KV lands on the
+    decode (vLLM's ``finished_recving``), before the request runs: the decode's blocks run short
+    here, and a request vLLM preempts later gives up its blocks (another request's room may write
+    them) and recomputes its last, partial block, as an engine does. All blocks are free at the end."""
     prefill, decode = pair(**CASES[case], batch_tokens=64)
     try:
         rng = random.Random(case)
@@ -306,7 +308,7 @@ def test_many_requests_interleaved_like_a_proxy(case: str) -> None:
         checked: set[str] = set()
 
         def progress() -> bool:
-            for rid in list(decode.finished):
+            for rid in decode.landed:
                 if rid not in checked:
                     checked.add(rid)
                     check_bytes(prefill, decode, int(kv_params(prefill, rid)[ROOM]), len(prompts[rid]))
