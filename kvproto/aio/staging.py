@@ -772,6 +772,14 @@ class StateBlock:
             return
         slot = np.array([slots[g] for g in self._group.tolist()], dtype=np.int64)
         slot_at = self._address + slot * self._stride
+        if self.device.type == "cpu" and not buf.on_gpu:  # host to host: a memmove per run, no tensors
+            block = buf.address + at
+            for state, offset, length in zip(slot_at.tolist(), self._offset.tolist(), self._length.tolist()):
+                if gather:
+                    ctypes.memmove(block + offset, state, length)
+                else:
+                    ctypes.memmove(state, block + offset, length)
+            return
         for state, offset, length in zip(slot_at.tolist(), self._offset.tolist(), self._length.tolist()):
             staged = buf.tensor[at + offset:at + offset + length]
             mine = _bytes_at(state, length, self.device)
