@@ -232,7 +232,12 @@ class LinkPath:
             moved = (end - start) * self.plan.head_count * self.plan.src.head_bytes  # exactly the tokens
             return Part(moved * len(local_bases), *kinds, plan=(
                 self.plan, local_bases, kinds[0], remote_bases, kinds[1], src_pages, dst_pages, start, end))
-        pattern = self._pattern(src_pages, dst_pages, start, end)
+        if self.plan.direct and end - start <= SMALL_WRITE_PAGES * self.plan.src.block_size:
+            page = self.plan.src.page_bytes
+            runs = self._few_page_runs(src_pages, dst_pages, start, end)
+            pattern = np.array([(s * page, d * page, n * page) for s, d, n in runs], dtype=np.int64)
+        else:
+            pattern = self._pattern(src_pages, dst_pages, start, end)
         return Part(int(pattern[:, 2].sum()) * len(local_bases), *kinds,
                     rows=self._rows(pattern, local_bases, remote_bases))
 
@@ -246,15 +251,14 @@ class LinkPath:
     def _rows(self, pattern: np.ndarray, local_bases: np.ndarray, remote_bases: np.ndarray
               ) -> tuple[np.ndarray, np.ndarray]:
         """``pattern`` placed in every region pair: (local rows, remote rows)."""
-        regions = len(local_bases)
-        local_rows = np.empty((regions * len(pattern), 3), dtype=np.int64)
+        local_rows = np.empty((len(local_bases), len(pattern), 3), dtype=np.int64)  # region-major
         remote_rows = np.empty_like(local_rows)
-        local_rows[:, 0] = (local_bases[:, None] + pattern[None, :, 0]).reshape(-1)
-        remote_rows[:, 0] = (remote_bases[:, None] + pattern[None, :, 1]).reshape(-1)
-        local_rows[:, 1] = remote_rows[:, 1] = np.tile(pattern[:, 2], regions)
-        local_rows[:, 2] = self.local.kv.device_id
-        remote_rows[:, 2] = self.remote_device
-        return local_rows, remote_rows
+        np.add(local_bases[:, None], pattern[None, :, 0], out=local_rows[:, :, 0])
+        np.add(remote_bases[:, None], pattern[None, :, 1], out=remote_rows[:, :, 0])
+        local_rows[:, :, 1] = remote_rows[:, :, 1] = pattern[:, 2]
+        local_rows[:, :, 2] = self.local.kv.device_id
+        remote_rows[:, :, 2] = self.remote_device
+        return local_rows.reshape(-1, 3), remote_rows.reshape(-1, 3)
 
     def _regions(self, layers: tuple[int, int] | None) -> tuple[int, np.ndarray, np.ndarray]:
         """(first region, local bases, remote bases) of ``layers`` (regions ``layer * planes +
@@ -274,23 +278,37 @@ class LinkPath:
         costs the prefill rank is mostly fixed costs, and array operations on a handful of pages
         cost more than the arithmetic (the transport merges consecutive pages as before)."""
         src_g, dst_g = self.local.kv.geometry, self.remote
+        runs = self._few_page_runs(src_pages, dst_pages, start, end)
+        regions = range(region0, region0 + count)
+        local_idx = [r * src_g.num_blocks + s + k for r in regions for s, _, n in runs for k in range(n)]
+        remote_idx = [r * dst_g.num_blocks + d + k for r in regions for _, d, n in runs for k in range(n)]
+        xfer = self.transport.post_prepared(self.peer, self.local.pages(), np.array(local_idx, dtype=np.int64),
+                                            self.prepare(), np.array(remote_idx, dtype=np.int64), tag)
+        return Posted(xfer, sum(n for _, _, n in runs) * src_g.page_bytes * count, len(runs) * count)
+
+    def _few_page_runs(self, src_pages: Sequence[int], dst_pages: Sequence[int], start: int, end: int
+                       ) -> list[list[int]]:
+        """The pages of tokens ``[start, end)`` of a direct pair as runs ``[src page, dst page,
+        pages]`` consecutive on both sides, with plain integers, checked as ``pair_extents`` checks
+        them (the few pages of a small write: ``_post_few_pages``, ``part``)."""
+        src_g, dst_g = self.local.kv.geometry, self.remote
         first, last = start // src_g.block_size, (end - 1) // src_g.block_size
         if last >= len(src_pages) or last >= len(dst_pages):
             side, pages = ("source", src_pages) if last >= len(src_pages) else ("destination", dst_pages)
             raise PageListError(f"{side} page list has {len(pages)} pages, but tokens [{start}, {end}) in blocks "
                                 f"of {src_g.block_size} need page index {last}")
-        src = [int(p) for p in src_pages[first:last + 1]]
-        dst = [int(p) for p in dst_pages[first:last + 1]]
-        for side, pages, pool in (("source", src, src_g.num_blocks), ("destination", dst, dst_g.num_blocks)):
-            for i, p in enumerate(pages):
-                if not 0 <= p < pool:
-                    raise PageListError(f"{side} page {p} at index {first + i} is outside the pool [0, {pool})")
-        local_idx = [r * src_g.num_blocks + p for r in range(region0, region0 + count) for p in src]
-        remote_idx = [r * dst_g.num_blocks + p for r in range(region0, region0 + count) for p in dst]
-        xfer = self.transport.post_prepared(self.peer, self.local.pages(), np.array(local_idx, dtype=np.int64),
-                                            self.prepare(), np.array(remote_idx, dtype=np.int64), tag)
-        runs = 1 + sum(1 for i in range(1, len(src)) if src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1)
-        return Posted(xfer, len(src) * src_g.page_bytes * count, runs * count)
+        runs: list[list[int]] = []
+        for i in range(first, last + 1):
+            s, d = int(src_pages[i]), int(dst_pages[i])
+            if not 0 <= s < src_g.num_blocks:
+                raise PageListError(f"source page {s} at index {i} is outside the pool [0, {src_g.num_blocks})")
+            if not 0 <= d < dst_g.num_blocks:
+                raise PageListError(f"destination page {d} at index {i} is outside the pool [0, {dst_g.num_blocks})")
+            if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+                runs[-1][2] += 1
+            else:
+                runs.append([s, d, 1])
+        return runs
 
     def _post_pages(self, tag: bytes, pattern: np.ndarray, nbytes: int, region0: int = 0,
                     count: int | None = None) -> Posted:
