@@ -26,7 +26,9 @@ violation that fails the room.
 
 Staging (a writer that asks): STAGING_REQUESTs of a writer must cover its tokens in order; the
 ring grants them FIFO; a STAGED tag turns into a ``Scatter`` output and counts as arrived only
-at ``scatter_done``, which releases the region and answers with a STAGING_WATERMARK.
+at ``scatter_done``, which releases the region and answers with a STAGING_WATERMARK. A writer
+stages all of a room's tokens or none: one whose count is complete with tokens never granted
+fails the room (TOKEN_COUNT_MISMATCH), never a success with a gap.
 
 Ends that no link can carry yet: a room that fails while BOOTSTRAPPING (the application's
 abort, its deadline, the endpoint's close) has no link to tell, yet the prefill ranks of its
@@ -369,7 +371,7 @@ class ReceiverCore(CoreBase):
         progress.nbytes = msg.nbytes
         if not progress.complete():
             self._finishing.add(room.room_id)
-        self.apply(room, self._arrival_input(room, Input.WRITER_DONE), now)
+        self._arrive(room, Input.WRITER_DONE, now)
 
     def peer_violation(self, key: LinkKey, room_id: int, generation: int, code: ErrorCode, reason: str,
                        now: float) -> None:
@@ -409,7 +411,7 @@ class ReceiverCore(CoreBase):
             self._on_staged(room, link, tag.seq, now)
             return
         progress.seqs.add(tag.seq)
-        self.apply(room, self._arrival_input(room, Input.ARRIVAL), now)
+        self._arrive(room, Input.ARRIVAL, now)
 
     # --- staging -----------------------------------------------------------------------------------
     def _on_staging_request(self, room: ReceiverRoom, link: ReceiverLink, msg: StagingRequest, now: float) -> None:
@@ -498,7 +500,7 @@ class ReceiverCore(CoreBase):
             self.send(link.key, StagingWatermark(room_id=room_id, generation=room.generation, seq=seq,
                                                  watermark=self.ring.watermark))
         room.writers[link_id].seqs.add(seq)
-        self.apply(room, self._arrival_input(room, Input.ARRIVAL), now)
+        self._arrive(room, Input.ARRIVAL, now)
         self._grant()
 
     def expecting_data(self) -> bool:
@@ -507,11 +509,25 @@ class ReceiverCore(CoreBase):
         still to arrive. The I/O layer polls promptly while this holds."""
         return bool(self._finishing) or (self.ring is not None and self.ring.used > 0)
 
-    @staticmethod
-    def _arrival_input(room: ReceiverRoom, partial: Input) -> Input:
-        if room.writers and all(p.complete() for p in room.writers.values()):
-            return Input.ALL_ARRIVED
-        return partial
+    def _arrive(self, room: ReceiverRoom, partial: Input, now: float) -> None:
+        """A write arrived or a writer announced its count: ``partial``, or ALL_ARRIVED once every
+        writer is complete, unless a writer that staged some of the room's tokens was never granted
+        the rest (its count is complete, so they cannot have landed): such a room fails with
+        TOKEN_COUNT_MISMATCH instead of succeeding without them."""
+        if not (room.writers and all(p.complete() for p in room.writers.values())):
+            self.apply(room, partial, now)
+            return
+        dest = room.destination
+        assert dest is not None
+        for link_id, progress in room.writers.items():
+            if dest.prefix_tokens < progress.stage_next < dest.num_tokens:
+                link = self.links_by_id.get(link_id)
+                rank = link.prefill_rank if link is not None else "?"
+                self.apply(room, Input.PEER_VIOLATION, now, code=ErrorCode.TOKEN_COUNT_MISMATCH, reason=(
+                    f"prefill rank {rank} reported its {progress.writes} writes done but staged tokens "
+                    f"[{dest.prefix_tokens}, {progress.stage_next}) only, of [{dest.prefix_tokens}, {dest.num_tokens})"))
+                return
+        self.apply(room, Input.ALL_ARRIVED, now)
 
     # --- failing with writes in flight ---------------------------------------------------------------
     def apply(self, room: ReceiverRoom, inp: Input, now: float, **kw) -> None:  # type: ignore[override]

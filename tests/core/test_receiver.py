@@ -1083,6 +1083,37 @@ def test_receiver_staging_happy_path_partial_grants():
     assert_clean(core)
 
 
+@pytest.mark.parametrize("done_first", [False, True])
+def test_receiver_staging_writer_that_stops_short_fails_the_room(done_first):
+    """A writer that staged tokens [0, 16) of 40 and reports its one write done is complete by
+    count, yet tokens 16-39 were never granted, so they cannot have landed: the room fails with
+    TOKEN_COUNT_MISMATCH (naming the gap), whether TRANSFER_DONE comes before the piece's scatter or
+    after it, and never succeeds; the ring ends empty. A writer that staged all 40 succeeds (the
+    happy path above)."""
+    core = staging_core()
+    core.open_room(1, C, T0)
+    core.set_destination(1, [4, 5, 6], 40, T0)
+    gen = core.rooms[1].generation
+    pop(core)
+    core.on_message("p0", sreq(1, gen, 0, 0, 16), T0)
+    pop(core)
+    core.on_notification("agent-0", staged(1, gen, 0), T0)
+    pop(core)
+    if done_first:
+        core.on_message("p0", done(1, gen, 1), T0)
+        assert core.room_state(1) is RoomState.TRANSFERRING  # the piece is still being scattered
+        core.scatter_done(1, 10, 0, T0)
+    else:
+        core.scatter_done(1, 10, 0, T0)
+        pop(core)
+        core.on_message("p0", done(1, gen, 1), T0)
+    o = pop(core)
+    _failed(o, ErrorCode.TOKEN_COUNT_MISMATCH)
+    assert "staged tokens [0, 16) only, of [0, 40)" in o.ended[0].reason
+    assert core.stats.rooms_succeeded == 0
+    assert_clean(core)
+
+
 def test_receiver_staging_grants_fifo_across_rooms():
     """Two rooms share the ring: the second waits (queued) until the first's region is released."""
     core = staging_core()
