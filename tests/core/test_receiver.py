@@ -1055,15 +1055,21 @@ def stage(core: ReceiverCore, room: int, gen: int, seq: int, start: int, end: in
     return seq
 
 
-def test_receiver_staging_happy_path_partial_grants():
-    """A request larger than the ring is granted in pieces (FIFO); each STAGED tag becomes a Scatter
-    output; a piece counts as arrived only at scatter_done, which releases the region and answers
-    with a watermark; TRANSFER_DONE completes the room; the ring ends empty."""
+def staging_room() -> tuple[ReceiverCore, int]:
+    """A staging core with room 1 TRANSFERRING into pages [4, 5, 6] for 40 tokens; its generation."""
     core = staging_core()
     core.open_room(1, C, T0)
     core.set_destination(1, [4, 5, 6], 40, T0)
     gen = core.rooms[1].generation
     pop(core)
+    return core, gen
+
+
+def test_receiver_staging_happy_path_partial_grants():
+    """A request larger than the ring is granted in pieces (FIFO); each STAGED tag becomes a Scatter
+    output; a piece counts as arrived only at scatter_done, which releases the region and answers
+    with a watermark; TRANSFER_DONE completes the room; the ring ends empty."""
+    core, gen = staging_room()
     core.on_message("p0", sreq(1, gen, 0, 0, 40), T0)
     (g,) = pop(core).to("p0")
     assert g == StagingGrant(room_id=1, generation=gen, seq=0, start_token=0, end_token=16, offset=0)
@@ -1090,11 +1096,7 @@ def test_receiver_staging_writer_that_stops_short_fails_the_room(done_first):
     TOKEN_COUNT_MISMATCH (naming the gap), whether TRANSFER_DONE comes before the piece's scatter or
     after it, and never succeeds; the ring ends empty. A writer that staged all 40 succeeds (the
     happy path above)."""
-    core = staging_core()
-    core.open_room(1, C, T0)
-    core.set_destination(1, [4, 5, 6], 40, T0)
-    gen = core.rooms[1].generation
-    pop(core)
+    core, gen = staging_room()
     core.on_message("p0", sreq(1, gen, 0, 0, 16), T0)
     pop(core)
     core.on_notification("agent-0", staged(1, gen, 0), T0)
