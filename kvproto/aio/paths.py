@@ -32,7 +32,7 @@ surface as ``TransportError`` to the caller.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -116,13 +116,19 @@ class SlotRows:
     dst: np.ndarray
     dst_stride: np.ndarray
     length: np.ndarray
+    nbytes: int = field(init=False)
+    """Bytes one slot moves: every row's length."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", int(self.length.sum()))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Part:
     """One path's share of a write of several parts: descriptor ``rows`` (local, remote); or on a
     pattern route, ``plan``, the arguments of the adapter's ``post_plan`` after the peer, or a
-    state group's ``slots`` with the two slot numbers."""
+    state group's ``slots`` with the two slot numbers. (Made for one write and read once, as a
+    plain record: it is built on every write of a hybrid room.)"""
 
     nbytes: int
     local_kind: MemKind
@@ -138,11 +144,17 @@ def post_parts(transport: Transport, peer: str, route: Route | None, parts: Sequ
     """``parts`` as one write tagged ``tag``: on a pattern route, the adapter's ``post_parts``;
     else one ``post_descs`` of every part's rows (all of one memory kind per side, as the groups
     of one cache are: ``KVCache.with_groups``)."""
-    nbytes = sum(p.nbytes for p in parts)
     if route is not None and route.pattern:
         xfer = transport.post_parts(peer, parts, tag)  # type: ignore[attr-defined]
-        return Posted(xfer, nbytes, sum(len(p.rows[0]) if p.rows is not None else
-                                        len(p.slots.length) if p.slots is not None else 0 for p in parts))
+        nbytes = descriptors = 0
+        for p in parts:
+            nbytes += p.nbytes
+            if p.rows is not None:
+                descriptors += len(p.rows[0])
+            elif p.slots is not None:
+                descriptors += len(p.slots.length)
+        return Posted(xfer, nbytes, descriptors)
+    nbytes = sum(p.nbytes for p in parts)
     kinds = {(p.local_kind, p.remote_kind) for p in parts}
     if len(kinds) != 1 or any(p.rows is None for p in parts):
         raise ValueError(f"one write cannot join parts of memory kinds {sorted(kinds)}")
@@ -399,10 +411,10 @@ class StatePath:
             if rows is None:
                 rows = self._slot_rows[layers] = SlotRows(self._src[pick], self._src_slot[pick], self._dst[pick],
                                                           self._dst_slot[pick], self._length[pick])
-            if not len(rows.length):
+            if not rows.nbytes:
                 raise ValueError("the state write moves no bytes")
-            return Part(int(rows.length.sum()), self.local.mem_kind, self.remote_kind, slots=rows,
-                        src_slot=src_slot, dst_slot=dst_slot)
+            return Part(rows.nbytes, self.local.mem_kind, self.remote_kind, slots=rows, src_slot=src_slot,
+                        dst_slot=dst_slot)
         length = self._length[pick]
         if not len(length):
             raise ValueError("the state write moves no bytes")

@@ -143,6 +143,17 @@ class StridedRows:
             tiles = tiles + np.array([src_base // align, dst_base // align, 0], dtype=np.int64)
         return tiles
 
+    def stepped(self) -> np.ndarray:
+        """``(tiles, 5)`` int64, in vectors: each tile's source and destination at slot 0, its
+        length, and the vectors one slot moves its source and its destination. A kernel that
+        reads these moves any pair of slots with the same table (``copy_paged``): the tiles of a
+        write are ``tiles(src_slot, dst_slot)`` without computing them on the host."""
+        out = np.empty((len(self.plan.tiles), 5), dtype=np.int64)
+        out[:, :3] = self.plan.tiles
+        out[:, 3] = self.src_step[:, 0]
+        out[:, 4] = self.dst_step[:, 1]
+        return out
+
 
 def plan_strided_rows(src: np.ndarray, src_stride: np.ndarray, dst: np.ndarray, dst_stride: np.ndarray,
                       length: np.ndarray, *, base_align: int = 16) -> StridedRows:
@@ -305,11 +316,11 @@ def rows_key(plan: PairPlan) -> tuple[Any, ...]:
 
 
 def launch_rows(plan: RowsPlan, src_table: torch.Tensor, dst_table: Any, src_pages: Any, dst_pages: Any, *,
-                stream: Any = None, lists: Any = None, slots: tuple[Any, Any, Any] | None = None) -> None:
+                stream: Any = None, lists: Any = None, slots: Any = None) -> None:
     """Run a ``RowsPlan`` with Triton (CPU tensors: the interpreter); ``src_pages``/``dst_pages``
     are int64 page lists from token 0, where the kernel reads them; ``lists``, where regions of
     several groups share the launch, each region's offsets into them; ``slots``, a state slot's
-    pattern copy in the same launch (``copy_paged``)."""
+    copy in the same launch (``triton_kernels.SlotTiles``: ``StridedRows.stepped`` tiles)."""
     from kvproto.kernels import triton_kernels
 
     if src_table.device.type == "cuda" and stream is not None:

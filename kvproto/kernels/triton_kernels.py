@@ -238,6 +238,21 @@ def _knobs() -> Any:
     return knobs
 
 
+class SlotTiles(NamedTuple):
+    """A state slot's copy inside a rows launch (``copy_paged``): ``tiles`` ``(count, 5)`` int64
+    where the kernel reads them (in vectors of ``plan``: source and destination of slot 0 as
+    absolute addresses, length, and how far one slot moves each side), a table whose first entry
+    is 0 (the base the addresses are taken from), and the write's two slots. The tiles are the
+    link's, uploaded once; a write names only its slots."""
+
+    plan: Any
+    tiles: Any
+    count: int
+    zero: Any
+    src_slot: int
+    dst_slot: int
+
+
 SLOT_GROUPS = 4
 """Most state groups whose slots one launch's state block moves (the kernel's ``slot0..slot3``)."""
 
@@ -708,7 +723,7 @@ def copy_pattern(plan: Any, src_table: torch.Tensor, dst_table: torch.Tensor, ti
 
 # --- paged-to-paged rows (the kernel path's conversions: ``kvproto.kernels.pattern.plan_rows``) --------
 def _copy_paged(src_table, dst_table, src_pages, dst_pages, lists, start_token, num_rows, num_regions, word_ptr,
-                slot_tiles, num_slot_tiles, slot_base, slot_word_ptr,
+                slot_tiles, num_slot_tiles, slot_base, slot_word_ptr, src_slot, dst_slot,
                 LISTS: tl.constexpr, SLOTS: tl.constexpr, S_TILE_WORDS: tl.constexpr, S_VEC: tl.constexpr,
                 S_ALIGN: tl.constexpr, HEAD_COUNT: tl.constexpr, HEAD_WORDS: tl.constexpr, ROW_WORDS: tl.constexpr,
                 ROW_BLOCK: tl.constexpr, ROWS: tl.constexpr, ALIGN: tl.constexpr,
@@ -719,16 +734,17 @@ def _copy_paged(src_table, dst_table, src_pages, dst_pages, lists, start_token, 
     region = tl.program_id(1)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     limit = num_rows
-    if SLOTS:  # the grid's first rows copy a state slot's tiles (absolute addresses, ``copy_paged``),
-        # the regions' rows follow (as ``_copy_rows``)
+    if SLOTS:  # the grid's first rows copy a state slot's tiles (``copy_paged``), the regions' rows
+        # follow (as ``_copy_rows``); a tile moves ``src_slot`` / ``dst_slot`` of its row's strides
         slot_rows = (num_slot_tiles + tl.num_programs(0) - 1) // tl.num_programs(0)
         if region < slot_rows:  # only the slot's programs read its tiles (``_copy_rows``)
             t = region.to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
             on = (t < num_slot_tiles).to(tl.int64)
             t = tl.minimum(t, num_slot_tiles - 1)  # a tile there is (no scalar masks)
-            s_src = tl.load(slot_tiles + t * 3) * S_VEC
-            s_dst = tl.load(slot_tiles + t * 3 + 1) * S_VEC
-            s_count = tl.load(slot_tiles + t * 3 + 2) * S_VEC * on  # 0 words past the slot's last tile
+            tile = slot_tiles + t * 5
+            s_src = (tl.load(tile) + src_slot * tl.load(tile + 3)) * S_VEC
+            s_dst = (tl.load(tile + 1) + dst_slot * tl.load(tile + 4)) * S_VEC
+            s_count = tl.load(tile + 2) * S_VEC * on  # 0 words past the slot's last tile
             zero = tl.multiple_of(tl.load(slot_base).to(tl.pointer_type(slot_word_ptr.dtype.element_ty)), S_ALIGN)
             s_words = tl.arange(0, S_TILE_WORDS)
             s_mask = s_words < s_count
@@ -770,34 +786,36 @@ def _copy_paged(src_table, dst_table, src_pages, dst_pages, lists, start_token, 
 def _paged_kernel(interpret: bool) -> Any:
     if interpret:
         return InterpretedFunction(_copy_paged)
-    return JITFunction(_copy_paged, do_not_specialize=("start_token", "num_rows", "num_regions", "num_slot_tiles"))
+    return JITFunction(_copy_paged, do_not_specialize=("start_token", "num_rows", "num_regions", "num_slot_tiles",
+                                                       "src_slot", "dst_slot"))
 
 
 def copy_paged(plan: Any, src_table: torch.Tensor, dst_table: Any, src_pages: Any, dst_pages: Any,
-               lists: Any = None, slots: tuple[Any, Any, Any] | None = None) -> None:
+               lists: Any = None, slots: SlotTiles | None = None) -> None:
     """Launch one ``kvproto.kernels.pattern.RowsPlan`` on the current stream (grid: row tiles x
     regions); tables and page lists are where the kernel reads them (CPU: the interpreter).
     ``lists``: where regions of several groups share a launch, int64 offsets into the page lists,
     ``regions`` for the source lists then ``regions`` for the destination lists. ``slots``: a
-    state slot's copy in the same launch, ``(PatternPlan, its tiles, a table whose first entry is
-    0)``: the grid's first rows copy those tiles as ``copy_pattern`` does over one region of base 0."""
+    state slot's copy in the same launch (``SlotTiles``): the grid's first rows copy its tiles over
+    one region of base 0, each moved by the write's two slot numbers."""
     device = src_table.device
     interpret = device.type != "cuda"
     constants = dict(plan.constants)
     constants.update(LISTS=int(lists is not None), SLOTS=int(slots is not None))
     programs, regions = plan.programs_x, plan.regions
+    word = _word_tensor(plan.word, device)
     if slots is None:
-        slot_plan, tiles, base = None, src_table, src_table
+        slot_args: tuple[Any, ...] = (src_table, 0, src_table, word, 0, 0)
         constants.update(S_TILE_WORDS=1, S_VEC=1, S_ALIGN=1)
     else:
-        slot_plan, tiles, base = slots
+        slot_plan = slots.plan
+        slot_args = (slots.tiles, slots.count, slots.zero, _word_tensor(slot_plan.word, device), slots.src_slot,
+                     slots.dst_slot)
         constants.update(S_TILE_WORDS=slot_plan.tile_words, S_VEC=slot_plan.vec,
                          S_ALIGN=slot_plan.word * slot_plan.vec)
-        regions += -(-len(slot_plan.tiles) // programs)  # the slot's tiles in rows before the regions' rows
+        regions += -(-slots.count // programs)  # the slot's tiles in rows before the regions' rows
     if not interpret:
         constants["num_warps"] = NUM_WARPS
-    word = _word_tensor(plan.word, device)
     _launch(_paged_kernel(interpret), (programs, regions),
             (src_table, dst_table, src_pages, dst_pages, src_pages if lists is None else lists, plan.start,
-             plan.num_rows, plan.regions, word, tiles, 0 if slot_plan is None else len(slot_plan.tiles), base,
-             word if slot_plan is None else _word_tensor(slot_plan.word, device)), constants)
+             plan.num_rows, plan.regions, word, *slot_args), constants)

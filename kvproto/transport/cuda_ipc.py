@@ -175,10 +175,10 @@ class _RowsShape:
     """Per side (source, destination), per plan: first page used, pages listed (from page 0),
     page bytes, bytes from a base to the end of its registered region."""
     pages: int
-    offsets: np.ndarray | None
-    """Where plans share the launch: each region's offset into the source then destination lists."""
+    lists: Any
+    """Where plans share the launch: each region's offset into the source then destination lists,
+    where the kernel reads them (None: one plan)."""
     split: int
-    lists_at: int | None
 
 
 @dataclass(eq=False)
@@ -526,8 +526,10 @@ class CudaIpcTransport:
         mapped = self._mapped(peer, "post_parts")
         if not parts:
             raise TransportError("post_parts: a write needs at least one part")
-        slot_parts = [p for p in parts if getattr(p, "slots", None) is not None]
-        rest = [p for p in parts if getattr(p, "slots", None) is None]
+        slot_parts: list[Any] = []
+        rest: list[Any] = []
+        for p in parts:
+            (rest if p.slots is None else slot_parts).append(p)
         launches, runs, i = [], [], 0
         while i < len(rest):
             if rest[i].plan is None:
@@ -545,9 +547,9 @@ class CudaIpcTransport:
             last = _FUSE_SLOTS and k == len(runs) - 1 and slot_parts and slot_parts[0].local_kind is run[0][2]
             fused = slot_parts.pop(0) if last else None
             launches.append(self._plans_launch(mapped, run, None if fused is None else
-                                               self._slot_tiles(mapped, fused)))
+                                               self._slot_steps(mapped, fused)))
         launches += [self._slots_launch(mapped, p) for p in slot_parts]
-        if len({launch.bases.table.device for launch in launches}) != 1:
+        if len(launches) > 1 and len({launch.bases.table.device for launch in launches}) != 1:
             raise TransportError("post_parts: the parts are on different devices")
         return self._run(mapped, launches, tag)
 
@@ -559,14 +561,18 @@ class CudaIpcTransport:
                                             dst_pages, start, end)])
 
     def _plans_launch(self, mapped: _Peer, plans: Sequence[tuple[Any, ...]],
-                      slots: tuple[Any, np.ndarray, int, int] | None = None) -> _Launch:
+                      slots: tuple[Any, Any, int, int, int, int] | None = None) -> _Launch:
         """One rows kernel for ``post_plan`` argument tuples of one page geometry and token range
         (``_joinable``): the groups of a hybrid cache whose pages look alike move in one launch,
         their regions side by side, each reading its own group's page lists. Every group's pages
-        are checked against its own regions. ``slots`` (``_slot_tiles``): a state slot's copy, in
+        are checked against its own regions. ``slots`` (``_slot_steps``): a state slot's copy, in
         the same launch. What does not depend on the pages is planned once per link and token
-        range (``_rows_shape``); a write checks and lists its pages."""
+        range (``_rows_shape``: the regions' offsets into the lists, the slot's tiles, uploaded
+        then); a write checks and lists its pages, its only table."""
+        import torch
+
         from kvproto.kernels import pattern as kernels
+        from kvproto.kernels import triton_kernels
 
         start, end = plans[0][7], plans[0][8]
         if not 0 <= start < end:
@@ -579,39 +585,33 @@ class CudaIpcTransport:
             table = np.fromiter((p for piece in pieces for p in piece), np.int64, shape.pages)
         else:
             table = np.concatenate([np.asarray(piece, dtype=np.int64) for piece in pieces])
-        if shape.offsets is not None:
-            table = np.concatenate([table, shape.offsets])
-        rows, bases = shape.rows, shape.bases
+        rows, bases, lists, split = shape.rows, shape.bases, shape.lists, shape.split
         src_table, dst_table = bases.table[:bases.regions], bases.table[bases.regions:]
-        split, lists_at = shape.split, shape.lists_at
-        nbytes, descriptors, tiles_at = rows.nbytes, 0, None
-        if slots is not None:  # the slot's tiles after the lists
-            slot_plan, tiles, slot_bytes, descriptors = slots
-            tiles_at, nbytes = len(table), nbytes + slot_bytes
-            table = np.concatenate([table, tiles.reshape(-1)])
+        nbytes, descriptors, fused = rows.nbytes, 0, None
+        if slots is not None:
+            strided, steps, slot_bytes, descriptors, src_slot, dst_slot = slots
+            nbytes += slot_bytes
             zero = self._zero_bases(plans[0][2]).table
+            fused = triton_kernels.SlotTiles(strided.plan, steps, len(strided.plan.tiles), zero, src_slot, dst_slot)
 
         def go(table: Any) -> None:
             if isinstance(table, Pointer):
                 src, dst = table, Pointer(table.address + 8 * split)
-                lists = None if lists_at is None else Pointer(table.address + 8 * lists_at)
-                at = None if tiles_at is None else Pointer(table.address + 8 * tiles_at)
             else:
                 src, dst = table[:split], table[split:]
-                lists = None if lists_at is None else table[lists_at:]
-                at = None if tiles_at is None else table[tiles_at:]
-            if at is None:
+            if fused is None:
                 kernels.launch_rows(rows, src_table, dst_table, src, dst, lists=lists)
                 return
             try:
-                kernels.launch_rows(rows, src_table, dst_table, src, dst, lists=lists, slots=(slot_plan, at, zero))
+                kernels.launch_rows(rows, src_table, dst_table, src, dst, lists=lists, slots=fused)
             except Exception as exc:  # noqa: BLE001 - the kernel variant failed to build: nothing was launched
                 global _FUSE_SLOTS
                 _FUSE_SLOTS = False
                 log.warning("the rows kernel with a state slot failed (%s: %s); state slots get launches of "
                             "their own from now on", type(exc).__name__, exc)
                 kernels.launch_rows(rows, src_table, dst_table, src, dst, lists=lists)
-                kernels.launch(slot_plan, zero[:1], zero[1:], at)
+                tiles = torch.from_numpy(strided.tiles(src_slot, dst_slot)).to(zero.device)
+                kernels.launch(strided.plan, zero[:1], zero[1:], tiles)
 
         return _Launch(bases, table, go, nbytes, descriptors)
 
@@ -643,10 +643,10 @@ class CudaIpcTransport:
                 for (_, count, _, _), regions in zip(side, counts):
                     listed += [at] * regions
                     at += count
-            offsets = np.array(listed, dtype=np.int64)
+            offsets = self._table(np.array(listed, dtype=np.int64), plans[0][2])
         shape = _RowsShape(mapped, tuple((p[0], p[1], p[3]) for p in plans), bases,
                            plan_rows(plans[0][0], start, end, regions=bases.regions, base_align=bases.align),
-                           sides, n_src + n_dst, offsets, n_src, None if offsets is None else n_src + n_dst)
+                           sides, n_src + n_dst, offsets, n_src)
         if len(self._shapes) >= 256:
             self._shapes.clear()
         self._shapes[key] = shape
@@ -668,39 +668,44 @@ class CudaIpcTransport:
         return bases
 
     def _slots_launch(self, mapped: _Peer, part: Any) -> _Launch:
-        """A state slot's part as a pattern launch of its own (``_slot_tiles``)."""
+        """A state slot's part as a pattern launch of its own (its tiles shifted on the host)."""
         from kvproto.kernels import pattern as kernels
 
-        plan, tiles, nbytes, descriptors = self._slot_tiles(mapped, part)
+        strided, _steps, nbytes, descriptors, src_slot, dst_slot = self._slot_steps(mapped, part)
         bases = self._zero_bases(part.local_kind)
-        return _Launch(bases, tiles, lambda t: kernels.launch(plan, bases.table[:1], bases.table[1:], t), nbytes,
-                       descriptors)
+        return _Launch(bases, strided.tiles(src_slot, dst_slot),
+                       lambda t: kernels.launch(strided.plan, bases.table[:1], bases.table[1:], t), nbytes, descriptors)
 
-    def _slot_tiles(self, mapped: _Peer, part: Any) -> tuple[Any, np.ndarray, int, int]:
+    def _slot_steps(self, mapped: _Peer, part: Any) -> tuple[Any, Any, int, int, int, int]:
         """A part of slot rows (``kvproto.aio.paths.SlotRows``: a state group's slot in every
-        region) as (pattern plan, its tiles for this write's two slots, bytes, rows): the rows of
-        slot 0 are checked against registered memory and translated once per link, with how many
-        slots further each row stays inside its region; a write then checks two integers and
-        shifts the plan's tiles."""
+        region) as (``StridedRows``, its ``stepped`` tiles where the kernel reads them, bytes, rows,
+        source slot, destination slot): the rows of slot 0 are checked against registered memory,
+        translated, planned and uploaded once per link, with how many slots further each row stays
+        inside its region; a write then checks two integers."""
         rows = part.slots
         kind = part.local_kind
-        if kind is not part.remote_kind or not self._kernel_kind(kind):
-            raise TransportError(f"post_parts: kernels copy {self._kernel_kinds()} to the same kind, not "
-                                 f"{kind.name} to {part.remote_kind.name}")
-        if mapped.gone:
-            raise TransportError(f"post_parts: {mapped.gone}")
         known = self._slot_rows.get(id(rows))
-        if known is None or known[0] is not rows or known[1] is not mapped:
-            known = (rows, mapped, *self._check_slot_rows(mapped, rows, kind))
+        if known is None or known[0] is not rows or known[1] is not mapped or known[2] is not kind \
+                or part.remote_kind is not kind:
+            if kind is not part.remote_kind or not self._kernel_kind(kind):
+                raise TransportError(f"post_parts: kernels copy {self._kernel_kinds()} to the same kind, not "
+                                     f"{kind.name} to {part.remote_kind.name}")
+            if mapped.gone:
+                raise TransportError(f"post_parts: {mapped.gone}")
+            src_slots, dst_slots, strided = self._check_slot_rows(mapped, rows, kind)
+            known = (rows, mapped, kind, src_slots, dst_slots, strided, self._table(strided.stepped(), kind),
+                     len(rows.length))
             if len(self._slot_rows) >= 64:
                 self._slot_rows.clear()
             self._slot_rows[id(rows)] = known
-        _, _, src_slots, dst_slots, strided = known
+        elif mapped.gone:
+            raise TransportError(f"post_parts: {mapped.gone}")
+        _, _, _, src_slots, dst_slots, strided, steps, descriptors = known
         src_slot, dst_slot = part.src_slot, part.dst_slot
         if not (0 <= src_slot < src_slots and 0 <= dst_slot < dst_slots):
             raise TransportError(f"post_parts: state slot {src_slot} -> {dst_slot} is not inside registered memory "
                                  f"({src_slots} local, {dst_slots} remote slots fit the registered regions)")
-        return strided.plan, strided.tiles(src_slot, dst_slot), strided.plan.nbytes, len(rows.length)
+        return strided, steps, strided.plan.nbytes, descriptors, src_slot, dst_slot
 
     def _check_slot_rows(self, mapped: _Peer, rows: Any, kind: MemKind) -> tuple[Any, ...]:
         """(slots that fit locally, slots that fit remotely, and slot 0's rows into slot 0 as
