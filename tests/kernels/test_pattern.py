@@ -115,3 +115,25 @@ def test_pattern_triton_compiled_equals_reference_on_gpu() -> None:
     torch.cuda.synchronize()
     for got, ref in zip(dst, want, strict=True):
         assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
+
+
+@FAST
+@given(rows=st.integers(1, 6), seed=st.integers(0, 2**16), src_slot=st.integers(0, 40), dst_slot=st.integers(0, 40))
+def test_strided_rows_stepped_tiles_move_to_any_slot_pair_as_the_shifted_tiles_do(rows, seed, src_slot,
+                                                                                   dst_slot) -> None:
+    """The kernel path's fused state slot reads the link's ``stepped`` tiles and two slot numbers:
+    each tile at slot 0 plus the slots times its steps is the tile ``tiles(src_slot, dst_slot)``
+    computes on the host, for rows of any lengths and strides."""
+    rng = np.random.default_rng(seed)
+    length = rng.integers(1, 40, rows) * 16
+    src_stride = length * rng.integers(1, 4, rows)
+    dst_stride = length * rng.integers(1, 4, rows)
+    src = np.cumsum(np.concatenate([[4096], src_stride[:-1] * 64]))
+    dst = np.cumsum(np.concatenate([[1 << 20], dst_stride[:-1] * 64]))
+    strided = P.plan_strided_rows(src, src_stride, dst, dst_stride, length)
+    stepped = strided.stepped()
+    assert stepped.shape == (len(strided.plan.tiles), 5)
+    moved = stepped[:, :3].copy()
+    moved[:, 0] += src_slot * stepped[:, 3]
+    moved[:, 1] += dst_slot * stepped[:, 4]
+    assert np.array_equal(moved, strided.tiles(src_slot, dst_slot))
