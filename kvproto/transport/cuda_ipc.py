@@ -684,22 +684,20 @@ class CudaIpcTransport:
         inside its region; a write then checks two integers."""
         rows = part.slots
         kind = part.local_kind
+        if mapped.gone:
+            raise TransportError(f"post_parts: {mapped.gone}")
         known = self._slot_rows.get(id(rows))
         if known is None or known[0] is not rows or known[1] is not mapped or known[2] is not kind \
                 or part.remote_kind is not kind:
             if kind is not part.remote_kind or not self._kernel_kind(kind):
                 raise TransportError(f"post_parts: kernels copy {self._kernel_kinds()} to the same kind, not "
                                      f"{kind.name} to {part.remote_kind.name}")
-            if mapped.gone:
-                raise TransportError(f"post_parts: {mapped.gone}")
             src_slots, dst_slots, strided = self._check_slot_rows(mapped, rows, kind)
             known = (rows, mapped, kind, src_slots, dst_slots, strided, self._table(strided.stepped(), kind),
                      len(rows.length))
             if len(self._slot_rows) >= 64:
                 self._slot_rows.clear()
             self._slot_rows[id(rows)] = known
-        elif mapped.gone:
-            raise TransportError(f"post_parts: {mapped.gone}")
         _, _, _, src_slots, dst_slots, strided, steps, descriptors = known
         src_slot, dst_slot = part.src_slot, part.dst_slot
         if not (0 <= src_slot < src_slots and 0 <= dst_slot < dst_slots):
