@@ -25,8 +25,10 @@ slots in every region (layer x tensor).
 write as a ``Part`` (descriptor rows, or on a pattern route the plan itself) and the parts go to
 the transport as one write under one tag: one ``post_descs`` of all rows, or on a pattern route
 one ``post_parts`` (a launch per part, one completion, one tag). A hybrid room thus costs a write
-per chunk and link, as a one-group room does. Nothing here decides anything about rooms; errors
-surface as ``TransportError`` to the caller.
+per chunk and link, as a one-group room does. A link's ``GroupWrites`` keeps each *shape* of such
+a write (groups, token ranges, layers) that it posted prepared by the adapter
+(``prepare_parts``), so the next write of that shape names only its pages and slots. Nothing here
+decides anything about rooms; errors surface as ``TransportError`` to the caller.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from kvproto.aio.memory import KVCache, StateCache
+from kvproto.core import events
 from kvproto.geometry import KVGeometry, PairPlan
 from kvproto.geometry.plan import PageListError
 from kvproto.geometry.groups import StateRun
@@ -146,14 +149,7 @@ def post_parts(transport: Transport, peer: str, route: Route | None, parts: Sequ
     of one cache are: ``KVCache.with_groups``)."""
     if route is not None and route.pattern:
         xfer = transport.post_parts(peer, parts, tag)  # type: ignore[attr-defined]
-        nbytes = descriptors = 0
-        for p in parts:
-            nbytes += p.nbytes
-            if p.rows is not None:
-                descriptors += len(p.rows[0])
-            elif p.slots is not None:
-                descriptors += len(p.slots.length)
-        return Posted(xfer, nbytes, descriptors)
+        return Posted(xfer, *_counts(parts))
     nbytes = sum(p.nbytes for p in parts)
     kinds = {(p.local_kind, p.remote_kind) for p in parts}
     if len(kinds) != 1 or any(p.rows is None for p in parts):
@@ -162,6 +158,72 @@ def post_parts(transport: Transport, peer: str, route: Route | None, parts: Sequ
     remote = np.concatenate([p.rows[1] for p in parts])  # type: ignore[index]
     (local_kind, remote_kind), = kinds
     return Posted(transport.post_descs(peer, local, local_kind, remote, remote_kind, tag), nbytes, len(local))
+
+
+def _counts(parts: Sequence[Part]) -> tuple[int, int]:
+    """(bytes, descriptors) of a pattern route's write of ``parts``."""
+    nbytes = descriptors = 0
+    for p in parts:
+        nbytes += p.nbytes
+        if p.rows is not None:
+            descriptors += len(p.rows[0])
+        elif p.slots is not None:
+            descriptors += len(p.slots.length)
+    return nbytes, descriptors
+
+
+class GroupWrites:
+    """One link's writes of several groups (``PostGroups``), each as one transport write.
+
+    Each write's parts become the paths' ``Part`` s and go to ``post_parts``. Where the route is a
+    pattern route and the adapter prepares writes (``prepare_parts``, the kernel path), a write's
+    *shape* (which groups, token range and layers each part has) is planned once and kept: the
+    next write of that shape (every room of that length) hands the adapter only its pages and
+    slot numbers, so a hybrid write costs what a one-group write does plus its lists' checks."""
+
+    SHAPES = 64
+    """Shapes kept per link (then forgotten all at once): one per prompt length in flight."""
+
+    def __init__(self, path: LinkPath, groups: Sequence[LinkPath | StatePath]) -> None:
+        self.paths: tuple[LinkPath | StatePath, ...] = (path, *groups)
+        pattern = path.route is not None and path.route.pattern
+        self._prepare = getattr(path.transport, "prepare_parts", None) if pattern else None
+        self._shapes: dict[tuple[Any, ...], tuple[Any, int, int, tuple[str, ...]]] = {}
+
+    def post(self, parts: Sequence[events.Part], tag: bytes) -> tuple[Posted, tuple[str, ...]]:
+        """``parts`` (the core's, of a ``PostGroups``) as one write: what was posted, the paths' names."""
+        first = self.paths[0]
+        if self._prepare is None:
+            made, kinds = self._parts(parts)
+            return post_parts(first.transport, first.peer, first.route, made, tag), kinds
+        key = tuple([(p.group, p.layers) if type(p) is events.StatePart else  # noqa: E721 - exact types, on every write
+                     (p.group, p.layers, p.start_token, p.end_token) for p in parts])
+        shape = self._shapes.get(key)
+        if shape is None:
+            made, kinds = self._parts(parts)
+            if len(self._shapes) >= self.SHAPES:
+                self._shapes.clear()
+            shape = self._shapes[key] = (self._prepare(first.peer, made), *_counts(made), kinds)
+        values = [(p.src_slot, p.dst_slot) if type(p) is events.StatePart else (p.src_pages, p.dst_pages)  # noqa: E721
+                  for p in parts]
+        return Posted(shape[0].post(values, tag), shape[1], shape[2]), shape[3]
+
+    def _parts(self, parts: Sequence[events.Part]) -> tuple[list[Part], tuple[str, ...]]:
+        """The paths' shares of one write, and the paths' names."""
+        out: list[Part] = []
+        kinds: dict[str, None] = {}
+        for part in parts:
+            path = self.paths[part.group]
+            if isinstance(part, events.StatePart):
+                out.append(path.part(part.src_slot, part.dst_slot, part.layers))  # type: ignore[call-arg]
+            else:
+                out.append(path.part(part.src_pages, part.dst_pages,  # type: ignore[call-arg]
+                                     part.start_token, part.end_token, part.layers))
+            kinds[path.label] = None
+        return out, tuple(kinds)
+
+    def release(self) -> None:
+        self._shapes.clear()
 
 
 class LinkPath:

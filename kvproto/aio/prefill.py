@@ -37,7 +37,7 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 from kvproto.aio.channel import Channel
 from kvproto.aio.endpoint import EndpointBase, EndpointConfig
 from kvproto.aio.memory import KVCache, StateCache, geometry_to_wire
-from kvproto.aio.paths import LinkPath, LocalLists, Part, Posted, StatePath, post_parts
+from kvproto.aio.paths import GroupWrites, LinkPath, LocalLists, Posted, StatePath
 from kvproto.aio.registration import Reject, Remote, check_register
 from kvproto.aio import trace
 from kvproto.aio.room import SenderRoomHandle
@@ -124,8 +124,15 @@ class _DecodeLink:
     last_seen: float
     groups: tuple[LinkPath | StatePath, ...] = ()
     """One path per group beyond the first."""
+    writes: GroupWrites | None = None
+    """Its writes of several groups (``PostGroups``)."""
+
+    def __post_init__(self) -> None:
+        self.writes = GroupWrites(self.path, self.groups)
 
     def release(self) -> None:
+        assert self.writes is not None
+        self.writes.release()
         self.path.release()
         for path in self.groups:
             path.release()
@@ -574,8 +581,8 @@ class PrefillEndpoint(EndpointBase):
                                            out.layers)
                 kinds: tuple[str, ...] = (link.path.label,)
             elif isinstance(out, PostGroups):
-                parts, kinds = self._parts(out.parts, link)
-                posted = post_parts(link.path.transport, link.path.peer, link.path.route, parts, out.tag)
+                assert link.writes is not None
+                posted, kinds = link.writes.post(out.parts, out.tag)
             else:
                 posted, kinds = link.path.post_aux(out.tag, out.src_slot, out.dst_slot), ("aux",)
         except (TransportError, ValueError) as exc:
@@ -595,21 +602,6 @@ class PrefillEndpoint(EndpointBase):
         log.exception("prefill: unexpected error %s of room %d", what, out.room_id)
         self.core.write_failed(out.room_id, out.link, out.seq, f"internal error {what}: {type(exc).__name__}: {exc}",
                                self._now(), tag=out.tag)
-
-    @staticmethod
-    def _parts(parts: Sequence[Any], link: _DecodeLink) -> tuple[list[Part], tuple[str, ...]]:
-        """The paths' shares of one write of several groups (``PostGroups``), and the paths' names."""
-        out: list[Part] = []
-        kinds: dict[str, None] = {}
-        for part in parts:
-            path = link.path if part.group == 0 else link.groups[part.group - 1]
-            if isinstance(part, StatePart):
-                out.append(path.part(part.src_slot, part.dst_slot, part.layers))  # type: ignore[call-arg]
-            else:
-                out.append(path.part(part.src_pages, part.dst_pages,  # type: ignore[call-arg]
-                                     part.start_token, part.end_token, part.layers))
-            kinds[path.label] = None
-        return out, tuple(kinds)
 
     def _posted(self, out: Any, link: _DecodeLink, posted: Posted, kinds: tuple[str, ...],
                 local_key: Any = None) -> None:

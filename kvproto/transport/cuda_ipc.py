@@ -228,7 +228,7 @@ class CudaIpcTransport:
         self._shapes: dict[tuple[Any, ...], _RowsShape] = {}
         """Rows launches as planned for a link and token range (``_rows_shape``)."""
         self._slot_rows: dict[int, tuple[Any, ...]] = {}
-        """Checked slot rows (``_slots_launch``) by the identity of the link's ``SlotRows``."""
+        """Checked slot rows (``_slot_plan``) by the identity of the link's ``SlotRows``."""
         self._uploads = Uploads()
         self._running: collections.deque[KernelXfer] = collections.deque()
         """Kernel writes not yet seen finished, in launch order (see ``_advance``)."""
@@ -514,106 +514,74 @@ class CudaIpcTransport:
         token. Exactly the tokens move, also for a direct plan (whose pages are identical)."""
         self._check_open()
         mapped = self._mapped(peer, "post_plan")
-        return self._run(mapped, [self._plan_launch(mapped, plan, local_bases, local_kind, remote_bases, remote_kind,
-                                                    src_pages, dst_pages, start, end)], tag)
+        args = (plan, local_bases, local_kind, remote_bases, remote_kind, src_pages, dst_pages, start, end)
+        return self._run(mapped, [self._rows_recipe(mapped, (args,), (0,)).launch(((src_pages, dst_pages),))], tag)
 
     def post_parts(self, peer: str, parts: Sequence[Any], tag: bytes) -> Any:
         """Several parts as one write (``kvproto.aio.paths.Part``: each the arguments of a
-        ``post_plan`` after the peer, or descriptor rows): every part checked first, then a kernel
-        per part on this agent's stream and one completion, after which the one tag leaves. Only
-        for peers whose ``route`` says ``pattern``."""
+        ``post_plan`` after the peer, descriptor rows, or a state group's slot rows and two slot
+        numbers): every part checked first, then a kernel per launch on this agent's stream and one
+        completion, after which the one tag leaves. Only for peers whose ``route`` says
+        ``pattern``. The same as ``prepare_parts(peer, parts).post(...)`` with the parts' pages and
+        slots, which a link that posts the same shape again keeps instead."""
+        return self.prepare_parts(peer, parts).post([part_values(p) for p in parts], tag)
+
+    def prepare_parts(self, peer: str, parts: Sequence[Any]) -> PreparedParts:
+        """The launches of a write of ``parts``, planned for any pages and slots
+        (``PreparedParts``): which paged parts share a rows launch (``_joinable``: one page
+        geometry, token range and memory kind per side), each launch's shape (``_rows_shape``),
+        and a state slot's checked and uploaded tiles riding in the last rows launch (one launch
+        less; other state groups get launches of their own). Only the parts' pages and slot
+        numbers may differ when it is posted: their token ranges, layers, plans and bases are
+        its own."""
         self._check_open()
         mapped = self._mapped(peer, "post_parts")
         if not parts:
             raise TransportError("post_parts: a write needs at least one part")
-        slot_parts: list[Any] = []
-        rest: list[Any] = []
-        for p in parts:
-            (rest if p.slots is None else slot_parts).append(p)
-        launches, runs, i = [], [], 0
-        while i < len(rest):
-            if rest[i].plan is None:
-                p = rest[i]
-                launches.append(self._descs_launch(mapped, p.rows[0], p.local_kind, p.rows[1], p.remote_kind,
-                                                   "post_parts"))
-                i += 1
+        slot_at = [i for i, p in enumerate(parts) if p.slots is not None]
+        rest = [i for i, p in enumerate(parts) if p.slots is None]
+        recipes: list[Any] = []
+        runs: list[list[int]] = []
+        k = 0
+        while k < len(rest):
+            first = parts[rest[k]]
+            if first.plan is None:
+                recipes.append(_DescsRecipe(self, mapped, rest[k], first.local_kind, first.remote_kind))
+                k += 1
                 continue
-            j = i + 1  # the plans that follow with the same page geometry, token range and kinds join it
-            while j < len(rest) and rest[j].plan is not None and _joinable(rest[i].plan, rest[j].plan):
+            j = k + 1  # the plans that follow with the same page geometry, token range and kinds join it
+            while j < len(rest) and parts[rest[j]].plan is not None and _joinable(first.plan, parts[rest[j]].plan):
                 j += 1
-            runs.append([p.plan for p in rest[i:j]])
-            i = j
-        for k, run in enumerate(runs):  # a state slot rides in the last rows launch (one launch less)
-            last = _FUSE_SLOTS and k == len(runs) - 1 and slot_parts and slot_parts[0].local_kind is run[0][2]
-            fused = slot_parts.pop(0) if last else None
-            launches.append(self._plans_launch(mapped, run, None if fused is None else
-                                               self._slot_steps(mapped, fused)))
-        launches += [self._slots_launch(mapped, p) for p in slot_parts]
-        if len(launches) > 1 and len({launch.bases.table.device for launch in launches}) != 1:
+            runs.append(rest[k:j])
+            k = j
+        for n, run in enumerate(runs):
+            fuse = _FUSE_SLOTS and n == len(runs) - 1 and slot_at and parts[slot_at[0]].local_kind is parts[run[0]].plan[2]
+            slot = slot_at.pop(0) if fuse else None
+            recipes.append(self._rows_recipe(mapped, [parts[i].plan for i in run], run,
+                                             None if slot is None else (slot, self._slot_plan(mapped, parts[slot]))))
+        recipes += [_SlotRecipe(i, self._slot_plan(mapped, parts[i]), self._zero_bases(parts[i].local_kind))
+                    for i in slot_at]
+        devices = {r.device for r in recipes if r.device is not None}
+        if len(devices) > 1:
             raise TransportError("post_parts: the parts are on different devices")
-        return self._run(mapped, launches, tag)
+        return PreparedParts(self, peer, mapped, tuple(parts), tuple(recipes),
+                             any(r.device is None for r in recipes) and len(recipes) > 1)
 
-    # --- launches: checked and planned first (``_*_launch``), then run as one write (``_run``) ---------
-    def _plan_launch(self, mapped: _Peer, plan: PairPlan, local_bases: Sequence[int], local_kind: MemKind,
-                     remote_bases: Sequence[int], remote_kind: MemKind, src_pages: Sequence[int],
-                     dst_pages: Sequence[int], start: int, end: int) -> _Launch:
-        return self._plans_launch(mapped, [(plan, local_bases, local_kind, remote_bases, remote_kind, src_pages,
-                                            dst_pages, start, end)])
-
-    def _plans_launch(self, mapped: _Peer, plans: Sequence[tuple[Any, ...]],
-                      slots: tuple[Any, Any, int, int, int, int] | None = None) -> _Launch:
+    # --- launches: checked and planned first (``_*_launch``, recipes), then run as one write (``_run``) ---
+    def _rows_recipe(self, mapped: _Peer, plans: Sequence[tuple[Any, ...]], which: Sequence[int],
+                     slot: tuple[int, _SlotPlan] | None = None) -> _RowsRecipe:
         """One rows kernel for ``post_plan`` argument tuples of one page geometry and token range
-        (``_joinable``): the groups of a hybrid cache whose pages look alike move in one launch,
-        their regions side by side, each reading its own group's page lists. Every group's pages
-        are checked against its own regions. ``slots`` (``_slot_steps``): a state slot's copy, in
-        the same launch. What does not depend on the pages is planned once per link and token
-        range (``_rows_shape``: the regions' offsets into the lists, the slot's tiles, uploaded
-        then); a write checks and lists its pages, its only table."""
-        import torch
-
-        from kvproto.kernels import pattern as kernels
-        from kvproto.kernels import triton_kernels
-
+        (``_joinable``; their pages are not read here): the groups of a hybrid cache whose pages
+        look alike move in one launch, their regions side by side, each reading its own group's
+        page lists. ``slot``: a state slot's part (its index and ``_slot_plan``), copied in the
+        same launch. What does not depend on the pages is planned once per link and token range
+        (``_rows_shape``: the regions' offsets into the lists, the slot's tiles, uploaded then)."""
         start, end = plans[0][7], plans[0][8]
         if not 0 <= start < end:
             raise TransportError(f"post_plan: bad token range [{start}, {end})")
         shape = self._rows_shape(mapped, plans, start, end)
-        pieces = [_page_list(args[5 + side], side, first, count, page_bytes, room, start, end)
-                  for side in (0, 1) for args, (first, count, page_bytes, room) in
-                  zip(plans, shape.sides[side])]
-        if all(type(piece) is not np.ndarray for piece in pieces):  # a few pages: one conversion
-            table = np.fromiter((p for piece in pieces for p in piece), np.int64, shape.pages)
-        else:
-            table = np.concatenate([np.asarray(piece, dtype=np.int64) for piece in pieces])
-        rows, bases, lists, split = shape.rows, shape.bases, shape.lists, shape.split
-        src_table, dst_table = bases.table[:bases.regions], bases.table[bases.regions:]
-        nbytes, descriptors, fused = rows.nbytes, 0, None
-        if slots is not None:
-            strided, steps, slot_bytes, descriptors, src_slot, dst_slot = slots
-            nbytes += slot_bytes
-            zero = self._zero_bases(plans[0][2]).table
-            fused = triton_kernels.SlotTiles(strided.plan, steps, len(strided.plan.tiles), zero, src_slot, dst_slot)
-
-        def go(table: Any) -> None:
-            if isinstance(table, Pointer):
-                src, dst = table, Pointer(table.address + 8 * split)
-            else:
-                src, dst = table[:split], table[split:]
-            if fused is None:
-                kernels.launch_rows(rows, src_table, dst_table, src, dst, lists=lists)
-                return
-            try:
-                kernels.launch_rows(rows, src_table, dst_table, src, dst, lists=lists, slots=fused)
-            except Exception as exc:  # noqa: BLE001 - the kernel variant failed to build: nothing was launched
-                global _FUSE_SLOTS
-                _FUSE_SLOTS = False
-                log.warning("the rows kernel with a state slot failed (%s: %s); state slots get launches of "
-                            "their own from now on", type(exc).__name__, exc)
-                kernels.launch_rows(rows, src_table, dst_table, src, dst, lists=lists)
-                tiles = torch.from_numpy(strided.tiles(src_slot, dst_slot)).to(zero.device)
-                kernels.launch(strided.plan, zero[:1], zero[1:], tiles)
-
-        return _Launch(bases, table, go, nbytes, descriptors)
+        zero = None if slot is None else self._zero_bases(plans[0][2]).table
+        return _RowsRecipe(tuple(which), shape, start, end, slot, zero)
 
     def _rows_shape(self, mapped: _Peer, plans: Sequence[tuple[Any, ...]], start: int, end: int) -> _RowsShape:
         """What a rows launch of these plans over tokens ``[start, end)`` is, whatever its pages:
@@ -667,21 +635,11 @@ class CudaIpcTransport:
         self._joined[key] = (arrays, bases)
         return bases
 
-    def _slots_launch(self, mapped: _Peer, part: Any) -> _Launch:
-        """A state slot's part as a pattern launch of its own (its tiles shifted on the host)."""
-        from kvproto.kernels import pattern as kernels
-
-        strided, _steps, nbytes, descriptors, src_slot, dst_slot = self._slot_steps(mapped, part)
-        bases = self._zero_bases(part.local_kind)
-        return _Launch(bases, strided.tiles(src_slot, dst_slot),
-                       lambda t: kernels.launch(strided.plan, bases.table[:1], bases.table[1:], t), nbytes, descriptors)
-
-    def _slot_steps(self, mapped: _Peer, part: Any) -> tuple[Any, Any, int, int, int, int]:
+    def _slot_plan(self, mapped: _Peer, part: Any) -> _SlotPlan:
         """A part of slot rows (``kvproto.aio.paths.SlotRows``: a state group's slot in every
-        region) as (``StridedRows``, its ``stepped`` tiles where the kernel reads them, bytes, rows,
-        source slot, destination slot): the rows of slot 0 are checked against registered memory,
-        translated, planned and uploaded once per link, with how many slots further each row stays
-        inside its region; a write then checks two integers."""
+        region) as a ``_SlotPlan``: the rows of slot 0 checked against registered memory,
+        translated, planned and uploaded once per link (remembered by the identity of the link's
+        ``SlotRows``), with how many slots fit each side; a write then checks two integers."""
         rows = part.slots
         kind = part.local_kind
         if mapped.gone:
@@ -693,17 +651,12 @@ class CudaIpcTransport:
                 raise TransportError(f"post_parts: kernels copy {self._kernel_kinds()} to the same kind, not "
                                      f"{kind.name} to {part.remote_kind.name}")
             src_slots, dst_slots, strided = self._check_slot_rows(mapped, rows, kind)
-            known = (rows, mapped, kind, src_slots, dst_slots, strided, self._table(strided.stepped(), kind),
-                     len(rows.length))
+            known = (rows, mapped, kind, _SlotPlan(strided, self._table(strided.stepped(), kind), strided.plan.nbytes,
+                                                   len(rows.length), src_slots, dst_slots))
             if len(self._slot_rows) >= 64:
                 self._slot_rows.clear()
             self._slot_rows[id(rows)] = known
-        _, _, _, src_slots, dst_slots, strided, steps, descriptors = known
-        src_slot, dst_slot = part.src_slot, part.dst_slot
-        if not (0 <= src_slot < src_slots and 0 <= dst_slot < dst_slots):
-            raise TransportError(f"post_parts: state slot {src_slot} -> {dst_slot} is not inside registered memory "
-                                 f"({src_slots} local, {dst_slots} remote slots fit the registered regions)")
-        return strided, steps, strided.plan.nbytes, descriptors, src_slot, dst_slot
+        return known[3]
 
     def _check_slot_rows(self, mapped: _Peer, rows: Any, kind: MemKind) -> tuple[Any, ...]:
         """(slots that fit locally, slots that fit remotely, and slot 0's rows into slot 0 as
@@ -1033,7 +986,165 @@ _FUSE_SLOTS = True
 """Whether a write's state slot rides in its rows launch (``post_parts``); turned off for the
 process if that kernel variant ever fails to build, the slot then getting a launch of its own."""
 _FEW_PAGES = 32
-"""A write's page lists up to this long are checked with plain integers (``_plans_launch``)."""
+"""A write's page lists up to this long are checked with plain integers (``_RowsRecipe``)."""
+
+
+# --- prepared writes --------------------------------------------------------------------------------------
+def part_values(part: Any) -> tuple[Any, Any]:
+    """What a write of ``part`` names that a ``PreparedParts`` leaves open: the two page lists of
+    a plan's part, the two slot numbers of a state slot's, the two row arrays of a descriptor
+    part."""
+    if part.plan is not None:
+        return part.plan[5], part.plan[6]
+    if part.slots is not None:
+        return part.src_slot, part.dst_slot
+    return part.rows
+
+
+@dataclass(frozen=True, eq=False)
+class _SlotPlan:
+    """A state group's slot rows to one peer as planned once per link (``_slot_plan``): slot 0's
+    rows into slot 0 (``StridedRows``), their tiles with each tile's step per slot on each side
+    where the kernel reads them (``stepped``), and how many slots fit each side's regions."""
+
+    strided: Any
+    steps: Any
+    nbytes: int
+    descriptors: int
+    src_slots: int
+    dst_slots: int
+
+    def check(self, src_slot: int, dst_slot: int) -> None:
+        if not (0 <= src_slot < self.src_slots and 0 <= dst_slot < self.dst_slots):
+            raise TransportError(f"post_parts: state slot {src_slot} -> {dst_slot} is not inside registered memory "
+                                 f"({self.src_slots} local, {self.dst_slots} remote slots fit the registered "
+                                 f"regions)")
+
+
+class _RowsRecipe:
+    """A rows launch of a prepared write (``_rows_recipe``): ``launch(values)`` checks and lists
+    the pages of its parts (``values[i]``, ``i`` in ``which``: source and destination pages), the
+    write's table, and with a state slot (``slot``: its index in ``values`` and plan) checks its
+    two numbers and passes them to the kernel."""
+
+    __slots__ = ("which", "shape", "start", "end", "slot", "zero", "device")
+
+    def __init__(self, which: tuple[int, ...], shape: _RowsShape, start: int, end: int,
+                 slot: tuple[int, _SlotPlan] | None, zero: Any) -> None:
+        self.which, self.shape, self.start, self.end, self.slot, self.zero = which, shape, start, end, slot, zero
+        self.device = shape.bases.table.device
+
+    def launch(self, values: Sequence[Any]) -> _Launch:
+        from kvproto.kernels import pattern as kernels
+        from kvproto.kernels import triton_kernels
+
+        shape, start, end, which = self.shape, self.start, self.end, self.which
+        pieces = [_page_list(values[i][side], side, first, count, page_bytes, room, start, end)
+                  for side in (0, 1) for i, (first, count, page_bytes, room) in zip(which, shape.sides[side])]
+        if all(type(piece) is not np.ndarray for piece in pieces):  # a few pages: one conversion
+            table = np.fromiter((p for piece in pieces for p in piece), np.int64, shape.pages)
+        else:
+            table = np.concatenate([np.asarray(piece, dtype=np.int64) for piece in pieces])
+        rows, bases, lists, split = shape.rows, shape.bases, shape.lists, shape.split
+        src_table, dst_table = bases.table[:bases.regions], bases.table[bases.regions:]
+        if self.slot is None:
+            def go(table: Any) -> None:
+                src, dst = _split(table, split)
+                kernels.launch_rows(rows, src_table, dst_table, src, dst, lists=lists)
+
+            return _Launch(bases, table, go, rows.nbytes, 0)
+        at, plan = self.slot
+        src_slot, dst_slot = values[at]
+        plan.check(src_slot, dst_slot)
+        zero, strided = self.zero, plan.strided
+        fused = triton_kernels.SlotTiles(strided.plan, plan.steps, len(strided.plan.tiles), zero, src_slot, dst_slot)
+
+        def go_fused(table: Any) -> None:
+            global _FUSE_SLOTS
+            src, dst = _split(table, split)
+            if _FUSE_SLOTS:
+                try:
+                    kernels.launch_rows(rows, src_table, dst_table, src, dst, lists=lists, slots=fused)
+                    return
+                except Exception as exc:  # noqa: BLE001 - the kernel variant failed to build: nothing was launched
+                    _FUSE_SLOTS = False
+                    log.warning("the rows kernel with a state slot failed (%s: %s); state slots get launches of "
+                                "their own from now on", type(exc).__name__, exc)
+            import torch
+
+            kernels.launch_rows(rows, src_table, dst_table, src, dst, lists=lists)
+            tiles = torch.from_numpy(strided.tiles(src_slot, dst_slot)).to(zero.device)
+            kernels.launch(strided.plan, zero[:1], zero[1:], tiles)
+
+        return _Launch(bases, table, go_fused, rows.nbytes + plan.nbytes, plan.descriptors)
+
+
+def _split(table: Any, split: int) -> tuple[Any, Any]:
+    """A rows launch's table as its source and destination page lists."""
+    if isinstance(table, Pointer):
+        return table, Pointer(table.address + 8 * split)
+    return table[:split], table[split:]
+
+
+class _SlotRecipe:
+    """A state slot's launch of its own in a prepared write (its tiles shifted on the host)."""
+
+    __slots__ = ("at", "plan", "bases", "device")
+
+    def __init__(self, at: int, plan: _SlotPlan, bases: _Bases) -> None:
+        self.at, self.plan, self.bases, self.device = at, plan, bases, bases.table.device
+
+    def launch(self, values: Sequence[Any]) -> _Launch:
+        from kvproto.kernels import pattern as kernels
+
+        src_slot, dst_slot = values[self.at]
+        plan, table = self.plan, self.bases.table
+        plan.check(src_slot, dst_slot)
+        return _Launch(self.bases, plan.strided.tiles(src_slot, dst_slot),
+                       lambda t: kernels.launch(plan.strided.plan, table[:1], table[1:], t), plan.nbytes,
+                       plan.descriptors)
+
+
+class _DescsRecipe:
+    """A part of descriptor rows in a prepared write: checked and planned when posted."""
+
+    __slots__ = ("adapter", "mapped", "at", "local_kind", "remote_kind", "device")
+
+    def __init__(self, adapter: CudaIpcTransport, mapped: _Peer, at: int, local_kind: MemKind,
+                 remote_kind: MemKind) -> None:
+        self.adapter, self.mapped, self.at = adapter, mapped, at
+        self.local_kind, self.remote_kind, self.device = local_kind, remote_kind, None
+
+    def launch(self, values: Sequence[Any]) -> _Launch:
+        local, remote = values[self.at]
+        return self.adapter._descs_launch(self.mapped, local, self.local_kind, remote, self.remote_kind, "post_parts")
+
+
+class PreparedParts:
+    """A write of several parts to one peer, planned (``CudaIpcTransport.prepare_parts``):
+    ``post(values, tag)`` posts it with ``values[i]`` the pages or slots of part ``i``
+    (``part_values``), checking only them. A link keeps one per shape of its writes (the
+    ``PostGroups`` of a chunk: which groups, token range, layers), so a hybrid write costs its
+    pages' checks and lists, its slot numbers' check and the launch, as a one-group write does.
+    Planned again if the peer was removed and added since."""
+
+    __slots__ = ("_adapter", "peer", "_mapped", "_parts", "_recipes", "_mixed")
+
+    def __init__(self, adapter: CudaIpcTransport, peer: str, mapped: _Peer, parts: tuple[Any, ...],
+                 recipes: tuple[Any, ...], mixed: bool) -> None:
+        self._adapter, self.peer, self._mapped, self._parts = adapter, peer, mapped, parts
+        self._recipes, self._mixed = recipes, mixed
+
+    def post(self, values: Sequence[Any], tag: bytes) -> KernelXfer:
+        adapter = self._adapter
+        adapter._check_open()
+        if adapter._peers.get(self.peer) is not self._mapped:
+            fresh = adapter.prepare_parts(self.peer, self._parts)
+            self._mapped, self._recipes, self._mixed = fresh._mapped, fresh._recipes, fresh._mixed
+        launches = [recipe.launch(values) for recipe in self._recipes]
+        if self._mixed and len({launch.bases.table.device for launch in launches}) != 1:
+            raise TransportError("post_parts: the parts are on different devices")
+        return adapter._run(self._mapped, launches, tag)
 
 
 def _page_list(listed: Sequence[int], side: int, first: int, count: int, page_bytes: int, room: int, start: int,

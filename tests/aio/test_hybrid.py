@@ -387,17 +387,17 @@ async def test_hybrid_groups_that_look_alike_share_launches_byte_exact(case: Cas
     from kvproto.transport.cuda_ipc import CudaIpcTransport
 
     joined: list[int] = []
-    plans_launch, copy_joined = CudaIpcTransport._plans_launch, kernels.copy_joined
+    rows_recipe, copy_joined = CudaIpcTransport._rows_recipe, kernels.copy_joined
 
     def counted_plans(self: Any, mapped: Any, plans: Any, *rest: Any) -> Any:
         joined.append(len(plans))
-        return plans_launch(self, mapped, plans, *rest)
+        return rows_recipe(self, mapped, plans, *rest)
 
     def counted_copy(groups: Any, *args: Any, **kwargs: Any) -> None:
         joined.append(len(groups))
         copy_joined(groups, *args, **kwargs)
 
-    with mock.patch.object(CudaIpcTransport, "_plans_launch", counted_plans):
+    with mock.patch.object(CudaIpcTransport, "_rows_recipe", counted_plans):
         paths = await run_hybrid_room(case, room_id=1 + case.cfg.seed, transport="cuda-ipc",
                                       options={"fallback": "loopback", "cpu_kernels": True})
     assert paths <= {"direct-kernel", "sliced-kernel", "state", "aux"}, paths

@@ -353,6 +353,72 @@ def test_cuda_ipc_state_slot_rides_in_the_rows_launch(half: int, fail: bool, mon
         b.close()
 
 
+def test_cuda_ipc_prepared_parts_post_other_pages_and_slots_checked_each_time() -> None:
+    """A write's shape prepared once (``prepare_parts``: a paged group and a state slot) and
+    posted with other pages and slots each time: every write lands as the references put it,
+    a page or slot outside registered memory is refused on the write that names it (and moves
+    nothing), and after the peer is removed and added again the same object plans anew and
+    writes into the new mapping; with the peer gone it raises."""
+    import dataclasses
+
+    import torch
+
+    from kvproto.aio.paths import Part, SlotRows
+    from kvproto.geometry import plan_pair
+    from kvproto.transport.cuda_ipc import part_values
+
+    half = 48
+    src_g, dst_g = _geometry(1, 0, 4, "NHD"), _geometry(2, 1, 8, "HND")
+    plan = plan_pair(src_g, dst_g)
+    a, b = _agents(**KERNELS)
+    try:
+        src = _regions(2, src_g.num_blocks * src_g.page_bytes, 3)
+        dst = [np.zeros(dst_g.num_blocks * dst_g.page_bytes, np.uint8) for _ in range(2)]
+        s_src = [pattern(4 * 2 * half, seed=20 + i) for i in range(3)]
+        s_dst = [np.zeros(6 * half, np.uint8) for _ in range(3)]
+        a.register([region(x) for x in src + s_src])
+        b.register([region(x) for x in dst + s_dst])
+        a.add_peer(b.metadata())
+        bases = (np.array([x.ctypes.data for x in src]), np.array([x.ctypes.data for x in dst]))
+        paged = Part(1, DRAM, DRAM, plan=(plan, bases[0], DRAM, bases[1], DRAM, [5, 2, 7, 0], [3, 6], 3, 15))
+        rows = SlotRows(np.array([x.ctypes.data + half for x in s_src]), np.full(3, 2 * half),
+                        np.array([x.ctypes.data for x in s_dst]), np.full(3, half), np.full(3, half))
+        state = Part(3 * half, DRAM, DRAM, slots=rows, src_slot=2, dst_slot=5)
+        prepared = a.prepare_parts("b", [paged, state])
+        assert part_values(paged) == ([5, 2, 7, 0], [3, 6]) and part_values(state) == (2, 5)
+        for n, (src_pages, dst_pages, src_slot, dst_slot) in enumerate(
+                [([5, 2, 7, 0], [3, 6], 2, 5), ([1, 4, 6, 3], [7, 0], 0, 1), ([0, 1, 2, 3], [2, 4], 3, 0)]):
+            if n == 2:  # the peer goes and comes back: the same object plans anew
+                a.remove_peer("b")
+                a.add_peer(b.metadata())
+            for d in dst + s_dst:
+                d[:] = 0
+            want = [torch.zeros_like(torch.from_numpy(d)) for d in dst]
+            kernels.copy_reference(kernels.pair_extents(dataclasses.replace(plan, direct=False), src_pages,
+                                                        dst_pages, 3, 15), [torch.from_numpy(x) for x in src], want)
+            xfer = prepared.post([(src_pages, dst_pages), (src_slot, dst_slot)], b"w%d" % n)
+            assert [m.tag for m in _finish(a, b, xfer)] == [b"w%d" % n]
+            for d, w in zip(dst, want, strict=True):
+                assert np.array_equal(d, w.numpy())
+            for x, d in zip(s_src, s_dst, strict=True):
+                assert np.array_equal(d[dst_slot * half:(dst_slot + 1) * half],
+                                      x[src_slot * 2 * half + half:(src_slot + 1) * 2 * half])
+                assert not d[:dst_slot * half].any() and not d[(dst_slot + 1) * half:].any()
+        for d in dst + s_dst:
+            d[:] = 0
+        for pages, slots in ((([5, 2, 7, 8], [3, 6]), (2, 5)), (([5, 2, 7, 0], [3, 6]), (2, 6)),
+                             (([5, 2, 7, 0], [3, 6]), (4, 0))):  # page 8 of 8, slot 6 of 6, slot 4 of 4
+            with pytest.raises(TransportError, match="not inside registered memory"):
+                prepared.post([pages, slots], b"bad")
+        assert not any(d.any() for d in dst + s_dst)
+        a.remove_peer("b")
+        with pytest.raises(TransportError, match="unknown"):
+            prepared.post([([5, 2, 7, 0], [3, 6]), (2, 5)], b"gone")
+    finally:
+        a.close()
+        b.close()
+
+
 @pytest.mark.parametrize("half", [48, 6, 4096], ids=["48B", "6B", "4KiB-split-in-tiles"])
 def test_cuda_ipc_slot_rows_move_one_slot_of_every_region_and_stay_inside(half: int) -> None:
     """A state part (``SlotRows``: slot 0's rows and per-row strides) moves exactly slot ``s`` of
