@@ -172,6 +172,26 @@ def _counts(parts: Sequence[Part]) -> tuple[int, int]:
     return nbytes, descriptors
 
 
+class Shapes(dict):  # type: ignore[type-arg]
+    """Prepared writes of a link by shape (``PreparedParts``, see ``GroupWrites``): at most
+    ``LIMIT``, then forgotten all at once."""
+
+    LIMIT = 64
+    """Shapes kept per link: about one per prompt length in flight."""
+
+    def keep(self, key: Any, value: Any) -> Any:
+        if len(self) >= self.LIMIT:
+            self.clear()
+        self[key] = value
+        return value
+
+
+def _preparer(transport: Transport, route: Route | None) -> Any:
+    """The adapter's ``prepare_parts`` where writes to the peer go over a pattern route and the
+    adapter prepares them (the kernel path), else None."""
+    return getattr(transport, "prepare_parts", None) if route is not None and route.pattern else None
+
+
 class GroupWrites:
     """One link's writes of several groups (``PostGroups``), each as one transport write.
 
@@ -181,14 +201,10 @@ class GroupWrites:
     next write of that shape (every room of that length) hands the adapter only its pages and
     slot numbers, so a hybrid write costs what a one-group write does plus its lists' checks."""
 
-    SHAPES = 64
-    """Shapes kept per link (then forgotten all at once): one per prompt length in flight."""
-
     def __init__(self, path: LinkPath, groups: Sequence[LinkPath | StatePath]) -> None:
         self.paths: tuple[LinkPath | StatePath, ...] = (path, *groups)
-        pattern = path.route is not None and path.route.pattern
-        self._prepare = getattr(path.transport, "prepare_parts", None) if pattern else None
-        self._shapes: dict[tuple[Any, ...], tuple[Any, int, int, tuple[str, ...]]] = {}
+        self._prepare = _preparer(path.transport, path.route)
+        self._shapes = Shapes()
 
     def post(self, parts: Sequence[events.Part], tag: bytes) -> tuple[Posted, tuple[str, ...]]:
         """``parts`` (the core's, of a ``PostGroups``) as one write: what was posted, the paths' names."""
@@ -201,9 +217,7 @@ class GroupWrites:
         shape = self._shapes.get(key)
         if shape is None:
             made, kinds = self._parts(parts)
-            if len(self._shapes) >= self.SHAPES:
-                self._shapes.clear()
-            shape = self._shapes[key] = (self._prepare(first.peer, made), *_counts(made), kinds)
+            shape = self._shapes.keep(key, (self._prepare(first.peer, made), *_counts(made), kinds))
         values = [(p.src_slot, p.dst_slot) if type(p) is events.StatePart else (p.src_pages, p.dst_pages)  # noqa: E721
                   for p in parts]
         return Posted(shape[0].post(values, tag), shape[1], shape[2]), shape[3]
@@ -262,6 +276,9 @@ class LinkPath:
         """(address, length, memory kind, device) of the decode rank's staging region."""
         self._remote_pages: DescList | None = None
         self._remote_aux: DescList | None = None
+        self._prepare = _preparer(transport, route)
+        self._shapes = Shapes()
+        """Its writes on a pattern route, prepared by token range and layers."""
         self._layer_regions: dict[tuple[int, int], tuple[int, np.ndarray, np.ndarray]] = {}
 
     @property
@@ -277,9 +294,15 @@ class LinkPath:
         """One write of tokens ``[start, end)``, of every layer or of ``layers`` (``(first, end)``)."""
         assert self.plan is not None, "post_kv on a link this rank does not write"
         if self.route is not None and self.route.pattern:
-            part = self.part(src_pages, dst_pages, start, end, layers)
-            xfer = self.transport.post_plan(self.peer, *part.plan, tag)  # type: ignore[attr-defined,misc]
-            return Posted(xfer, part.nbytes, 0)
+            key = (start, end, layers)
+            shape = self._shapes.get(key)
+            if shape is None:
+                part = self.part(src_pages, dst_pages, start, end, layers)
+                if self._prepare is None:
+                    xfer = self.transport.post_plan(self.peer, *part.plan, tag)  # type: ignore[attr-defined,misc]
+                    return Posted(xfer, part.nbytes, 0)
+                shape = self._shapes.keep(key, (self._prepare(self.peer, [part]), part.nbytes))
+            return Posted(shape[0].post(((src_pages, dst_pages),), tag), shape[1], 0)
         first, local_bases, remote_bases = self._regions(layers)
         if self.plan.direct and end - start <= SMALL_WRITE_PAGES * self.plan.src.block_size:
             return self._post_few_pages(tag, src_pages, dst_pages, start, end, first, len(local_bases))
@@ -435,6 +458,7 @@ class LinkPath:
             if dlist is not None:
                 self.transport.release_prepared(dlist)
         self._remote_pages = self._remote_aux = None
+        self._shapes.clear()
 
 
 class StatePath:
