@@ -221,11 +221,11 @@ class KVCache:
         """A room's per-group arguments by group name, as the cores take them (in group order): the
         pages of each paged group and, if given (or ``need_slots``), the slot of each state group."""
         names = [g.name for g in self.groups]
-        unknown = sorted((set(group_pages or ()) | set(state_slots or ())) - set(names))
-        if unknown:
+        if any(name not in names for given in (group_pages or (), state_slots or ()) for name in given):
+            unknown = sorted((set(group_pages or ()) | set(state_slots or ())) - set(names))
             raise LocalProtocolError(f"the cache has no group {unknown[0]!r} beyond its first "
                                      f"(it has {', '.join(map(repr, names)) or 'none'})")
-        pages = [[int(p) for p in (group_pages or {}).get(n, ())] for n in names]
+        pages = [list(map(int, (group_pages or {}).get(n, ()))) for n in names]
         if not state_slots and not need_slots:
             return pages, None  # None, or {} from a cache with no state group
         slots = []

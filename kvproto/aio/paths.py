@@ -212,14 +212,18 @@ class GroupWrites:
         if self._prepare is None:
             made, kinds = self._parts(parts)
             return post_parts(first.transport, first.peer, first.route, made, tag), kinds
-        key = tuple([(p.group, p.layers) if type(p) is events.StatePart else  # noqa: E721 - exact types, on every write
-                     (p.group, p.layers, p.start_token, p.end_token) for p in parts])
-        shape = self._shapes.get(key)
+        key, values = [], []
+        for p in parts:
+            if type(p) is events.StatePart:  # noqa: E721 - the exact type, on every write
+                key.append((p.group, p.layers))
+                values.append((p.src_slot, p.dst_slot))
+            else:
+                key.append((p.group, p.layers, p.start_token, p.end_token))
+                values.append((p.src_pages, p.dst_pages))
+        shape = self._shapes.get(tuple(key))
         if shape is None:
             made, kinds = self._parts(parts)
-            shape = self._shapes.keep(key, (self._prepare(first.peer, made), *_counts(made), kinds))
-        values = [(p.src_slot, p.dst_slot) if type(p) is events.StatePart else (p.src_pages, p.dst_pages)  # noqa: E721
-                  for p in parts]
+            shape = self._shapes.keep(tuple(key), (self._prepare(first.peer, made), *_counts(made), kinds))
         return Posted(shape[0].post(values, tag), shape[1], shape[2]), shape[3]
 
     def _parts(self, parts: Sequence[events.Part]) -> tuple[list[Part], tuple[str, ...]]:

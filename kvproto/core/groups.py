@@ -156,23 +156,32 @@ def check_destinations(groups: Sequence[GroupSpec], sizes: Sequence[GroupSpec | 
             if not 0 <= dest.slot < pool:
                 return ErrorCode.INDEX_OUT_OF_RANGE, f"slot {dest.slot} of group {spec.name!r} outside [0, {pool})"
             continue
-        name, block, pages = spec.name, size.block_size, dest.pages
+        block, pages = size.block_size, dest.pages
         if dest.slot != NO_SLOT:
-            return ErrorCode.PEER_PROTOCOL_ERROR, f"paged group {name!r} takes pages, not a slot"
-        need = spec.needed_pages(num_tokens, block)
-        if dest.first_page != need.start or len(pages) != len(need):
-            return ErrorCode.TOKEN_COUNT_MISMATCH, (
-                f"{num_tokens} tokens need pages {need.start}..{need.stop - 1} of group {name!r} (blocks of {block}"
-                f"{'' if spec.window is None else f', window {spec.window}'}), the room names {len(pages)} "
-                f"from page {dest.first_page}")
-        if prefix_tokens % block:
-            return ErrorCode.INDEX_OUT_OF_RANGE, (
-                f"prefix of {prefix_tokens} tokens is not a whole number of group {name!r}'s blocks of {block}")
-        if pages and (min(pages) < 0 or max(pages) >= pool):
-            bad = next(p for p in pages if not 0 <= p < pool)
-            return ErrorCode.INDEX_OUT_OF_RANGE, f"page {bad} of group {name!r} outside the {pool} registered pages"
-        twice = duplicate_page(pages)
-        if twice is not None:
-            return ErrorCode.INDEX_OUT_OF_RANGE, (
-                f"page {twice} of group {name!r} is listed twice: two token ranges would share it")
+            return ErrorCode.PEER_PROTOCOL_ERROR, f"paged group {spec.name!r} takes pages, not a slot"
+        first = 0 if spec.window is None or num_tokens <= spec.window else (num_tokens - spec.window) // block
+        if dest.first_page != first or len(pages) != max(0, -(-num_tokens // block) - first) \
+                or prefix_tokens % block or (pages and (min(pages) < 0 or max(pages) >= pool)) \
+                or len(set(pages)) != len(pages):
+            return _paged_problem(spec, block, pool, dest, num_tokens, prefix_tokens)
     return None
+
+
+def _paged_problem(spec: GroupSpec, block: int, pool: int, dest: GroupDestination, num_tokens: int,
+                   prefix_tokens: int) -> tuple[ErrorCode, str]:
+    """``check_destinations``' answer for a paged group's destination that its quick test refused."""
+    name, pages = spec.name, dest.pages
+    need = spec.needed_pages(num_tokens, block)
+    if dest.first_page != need.start or len(pages) != len(need):
+        return ErrorCode.TOKEN_COUNT_MISMATCH, (
+            f"{num_tokens} tokens need pages {need.start}..{need.stop - 1} of group {name!r} (blocks of {block}"
+            f"{'' if spec.window is None else f', window {spec.window}'}), the room names {len(pages)} "
+            f"from page {dest.first_page}")
+    if prefix_tokens % block:
+        return ErrorCode.INDEX_OUT_OF_RANGE, (
+            f"prefix of {prefix_tokens} tokens is not a whole number of group {name!r}'s blocks of {block}")
+    bad = next((p for p in pages if not 0 <= p < pool), None)
+    if bad is not None:
+        return ErrorCode.INDEX_OUT_OF_RANGE, f"page {bad} of group {name!r} outside the {pool} registered pages"
+    return ErrorCode.INDEX_OUT_OF_RANGE, (
+        f"page {duplicate_page(pages)} of group {name!r} is listed twice: two token ranges would share it")

@@ -854,23 +854,19 @@ class SenderCore(CoreBase):
         request's tokens is still to be granted on a staged link: the slots then ride in it."""
         parts: list[Part] = []
         req = peer.request
-        defer_states = bool(peer.staged) and peer.link.stage_tail > 0
+        states = chunk.last and room.state_slots is not None and not (peer.staged and peer.link.stage_tail > 0)
+        layers = chunk.layers
         for g, (spec, lg) in enumerate(zip(self.groups, peer.link.groups)):
-            if not lg.writes:
-                continue
-            if spec.state:
-                if not chunk.last or room.state_slots is None or defer_states:
-                    continue
-            elif lg.staged and peer.staged:
-                continue  # the link's staged pieces carry this group
-            span = local_span(spec.layers, chunk.layers)
+            if not lg.writes or (not states if spec.state else lg.staged and peer.staged):
+                continue  # (a paged group the link's staged pieces carry)
+            span = None if layers is None else local_span(spec.layers, layers)
             if span is not None and span[0] == span[1]:
                 continue  # none of the group's layers in this chunk
             if spec.state:
-                parts.append(StatePart(group=g + 1, src_slot=room.state_slots[g], dst_slot=req.groups[g].slot,
-                                       layers=span))
+                parts.append(StatePart(group=g + 1, src_slot=room.state_slots[g],  # type: ignore[index]
+                                       dst_slot=req.groups[g].slot, layers=span))
                 continue
-            first = max(start, spec.window_start(req.num_tokens))
+            first = start if spec.window is None else max(start, spec.window_start(req.num_tokens))
             if first < end:
                 parts.append(PagedPart(group=g + 1, start_token=first, end_token=end,
                                        src_pages=tuple(room.group_pages[g]), dst_pages=pages_from_zero(req.groups[g]),

@@ -1042,7 +1042,7 @@ class _RowsRecipe:
         pieces = [_page_list(values[i][side], side, first, count, page_bytes, room, start, end)
                   for side in (0, 1) for i, (first, count, page_bytes, room) in zip(which, shape.sides[side])]
         if all(type(piece) is not np.ndarray for piece in pieces):  # a few pages: one conversion
-            table = np.fromiter((p for piece in pieces for p in piece), np.int64, shape.pages)
+            table = np.array([p for piece in pieces for p in piece], dtype=np.int64)
         else:
             table = np.concatenate([np.asarray(piece, dtype=np.int64) for piece in pieces])
         rows, bases, lists, split = shape.rows, shape.bases, shape.lists, shape.split

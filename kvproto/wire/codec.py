@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import struct
+import types
 from array import array
 from typing import Any, ClassVar
 
@@ -475,14 +476,33 @@ class _Fast:
                           f"            if x.__class__ is not T{k} or not W{k}(x, out): return False"]
             k += 1
         given = ", ".join(f"{n}=f{j}" for j, (n, _) in enumerate(fields))
-        read += [f"        return C({given}{', ' if given else ''}**head), pos",
-                 "    except (TypeError, ValueError):", "        return None"]
+        if cls._settable(body):  # a record (no header fields): built without its __init__
+            env["NEW"] = object.__new__
+            read += ["        o = NEW(C)"]
+            for j, (n, _) in enumerate(fields):
+                env[f"SET{j}"] = getattr(body, n).__set__
+                read += [f"        SET{j}(o, f{j})"]
+            read += ["        return o, pos"]
+        else:
+            read += [f"        return C({given}{', ' if given else ''}**head), pos"]
+        read += ["    except (TypeError, ValueError):", "        return None"]
         write += ["        return True", "    except (TypeError, ValueError, OverflowError, struct_error):",
                   "        return False"]
         env["NO_HEAD"] = {}
         source = "\n".join(read) + "\n\n\n" + "\n".join(write) + "\n"
         exec(compile(source, f"<kvproto.wire codec for {body.__name__}>", "exec"), env)  # noqa: S102 - our own text
         return cls(env["read"], env["write"], source)
+
+    @staticmethod
+    def _settable(body: type) -> bool:
+        """Whether ``body`` is a record whose every field is a slot that its whole decoded value
+        fills, with nothing for ``__init__`` to add (no header fields, no ``__post_init__``): its
+        reader then sets the slots of a new object, a third of the cost of the keyword call."""
+        if not dataclasses.is_dataclass(body) or hasattr(body, "__post_init__"):
+            return False
+        names = [f.name for f in dataclasses.fields(body)]
+        return names == [name for name, _ in body.FIELDS] and all(
+            isinstance(body.__dict__.get(name), types.MemberDescriptorType) for name in names)
 
     @classmethod
     def code(cls, body: type) -> str | None:
