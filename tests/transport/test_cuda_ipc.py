@@ -268,6 +268,33 @@ def test_cuda_ipc_post_parts_joins_groups_of_one_page_geometry_in_one_launch(dst
         b.close()
 
 
+def _paged_and_state(a, b, half: int):
+    """Memory for a write of a paged group (TP 1 -> 2, block 4 -> 8, NHD -> HND, two regions) and a
+    state slot (three regions, slots of ``half`` bytes, four local and six remote), registered
+    on ``a`` and ``b`` with ``b`` added as a peer, and the two parts: pages [5, 2, 7, 0] into
+    [3, 6] for tokens [3, 15), slot 2 into slot 5."""
+    from types import SimpleNamespace
+
+    from kvproto.aio.paths import Part, SlotRows
+    from kvproto.geometry import plan_pair
+
+    src_g, dst_g = _geometry(1, 0, 4, "NHD"), _geometry(2, 1, 8, "HND")
+    plan = plan_pair(src_g, dst_g)
+    src = _regions(2, src_g.num_blocks * src_g.page_bytes, 3)
+    dst = [np.zeros(dst_g.num_blocks * dst_g.page_bytes, np.uint8) for _ in range(2)]
+    s_src = [pattern(4 * 2 * half, seed=20 + i) for i in range(3)]
+    s_dst = [np.zeros(6 * half, np.uint8) for _ in range(3)]
+    a.register([region(x) for x in src + s_src])
+    b.register([region(x) for x in dst + s_dst])
+    a.add_peer(b.metadata())
+    paged = Part(1, DRAM, DRAM, plan=(plan, np.array([x.ctypes.data for x in src]), DRAM,
+                                      np.array([x.ctypes.data for x in dst]), DRAM, [5, 2, 7, 0], [3, 6], 3, 15))
+    rows = SlotRows(np.array([x.ctypes.data + half for x in s_src]), np.full(3, 2 * half),
+                    np.array([x.ctypes.data for x in s_dst]), np.full(3, half), np.full(3, half))
+    return SimpleNamespace(plan=plan, src=src, dst=dst, s_src=s_src, s_dst=s_dst, paged=paged, rows=rows,
+                           state=Part(3 * half, DRAM, DRAM, slots=rows, src_slot=2, dst_slot=5))
+
+
 @pytest.mark.parametrize("half,fail", [(48, False), (4096, False), (48, True)],
                          ids=["48B", "4KiB-split-in-tiles", "variant-fails-to-build"])
 def test_cuda_ipc_state_slot_rides_in_the_rows_launch(half: int, fail: bool, monkeypatch) -> None:
@@ -280,35 +307,19 @@ def test_cuda_ipc_state_slot_rides_in_the_rows_launch(half: int, fail: bool, mon
 
     import torch
 
-    from kvproto.aio.paths import Part, SlotRows
-    from kvproto.geometry import plan_pair
-
     launches = []
     rows_launch, pattern_launch = kernels.launch_rows, kernels.launch
     monkeypatch.setattr(kernels, "launch_rows", lambda rows, *a, **k: (
         launches.append(("rows", k.get("slots") is not None)), rows_launch(rows, *a, **k)))
     monkeypatch.setattr(kernels, "launch", lambda *a, **k: (launches.append(("pattern", False)),
                                                            pattern_launch(*a, **k)))
-    src_g, dst_g = _geometry(1, 0, 4, "NHD"), _geometry(2, 1, 8, "HND")
-    plan = plan_pair(src_g, dst_g)
     a, b = _agents(**KERNELS)
     try:
-        src = _regions(2, src_g.num_blocks * src_g.page_bytes, 3)
-        dst = [np.zeros(dst_g.num_blocks * dst_g.page_bytes, np.uint8) for _ in range(2)]
-        s_src = [pattern(4 * 2 * half, seed=20 + i) for i in range(3)]
-        s_dst = [np.zeros(6 * half, np.uint8) for _ in range(3)]
-        a.register([region(x) for x in src + s_src])
-        b.register([region(x) for x in dst + s_dst])
-        a.add_peer(b.metadata())
-        src_pages, dst_pages = [5, 2, 7, 0], [3, 6]
+        m = _paged_and_state(a, b, half)
+        plan, src, dst, s_src, s_dst, paged, state = m.plan, m.src, m.dst, m.s_src, m.s_dst, m.paged, m.state
         want = [torch.zeros_like(torch.from_numpy(d)) for d in dst]
-        kernels.copy_reference(kernels.pair_extents(dataclasses.replace(plan, direct=False), src_pages, dst_pages,
+        kernels.copy_reference(kernels.pair_extents(dataclasses.replace(plan, direct=False), [5, 2, 7, 0], [3, 6],
                                                     3, 15), [torch.from_numpy(x) for x in src], want)
-        paged = Part(1, DRAM, DRAM, plan=(plan, np.array([x.ctypes.data for x in src]), DRAM,
-                                          np.array([x.ctypes.data for x in dst]), DRAM, src_pages, dst_pages, 3, 15))
-        rows = SlotRows(np.array([x.ctypes.data + half for x in s_src]), np.full(3, 2 * half),
-                        np.array([x.ctypes.data for x in s_dst]), np.full(3, half), np.full(3, half))
-        state = Part(3 * half, DRAM, DRAM, slots=rows, src_slot=2, dst_slot=5)
         xfer = a.post_parts("b", [paged, state], b"one-launch")
         assert [n.tag for n in _finish(a, b, xfer)] == [b"one-launch"]
         assert launches == [("rows", True)]
@@ -363,27 +374,13 @@ def test_cuda_ipc_prepared_parts_post_other_pages_and_slots_checked_each_time() 
 
     import torch
 
-    from kvproto.aio.paths import Part, SlotRows
-    from kvproto.geometry import plan_pair
     from kvproto.transport.cuda_ipc import part_values
 
     half = 48
-    src_g, dst_g = _geometry(1, 0, 4, "NHD"), _geometry(2, 1, 8, "HND")
-    plan = plan_pair(src_g, dst_g)
     a, b = _agents(**KERNELS)
     try:
-        src = _regions(2, src_g.num_blocks * src_g.page_bytes, 3)
-        dst = [np.zeros(dst_g.num_blocks * dst_g.page_bytes, np.uint8) for _ in range(2)]
-        s_src = [pattern(4 * 2 * half, seed=20 + i) for i in range(3)]
-        s_dst = [np.zeros(6 * half, np.uint8) for _ in range(3)]
-        a.register([region(x) for x in src + s_src])
-        b.register([region(x) for x in dst + s_dst])
-        a.add_peer(b.metadata())
-        bases = (np.array([x.ctypes.data for x in src]), np.array([x.ctypes.data for x in dst]))
-        paged = Part(1, DRAM, DRAM, plan=(plan, bases[0], DRAM, bases[1], DRAM, [5, 2, 7, 0], [3, 6], 3, 15))
-        rows = SlotRows(np.array([x.ctypes.data + half for x in s_src]), np.full(3, 2 * half),
-                        np.array([x.ctypes.data for x in s_dst]), np.full(3, half), np.full(3, half))
-        state = Part(3 * half, DRAM, DRAM, slots=rows, src_slot=2, dst_slot=5)
+        m = _paged_and_state(a, b, half)
+        plan, src, dst, s_src, s_dst, paged, state = m.plan, m.src, m.dst, m.s_src, m.s_dst, m.paged, m.state
         prepared = a.prepare_parts("b", [paged, state])
         assert part_values(paged) == ([5, 2, 7, 0], [3, 6]) and part_values(state) == (2, 5)
         for n, (src_pages, dst_pages, src_slot, dst_slot) in enumerate(
