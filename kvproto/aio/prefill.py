@@ -62,7 +62,6 @@ from kvproto.core import (
     RoomState,
     SenderCore,
     SenderLink,
-    StatePart,
 )
 from kvproto.geometry import plan_pair, writers
 from kvproto.geometry.groups import (
