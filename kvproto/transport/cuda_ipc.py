@@ -81,6 +81,7 @@ from kvproto.transport.base import (
 from kvproto.geometry import PairPlan
 from kvproto.transport.cuda import Pointer, Uploads, driver
 from kvproto.transport.local import TagChannel, host_id
+from kvproto.kernels import pattern as kernels
 from kvproto.kernels.pattern import alignment as kernels_alignment
 from kvproto.kernels.pattern import plan_rows
 
@@ -661,8 +662,6 @@ class CudaIpcTransport:
     def _check_slot_rows(self, mapped: _Peer, rows: Any, kind: MemKind) -> tuple[Any, ...]:
         """(slots that fit locally, slots that fit remotely, and slot 0's rows into slot 0 as
         ``StridedRows`` of absolute addresses here: one plan serves every slot)."""
-        from kvproto.kernels import pattern as kernels
-
         fits = []
         for base, stride, regions, whose in ((rows.src, rows.src_stride, self._local_regions(), "this agent's"),
                                              (rows.dst, rows.dst_stride, mapped.regions, f"peer {mapped.name!r}'s")):
@@ -703,8 +702,6 @@ class CudaIpcTransport:
 
     @staticmethod
     def _pattern_launch(pattern: np.ndarray, bases: _Bases, nbytes: int, descriptors: int) -> _Launch:
-        from kvproto.kernels import pattern as kernels
-
         plan = kernels.plan_pattern(pattern, regions=bases.regions, base_align=bases.align)
         src_table, dst_table = bases.table[:bases.regions], bases.table[bases.regions:]
         return _Launch(bases, plan.tiles, lambda tiles: kernels.launch(plan, src_table, dst_table, tiles), nbytes,
@@ -1025,28 +1022,37 @@ class _RowsRecipe:
     """A rows launch of a prepared write (``_rows_recipe``): ``launch(values)`` checks and lists
     the pages of its parts (``values[i]``, ``i`` in ``which``: source and destination pages), the
     write's table, and with a state slot (``slot``: its index in ``values`` and plan) checks its
-    two numbers and passes them to the kernel."""
+    two numbers and passes them to the kernel. Everything else a launch needs (the lists'
+    layout, the region tables' halves, the slot's tiles) is taken apart here, once."""
 
-    __slots__ = ("which", "shape", "start", "end", "slot", "zero", "device")
+    __slots__ = ("lists", "shape", "start", "end", "slot", "zero", "device", "tables", "tiles")
 
     def __init__(self, which: tuple[int, ...], shape: _RowsShape, start: int, end: int,
                  slot: tuple[int, _SlotPlan] | None, zero: Any) -> None:
-        self.which, self.shape, self.start, self.end, self.slot, self.zero = which, shape, start, end, slot, zero
-        self.device = shape.bases.table.device
+        self.shape, self.start, self.end, self.slot, self.zero = shape, start, end, slot, zero
+        self.lists = [(i, side, *listed) for side in (0, 1) for i, listed in zip(which, shape.sides[side])]
+        """Per page list of the table, in its order: (part, side, first page used, pages listed,
+        page bytes, bytes from a region base to the end of its region)."""
+        bases = shape.bases
+        self.device = bases.table.device
+        self.tables = bases.table[:bases.regions], bases.table[bases.regions:]
+        self.tiles: tuple[Any, ...] = ()
+        if slot is not None:
+            from kvproto.kernels import triton_kernels
+
+            strided = slot[1].strided
+            self.tiles = (triton_kernels.SlotTiles, strided.plan, slot[1].steps, len(strided.plan.tiles), zero)
 
     def launch(self, values: Sequence[Any]) -> _Launch:
-        from kvproto.kernels import pattern as kernels
-        from kvproto.kernels import triton_kernels
-
-        shape, start, end, which = self.shape, self.start, self.end, self.which
+        shape, start, end = self.shape, self.start, self.end
         pieces = [_page_list(values[i][side], side, first, count, page_bytes, room, start, end)
-                  for side in (0, 1) for i, (first, count, page_bytes, room) in zip(which, shape.sides[side])]
-        if all(type(piece) is not np.ndarray for piece in pieces):  # a few pages: one conversion
-            table = np.array([p for piece in pieces for p in piece], dtype=np.int64)
-        else:
+                  for i, side, first, count, page_bytes, room in self.lists]
+        if any(type(piece) is np.ndarray for piece in pieces):
             table = np.concatenate([np.asarray(piece, dtype=np.int64) for piece in pieces])
+        else:  # a few pages per list: one conversion
+            table = np.array([p for piece in pieces for p in piece], dtype=np.int64)
         rows, bases, lists, split = shape.rows, shape.bases, shape.lists, shape.split
-        src_table, dst_table = bases.table[:bases.regions], bases.table[bases.regions:]
+        src_table, dst_table = self.tables
         if self.slot is None:
             def go(table: Any) -> None:
                 src, dst = _split(table, split)
@@ -1056,8 +1062,8 @@ class _RowsRecipe:
         at, plan = self.slot
         src_slot, dst_slot = values[at]
         plan.check(src_slot, dst_slot)
-        zero, strided = self.zero, plan.strided
-        fused = triton_kernels.SlotTiles(strided.plan, plan.steps, len(strided.plan.tiles), zero, src_slot, dst_slot)
+        make, *tiles = self.tiles
+        fused = make(*tiles, src_slot, dst_slot)
 
         def go_fused(table: Any) -> None:
             global _FUSE_SLOTS
@@ -1072,6 +1078,7 @@ class _RowsRecipe:
                                 "their own from now on", type(exc).__name__, exc)
             import torch
 
+            zero, strided = self.zero, plan.strided
             kernels.launch_rows(rows, src_table, dst_table, src, dst, lists=lists)
             tiles = torch.from_numpy(strided.tiles(src_slot, dst_slot)).to(zero.device)
             kernels.launch(strided.plan, zero[:1], zero[1:], tiles)
@@ -1095,8 +1102,6 @@ class _SlotRecipe:
         self.at, self.plan, self.bases, self.device = at, plan, bases, bases.table.device
 
     def launch(self, values: Sequence[Any]) -> _Launch:
-        from kvproto.kernels import pattern as kernels
-
         src_slot, dst_slot = values[self.at]
         plan, table = self.plan, self.bases.table
         plan.check(src_slot, dst_slot)
