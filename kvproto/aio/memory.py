@@ -220,20 +220,33 @@ class KVCache:
                    *, need_slots: bool = False) -> tuple[list[list[int]], list[int] | None]:
         """A room's per-group arguments by group name, as the cores take them (in group order): the
         pages of each paged group and, if given (or ``need_slots``), the slot of each state group."""
-        names = [g.name for g in self.groups]
-        if any(name not in names for given in (group_pages or (), state_slots or ()) for name in given):
-            unknown = sorted((set(group_pages or ()) | set(state_slots or ())) - set(names))
+        given_pages, given_slots = group_pages or {}, state_slots or {}
+        pages: list[list[int]] = []
+        slots: list[int] = []
+        named, missing = 0, None
+        for extra in self.groups:  # one pass: this runs for every chunk and room of a hybrid cache
+            name = extra.name
+            listed = given_pages.get(name)
+            if listed is not None:
+                named += 1
+            pages.append([] if listed is None else list(map(int, listed)))
+            slot = given_slots.get(name)
+            if slot is not None:
+                named += 1
+                slots.append(int(slot))
+            else:
+                slots.append(NO_SLOT)
+                if missing is None and isinstance(extra, StateCache):
+                    missing = name
+        if named != len(given_pages) + len(given_slots):
+            names = [g.name for g in self.groups]
+            unknown = sorted((set(given_pages) | set(given_slots)) - set(names))
             raise LocalProtocolError(f"the cache has no group {unknown[0]!r} beyond its first "
                                      f"(it has {', '.join(map(repr, names)) or 'none'})")
-        pages = [list(map(int, (group_pages or {}).get(n, ()))) for n in names]
-        if not state_slots and not need_slots:
+        if not given_slots and not need_slots:
             return pages, None  # None, or {} from a cache with no state group
-        slots = []
-        for extra in self.groups:
-            slot = (state_slots or {}).get(extra.name)
-            if isinstance(extra, StateCache) and slot is None:
-                raise LocalProtocolError(f"state group {extra.name!r} needs a slot: state_slots={{{extra.name!r}: ...}}")
-            slots.append(NO_SLOT if slot is None else int(slot))
+        if missing is not None:
+            raise LocalProtocolError(f"state group {missing!r} needs a slot: state_slots={{{missing!r}: ...}}")
         return pages, slots
 
     def wire_groups(self) -> tuple[WireGroup, ...]:
