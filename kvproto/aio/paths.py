@@ -176,8 +176,9 @@ class Shapes(dict):  # type: ignore[type-arg]
     """Prepared writes of a link by shape (``PreparedParts``, see ``GroupWrites``): at most
     ``LIMIT``, then forgotten all at once."""
 
-    LIMIT = 64
-    """Shapes kept per link: about one per prompt length in flight."""
+    LIMIT = 256
+    """Shapes kept per link: a shape per prompt length in flight, or per token range and layer
+    span of a streamed room (as many as the adapter keeps launch shapes)."""
 
     def keep(self, key: Any, value: Any) -> Any:
         if len(self) >= self.LIMIT:
