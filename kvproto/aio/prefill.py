@@ -27,7 +27,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -123,14 +123,13 @@ class _DecodeLink:
     last_seen: float
     groups: tuple[LinkPath | StatePath, ...] = ()
     """One path per group beyond the first."""
-    writes: GroupWrites | None = None
+    writes: GroupWrites = field(init=False)
     """Its writes of several groups (``PostGroups``)."""
 
     def __post_init__(self) -> None:
         self.writes = GroupWrites(self.path, self.groups)
 
     def release(self) -> None:
-        assert self.writes is not None
         self.writes.release()
         self.path.release()
         for path in self.groups:
@@ -580,7 +579,6 @@ class PrefillEndpoint(EndpointBase):
                                            out.layers)
                 kinds: tuple[str, ...] = (link.path.label,)
             elif isinstance(out, PostGroups):
-                assert link.writes is not None
                 posted, kinds = link.writes.post(out.parts, out.tag)
             else:
                 posted, kinds = link.path.post_aux(out.tag, out.src_slot, out.dst_slot), ("aux",)

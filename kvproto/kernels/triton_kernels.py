@@ -704,10 +704,8 @@ def _pattern_kernel(interpret: bool) -> Any:
 
 
 @functools.cache
-@functools.cache
 def _word_tensor(word: int, device: torch.device) -> torch.Tensor:
-    """A tensor of ``word``-byte elements on ``device``: a kernel's word type (never read). One
-    per (word, device), kept: an allocation per launch costs a GPU host microseconds."""
+    """A tensor of ``word``-byte elements on ``device``: a kernel's word type (never read)."""
     return torch.empty(1, dtype=_WORDS[word], device=device)
 
 

@@ -175,7 +175,6 @@ class _RowsShape:
     sides: tuple[list[tuple[int, int, int, int]], list[tuple[int, int, int, int]]]
     """Per side (source, destination), per plan: first page used, pages listed (from page 0),
     page bytes, bytes from a base to the end of its registered region."""
-    pages: int
     lists: Any
     """Where plans share the launch: each region's offset into the source then destination lists,
     where the kernel reads them (None: one plan)."""
@@ -603,7 +602,7 @@ class CudaIpcTransport:
             counts.append(bases.regions)
         if len(plans) > 1:
             bases = self._joined_bases(mapped, plans)
-        n_src, n_dst = (sum(count for _, count, _, _ in side) for side in sides)
+        n_src = sum(count for _, count, _, _ in sides[0])
         offsets = None
         if len(plans) > 1:  # each region's offsets into the source lists, then into the destination lists
             listed: list[int] = []
@@ -615,7 +614,7 @@ class CudaIpcTransport:
             offsets = self._table(np.array(listed, dtype=np.int64), plans[0][2])
         shape = _RowsShape(mapped, tuple((p[0], p[1], p[3]) for p in plans), bases,
                            plan_rows(plans[0][0], start, end, regions=bases.regions, base_align=bases.align),
-                           sides, n_src + n_dst, offsets, n_src)
+                           sides, offsets, n_src)
         if len(self._shapes) >= 256:
             self._shapes.clear()
         self._shapes[key] = shape
