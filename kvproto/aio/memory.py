@@ -229,7 +229,7 @@ class KVCache:
             listed = given_pages.get(name)
             if listed is not None:
                 named += 1
-            pages.append([] if listed is None else list(map(int, listed)))
+            pages.append([] if listed is None else list(listed))  # as the first group's pages: checked by the core
             slot = given_slots.get(name)
             if slot is not None:
                 named += 1

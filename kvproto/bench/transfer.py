@@ -221,6 +221,8 @@ class _Rank:
         self.endpoint: Any = None
         self.local_heads = shape.heads // tp
         self.big: Any = None
+        self.sources: list[list[int]] = []
+        """A prefill rank's source pages of every room of the case (drawn at ``start``)."""
 
     def _cache(self, case: Case) -> Any:
         from kvproto.aio import KVCache
@@ -294,6 +296,9 @@ class _Rank:
         from kvproto.aio import DecodeEndpoint, PrefillEndpoint
 
         kv = self._cache(case)
+        # every room's source pages, drawn now: the rooms' timed phase measures kvproto, not the draws
+        self.sources = [room_pages(case, self.shape, i)[0] for i in range(case.rooms + 2)] \
+            if self.role == "prefill" else []
         if self.role == "prefill":
             self.endpoint = PrefillEndpoint(kv, bootstrap=bootstrap, config=self._config(case))
         else:
@@ -306,6 +311,7 @@ class _Rank:
             await self.endpoint.close()
             self.endpoint = None
         self.big = self.state = self.terms = None  # the next case's caches must fit beside nothing
+        self.sources = []
         gc.collect()
         if self.device.type == "cuda":
             self.torch.cuda.empty_cache()
@@ -337,7 +343,7 @@ class _Rank:
                 changed.clear()
                 await changed.wait()
             handle = self.endpoint.open_room(_room_id(case, i))
-            src = room_pages(case, s, i)[0]
+            src = self.sources[i]
             if case.hybrid:
                 handle.send(src, n_tokens, last=True, group_pages={"lin": src}, state_slots={"state": i})
             else:
