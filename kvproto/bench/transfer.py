@@ -157,8 +157,13 @@ class Row:
     """The busiest prefill rank's process CPU over its rooms (1.0: one core all the time)."""
     decode_cpu: float = 0.0
     """The busiest decode rank's process CPU over the timed rooms."""
+    prefill_us_per_room: float = 0.0
+    """The busiest prefill rank's process CPU per room, in microseconds (its loop's spinning too)."""
     gbps_runs: list[float] = field(default_factory=list)
     """With ``--repeat``: the GB/s of every run of this case, in order; the row is the median run."""
+    prefill_us_runs: list[float] = field(default_factory=list)
+    """With ``--repeat``: ``prefill_us_per_room`` of every run, in order (JSON only): a slow run
+    whose prefill spent more CPU per room had a slower host; one that spent less waited."""
 
 
 # --- the schedule every process derives the same way ---------------------------------------------
@@ -355,7 +360,8 @@ class _Rank:
             changed.clear()
             await changed.wait()
         return {"paths": sorted(paths), "descriptors": descriptors[2:],
-                "cpu": (time.process_time() - cpu) / max(1e-9, time.monotonic() - began)}
+                "cpu": (time.process_time() - cpu) / max(1e-9, time.monotonic() - began),
+                "cpu_us_per_room": (time.process_time() - cpu) / total * 1e6}
 
     async def _decode_rooms(self, case: Case, bootstrap: str) -> dict[str, Any]:
         s = self.shape
@@ -710,13 +716,14 @@ def run_case(group: _Group, case: Case, shape: Shape, raw_gbps: float) -> Row:
         room_p99_ms=latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1e3 if latencies else 0.0,
         bad_bytes=sum(r["bad"] for r in d_results), paths=sorted({p for r in p_results for p in r["paths"]}),
         groups="hybrid" if case.hybrid else "one", prefill_cpu=max(r["cpu"] for r in p_results),
-        decode_cpu=max(r["cpu"] for r in d_results))
+        decode_cpu=max(r["cpu"] for r in d_results), prefill_us_per_room=max(r["cpu_us_per_room"] for r in p_results))
 
 
 def median_run(runs: list[Row]) -> Row:
     """The run of median GB/s (the lower middle of an even count), with every run's GB/s."""
     row = sorted(runs, key=lambda r: r.gbps)[(len(runs) - 1) // 2]
     row.gbps_runs = [r.gbps for r in runs]
+    row.prefill_us_runs = [r.prefill_us_per_room for r in runs]
     return row
 
 
