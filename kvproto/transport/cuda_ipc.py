@@ -1024,7 +1024,7 @@ class _RowsRecipe:
     two numbers and passes them to the kernel. Everything else a launch needs (the lists'
     layout, the region tables' halves, the slot's tiles) is taken apart here, once."""
 
-    __slots__ = ("lists", "shape", "start", "end", "slot", "zero", "device", "tables", "tiles")
+    __slots__ = ("lists", "shape", "start", "end", "slot", "zero", "device", "tables", "tiles", "whole")
 
     def __init__(self, which: tuple[int, ...], shape: _RowsShape, start: int, end: int,
                  slot: tuple[int, _SlotPlan] | None, zero: Any) -> None:
@@ -1032,6 +1032,13 @@ class _RowsRecipe:
         self.lists = [(i, side, *listed) for side in (0, 1) for i, listed in zip(which, shape.sides[side])]
         """Per page list of the table, in its order: (part, side, first page used, pages listed,
         page bytes, bytes from a region base to the end of its region)."""
+        count = self.lists[0][3]
+        self.whole: tuple[int, list[int]] | None = None
+        """Where every list is used from its first page and lists as many pages, more than a few:
+        (that count, each list's page limit). Its lists then become the table in one conversion
+        and are checked row by row (``_page_rows``), not list by list."""
+        if count > _FEW_PAGES and all(first == 0 and n == count for _, _, first, n, _, _ in self.lists):
+            self.whole = count, [room // page_bytes for *_, page_bytes, room in self.lists]
         bases = shape.bases
         self.device = bases.table.device
         self.tables = bases.table[:bases.regions], bases.table[bases.regions:]
@@ -1044,12 +1051,15 @@ class _RowsRecipe:
 
     def launch(self, values: Sequence[Any]) -> _Launch:
         shape, start, end = self.shape, self.start, self.end
-        pieces = [_page_list(values[i][side], side, first, count, page_bytes, room, start, end)
-                  for i, side, first, count, page_bytes, room in self.lists]
-        if any(type(piece) is np.ndarray for piece in pieces):
-            table = np.concatenate([np.asarray(piece, dtype=np.int64) for piece in pieces])
-        else:  # a few pages per list: one conversion
-            table = np.array([p for piece in pieces for p in piece], dtype=np.int64)
+        table = None if self.whole is None else _page_rows([values[i][side] for i, side, *_ in self.lists],
+                                                            *self.whole)
+        if table is None:  # the lists one by one: a few pages, lists of their own lengths, or a refusal
+            pieces = [_page_list(values[i][side], side, first, count, page_bytes, room, start, end)
+                      for i, side, first, count, page_bytes, room in self.lists]
+            if any(type(piece) is np.ndarray for piece in pieces):
+                table = np.concatenate([np.asarray(piece, dtype=np.int64) for piece in pieces])
+            else:  # a few pages per list: one conversion
+                table = np.array([p for piece in pieces for p in piece], dtype=np.int64)
         rows, bases, lists, split = shape.rows, shape.bases, shape.lists, shape.split
         src_table, dst_table = self.tables
         if self.slot is None:
@@ -1149,6 +1159,21 @@ class PreparedParts:
         if self._mixed and len({launch.bases.table.device for launch in launches}) != 1:
             raise TransportError("post_parts: the parts are on different devices")
         return adapter._run(self._mapped, launches, tag)
+
+
+def _page_rows(listed: Sequence[Sequence[int]], count: int, limits: Sequence[int]) -> np.ndarray | None:
+    """The page lists of a rows launch as its table (int64, one list after another) in one
+    conversion, each list checked to hold ``count`` pages in ``[0, limit)``; None if any does
+    not (``_page_list`` then finds which, and says so)."""
+    if any(len(pages) != count for pages in listed):
+        return None
+    table = np.array(listed, dtype=np.int64)
+    if table.ndim != 2 or int(table.min()) < 0:
+        return None
+    for high, limit in zip(table.max(axis=1).tolist(), limits):
+        if high >= limit:
+            return None
+    return table.reshape(-1)
 
 
 def _page_list(listed: Sequence[int], side: int, first: int, count: int, page_bytes: int, room: int, start: int,

@@ -416,6 +416,77 @@ def test_cuda_ipc_prepared_parts_post_other_pages_and_slots_checked_each_time() 
         b.close()
 
 
+def test_cuda_ipc_prepared_rows_of_many_pages_are_one_table_checked_list_by_list(monkeypatch) -> None:
+    """Two groups of one page geometry and 40 pages a list (more than a few: the launch's lists
+    become its table in one conversion), prepared once and posted with other pages each time:
+    every write lands as the torch reference puts it; a page past the smaller pool, in the last
+    list, and a list one page short are each refused on the write that names them, naming the
+    list's side, and move nothing."""
+    import dataclasses
+
+    import torch
+
+    from kvproto.aio.paths import Part
+    from kvproto.geometry import plan_pair
+    from kvproto.transport import cuda_ipc
+    from kvproto.transport.cuda_ipc import part_values
+
+    tables = []
+    real = cuda_ipc._page_rows
+    monkeypatch.setattr(cuda_ipc, "_page_rows", lambda *args: tables.append(real(*args)) or tables[-1])
+    pools, tokens = (48, 40), 160
+    a, b = _agents(**KERNELS)
+    try:
+        geometry, memory = [], []
+        for i, blocks in enumerate(pools):
+            sg, dg = _geometry(1, 0, 4, "NHD", blocks=blocks), _geometry(2, 1, 4, "NHD", blocks=blocks)
+            src = _regions(2, sg.num_blocks * sg.page_bytes, 30 + 10 * i)
+            dst = [np.zeros(dg.num_blocks * dg.page_bytes, np.uint8) for _ in range(2)]
+            a.register([region(x) for x in src])
+            b.register([region(x) for x in dst])
+            geometry.append(plan_pair(sg, dg))
+            memory.append((src, dst))
+        a.add_peer(b.metadata())
+
+        def parts(pages):
+            return [Part(1, DRAM, DRAM, plan=(plan, np.array([x.ctypes.data for x in src]), DRAM,
+                                              np.array([x.ctypes.data for x in dst]), DRAM, sp, dp, 0, tokens))
+                    for plan, (src, dst), (sp, dp) in zip(geometry, memory, pages, strict=True)]
+
+        rng = np.random.default_rng(7)
+        draw = lambda: [(rng.permutation(n)[:40].tolist(), rng.permutation(n)[:40].tolist()) for n in pools]  # noqa: E731
+        first = draw()
+        prepared = a.prepare_parts("b", parts(first))
+        for n, pages in enumerate([first, draw(), draw()]):
+            want = []
+            for plan, (src, dst), (sp, dp) in zip(geometry, memory, pages, strict=True):
+                for d in dst:
+                    d[:] = 0
+                ref = [torch.zeros_like(torch.from_numpy(d)) for d in dst]
+                kernels.copy_reference(kernels.pair_extents(dataclasses.replace(plan, direct=False), sp, dp, 0,
+                                                            tokens), [torch.from_numpy(x) for x in src], ref)
+                want += [(d, w) for d, w in zip(dst, ref, strict=True)]
+            xfer = prepared.post([part_values(p) for p in parts(pages)], b"m%d" % n)
+            assert [m.tag for m in _finish(a, b, xfer)] == [b"m%d" % n]
+            for d, w in want:
+                assert np.array_equal(d, w.numpy())
+        assert len(tables) == 3 and all(t is not None and t.shape == (160,) for t in tables)  # one table a write
+        for _, dst in memory:
+            for d in dst:
+                d[:] = 0
+        good = draw()
+        past = [good[0], (good[1][0], good[1][1][:-1] + [40])]  # page 40 of the 40-page pool
+        short = [good[0], (good[1][0][:-1], good[1][1])]
+        for pages, why in ((past, "remote page .* not inside registered memory"), (short, "39 local pages")):
+            with pytest.raises(TransportError, match=why):
+                prepared.post([part_values(p) for p in parts(pages)], b"bad")
+        assert not any(d.any() for _, dst in memory for d in dst)
+        assert len(tables) == 5 and tables[3:] == [None, None]  # refused rows: the lists one by one say which
+    finally:
+        a.close()
+        b.close()
+
+
 @pytest.mark.parametrize("half", [48, 6, 4096], ids=["48B", "6B", "4KiB-split-in-tiles"])
 def test_cuda_ipc_slot_rows_move_one_slot_of_every_region_and_stay_inside(half: int) -> None:
     """A state part (``SlotRows``: slot 0's rows and per-row strides) moves exactly slot ``s`` of
