@@ -58,15 +58,18 @@ kernel_path() {  # the kernel path (transport cuda-ipc) and NIXL beside it, rand
         --layers 32 --tokens 1024 --compute-ms 1 --rooms 10
 }
 hybrid() {  # a GDN-shaped hybrid room against a one-group room of the same layers, both transports;
-    # the kinds take turns and each row is the median run. Runs of one case spread by 20-50 % on the
-    # H100 hosts measured: the 8 MiB cases run 15 times each, which leaves the ratio's 90 % interval
-    # (printed) about +-0.1 wide; medians of the same code still differ by 0.1 between machines
+    # the kinds take turns and each row is the median run. Runs of one case spread by 20-50 % (up to
+    # 3x at 128 MiB) on the H100 and H200 hosts measured: the 8 MiB cases run 15 times each, which
+    # leaves the ratio's 90 % interval (printed) about +-0.1 wide; medians of the same code still
+    # differ by 0.1-0.4 between machines. The JSON's prefill_us_runs holds each run's prefill CPU.
     local b="python3 -m kvproto.cli bench transfer --pages random --paths auto --groups one hybrid"
     b="$b --tp 1:1 1:2 2:1"
     step hybrid-kernel-8 420 $b --repeat 15 --transport cuda-ipc --json "$out/hybrid-kernel-8.json" --sizes-mib 8 \
         --rooms 1500
-    step hybrid-kernel-128 290 $b --repeat 5 --transport cuda-ipc --json "$out/hybrid-kernel-128.json" \
+    step hybrid-kernel-128 290 $b --repeat 9 --transport cuda-ipc --json "$out/hybrid-kernel-128.json" \
         --sizes-mib 128 --rooms 200
+    step hybrid-kernel-512 200 $b --repeat 7 --transport cuda-ipc --json "$out/hybrid-kernel-512.json" \
+        --sizes-mib 512 --rooms 40
     step hybrid-nixl-8 420 $b --repeat 15 --transport nixl --json "$out/hybrid-nixl-8.json" --sizes-mib 8 \
         --rooms 1000
     step hybrid-nixl-128 420 $b --repeat 15 --transport nixl --json "$out/hybrid-nixl-128.json" --sizes-mib 128 \
