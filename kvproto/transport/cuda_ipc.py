@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import functools
 import json
 import logging
 import os
@@ -1024,7 +1025,7 @@ class _RowsRecipe:
     two numbers and passes them to the kernel. Everything else a launch needs (the lists'
     layout, the region tables' halves, the slot's tiles) is taken apart here, once."""
 
-    __slots__ = ("lists", "shape", "start", "end", "slot", "zero", "device", "tables", "tiles", "whole")
+    __slots__ = ("lists", "shape", "start", "end", "slot", "zero", "device", "tables", "slot_tiles", "whole")
 
     def __init__(self, which: tuple[int, ...], shape: _RowsShape, start: int, end: int,
                  slot: tuple[int, _SlotPlan] | None, zero: Any) -> None:
@@ -1042,12 +1043,14 @@ class _RowsRecipe:
         bases = shape.bases
         self.device = bases.table.device
         self.tables = bases.table[:bases.regions], bases.table[bases.regions:]
-        self.tiles: tuple[Any, ...] = ()
+        self.slot_tiles: Any = None
+        """With a slot: ``SlotTiles`` of this launch's slot plan, given the write's two slot numbers."""
         if slot is not None:
             from kvproto.kernels import triton_kernels
 
             strided = slot[1].strided
-            self.tiles = (triton_kernels.SlotTiles, strided.plan, slot[1].steps, len(strided.plan.tiles), zero)
+            self.slot_tiles = functools.partial(triton_kernels.SlotTiles, strided.plan, slot[1].steps,
+                                                len(strided.plan.tiles), zero)
 
     def launch(self, values: Sequence[Any]) -> _Launch:
         shape, start, end = self.shape, self.start, self.end
@@ -1071,8 +1074,7 @@ class _RowsRecipe:
         at, plan = self.slot
         src_slot, dst_slot = values[at]
         plan.check(src_slot, dst_slot)
-        make, *tiles = self.tiles
-        fused = make(*tiles, src_slot, dst_slot)
+        fused = self.slot_tiles(src_slot, dst_slot)
 
         def go_fused(table: Any) -> None:
             global _FUSE_SLOTS
