@@ -31,6 +31,14 @@ _TIMEOUT_CODE = {
 }
 
 
+def page_outside(pages: Sequence[int], limit: int) -> int | None:
+    """The first page of ``pages`` outside ``[0, limit)``, or None. The common case (every page
+    inside) is two passes in C (``min``, ``max``); only a refused list is walked in Python."""
+    if not pages or (min(pages) >= 0 and max(pages) < limit):
+        return None
+    return next(page for page in pages if not 0 <= page < limit)
+
+
 def duplicate_page(pages: Sequence[int]) -> int | None:
     """The first page that ``pages`` lists twice, or None. Two token ranges of one room must
     never share a page: one would silently overwrite the other."""

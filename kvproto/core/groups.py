@@ -42,7 +42,7 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvproto.core.base import duplicate_page
+from kvproto.core.base import duplicate_page, page_outside
 from kvproto.wire import NO_SLOT, ErrorCode, GroupDestination
 
 
@@ -127,10 +127,10 @@ def check_chunk_pages(groups: Sequence[GroupSpec], held: Sequence[Sequence[int]]
         if len(held[g]) + len(pages) != need:
             return None, (f"{end_token} tokens need {need} pages of group {spec.name!r}, "
                           f"the room has {len(held[g]) + len(pages)}")
-        bad = [p for p in pages if not 0 <= p < spec.pool]
-        if bad:
-            return ErrorCode.INDEX_OUT_OF_RANGE, f"page {bad[0]} of group {spec.name!r} outside [0, {spec.pool})"
-        twice = duplicate_page([*held[g], *pages])
+        bad = page_outside(pages, spec.pool)
+        if bad is not None:
+            return ErrorCode.INDEX_OUT_OF_RANGE, f"page {bad} of group {spec.name!r} outside [0, {spec.pool})"
+        twice = duplicate_page([*held[g], *pages] if held[g] else pages)
         if twice is not None:
             return ErrorCode.INDEX_OUT_OF_RANGE, (
                 f"page {twice} of group {spec.name!r} is listed twice: two token ranges would share it")
@@ -180,7 +180,7 @@ def _paged_problem(spec: GroupSpec, block: int, pool: int, dest: GroupDestinatio
     if prefix_tokens % block:
         return ErrorCode.INDEX_OUT_OF_RANGE, (
             f"prefix of {prefix_tokens} tokens is not a whole number of group {name!r}'s blocks of {block}")
-    bad = next((p for p in pages if not 0 <= p < pool), None)
+    bad = page_outside(pages, pool)
     if bad is not None:
         return ErrorCode.INDEX_OUT_OF_RANGE, f"page {bad} of group {name!r} outside the {pool} registered pages"
     return ErrorCode.INDEX_OUT_OF_RANGE, (

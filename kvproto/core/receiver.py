@@ -59,7 +59,7 @@ import random
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from kvproto.core.base import CoreBase, RoomBase, Tombstone, duplicate_page
+from kvproto.core.base import CoreBase, RoomBase, Tombstone, duplicate_page, page_outside
 from kvproto.core.events import DropLink, LinkKey, Scatter, Timeouts
 from kvproto.core.groups import GroupSpec, check_destinations, pages_from_zero, slot_destination
 from kvproto.core.staging import StagingRing
@@ -304,9 +304,9 @@ class ReceiverCore(CoreBase):
         if len(pages) != need:
             raise LocalProtocolError(f"{num_tokens} tokens need {need} pages, got {len(pages)}",
                                      ErrorCode.TOKEN_COUNT_MISMATCH)
-        bad = [p for p in pages if not 0 <= p < self.num_blocks]
-        if bad:
-            raise LocalProtocolError(f"page {bad[0]} outside [0, {self.num_blocks})", ErrorCode.INDEX_OUT_OF_RANGE)
+        bad = page_outside(pages, self.num_blocks)
+        if bad is not None:
+            raise LocalProtocolError(f"page {bad} outside [0, {self.num_blocks})", ErrorCode.INDEX_OUT_OF_RANGE)
         twice = duplicate_page(pages)
         if twice is not None:
             raise LocalProtocolError(f"page {twice} is listed twice: two token ranges would share it",

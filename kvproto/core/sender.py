@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from kvproto.core.base import CoreBase, RoomBase, Tombstone, duplicate_page
+from kvproto.core.base import CoreBase, RoomBase, Tombstone, duplicate_page, page_outside
 from kvproto.core.cost import PathCost, page_runs
 from kvproto.core.events import (
     LinkKey,
@@ -358,10 +358,10 @@ class SenderCore(CoreBase):
             raise LocalProtocolError(
                 f"{end_token} tokens need {_pages_for(end_token, self.block_size)} pages, the room has {total}"
             )
-        bad = [p for p in pages if not 0 <= p < self.num_blocks]
-        if bad:
-            raise LocalProtocolError(f"page {bad[0]} outside [0, {self.num_blocks})", ErrorCode.INDEX_OUT_OF_RANGE)
-        twice = duplicate_page([*room.src_pages, *pages])
+        bad = page_outside(pages, self.num_blocks)
+        if bad is not None:
+            raise LocalProtocolError(f"page {bad} outside [0, {self.num_blocks})", ErrorCode.INDEX_OUT_OF_RANGE)
+        twice = duplicate_page([*room.src_pages, *pages] if room.src_pages else pages)
         if twice is not None:
             raise LocalProtocolError(f"page {twice} is listed twice in room {room_id}: two token ranges would share it",
                                      ErrorCode.INDEX_OUT_OF_RANGE)
