@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import json
 import multiprocessing as mp
@@ -161,6 +162,9 @@ class Row:
     """The busiest prefill rank's process CPU per room, in microseconds (its loop's spinning too)."""
     gbps_runs: list[float] = field(default_factory=list)
     """With ``--repeat``: the GB/s of every run of this case, in order; the row is the median run."""
+    vs_one_pairs: list[float] = field(default_factory=list)
+    """With ``--interleave``: the hybrid's GB/s over the one-group's in every pair of adjacent
+    segments (JSON only); ``vs_one`` is their median."""
     prefill_us_runs: list[float] = field(default_factory=list)
     """With ``--repeat``: ``prefill_us_per_room`` of every run, in order (JSON only): a slow run
     whose prefill spent more CPU per room had a slower host; one that spent less waited."""
@@ -323,88 +327,54 @@ class _Rank:
 
     async def rooms(self, case: Case, bootstrap: str) -> dict[str, Any]:
         if self.role == "prefill":
-            return await self._prefill_rooms(case)
-        return await self._decode_rooms(case, bootstrap)
-
-    async def _prefill_rooms(self, case: Case) -> dict[str, Any]:
-        s = self.shape
-        n_tokens = case.tokens(s)
-        total = case.rooms + 2
-        live: set[Any] = set()
-        began, cpu = time.monotonic(), time.process_time()
-        changed = asyncio.Event()
-        paths: set[str] = set()
-        descriptors: list[int] = []
-
-        def finished(handle: Any, task: Any) -> None:
-            live.discard(task)
-            changed.set()
-            if handle.stats.paths:
-                paths.update(handle.stats.paths)
-            descriptors.append(handle.stats.descriptors)
-
-        for i in range(total):
-            while len(live) >= 2 * case.in_flight:
-                changed.clear()
-                await changed.wait()
-            handle = self.endpoint.open_room(_room_id(case, i))
-            src = self.sources[i]
-            if case.hybrid:
-                handle.send(src, n_tokens, last=True, group_pages={"lin": src}, state_slots={"state": i})
-            else:
-                handle.send(src, n_tokens, last=True)
-            task = asyncio.ensure_future(handle.wait())
-            task.add_done_callback(lambda t, h=handle: finished(h, t))
-            live.add(task)
-        while live:
-            changed.clear()
-            await changed.wait()
-        return {"paths": sorted(paths), "descriptors": descriptors[2:],
-                "cpu": (time.process_time() - cpu) / max(1e-9, time.monotonic() - began),
-                "cpu_us_per_room": (time.process_time() - cpu) / total * 1e6}
-
-    async def _decode_rooms(self, case: Case, bootstrap: str) -> dict[str, Any]:
-        s = self.shape
-        n_tokens = case.tokens(s)
-        total = case.rooms + 2
-        schedule = [room_pages(case, s, i) for i in range(total)]
-
-        async def one(i: int) -> float:
-            t0 = time.monotonic()
-            groups: dict[str, Any] = {}
-            if case.hybrid:
-                groups = dict(group_pages={"lin": schedule[i][1]}, state_slots={"state": i})
-            handle = self.endpoint.open_room(_room_id(case, i), bootstrap, pages=schedule[i][1], num_tokens=n_tokens,
-                                             **groups)
-            await handle.wait()
-            return time.monotonic() - t0
-
-        first = await one(0)
-        warm = await one(1)
+            return (await send_rooms([(self, case, i) for i in range(case.rooms + 2)], case.in_flight))[0]
+        schedule = [room_pages(case, self.shape, i) for i in range(case.rooms + 2)]
+        first = await self._room(case, bootstrap, schedule, 0)
+        warm = await self._room(case, bootstrap, schedule, 1)
         latencies: list[float] = []
+        start, cpu = time.monotonic(), time.process_time()
+        await self._windowed(case, bootstrap, schedule, range(2, case.rooms + 2), latencies)
+        end, cpu = time.monotonic(), time.process_time() - cpu
+        return {"first": first, "warm": warm, "start": start, "end": end, "latencies": latencies,
+                "bad": self._verify(case, schedule), "cpu": cpu / max(1e-9, end - start)}
+
+    async def _room(self, case: Case, bootstrap: str, schedule: list[tuple[list[int], list[int]]], i: int) -> float:
+        """Open decode room ``i`` of ``case`` and wait for it: its latency."""
+        t0 = time.monotonic()
+        groups: dict[str, Any] = {}
+        if case.hybrid:
+            groups = dict(group_pages={"lin": schedule[i][1]}, state_slots={"state": i})
+        handle = self.endpoint.open_room(_room_id(case, i), bootstrap, pages=schedule[i][1],
+                                         num_tokens=case.tokens(self.shape), **groups)
+        await handle.wait()
+        return time.monotonic() - t0
+
+    async def _windowed(self, case: Case, bootstrap: str, schedule: list[tuple[list[int], list[int]]],
+                        indices: Any, latencies: list[float]) -> None:
+        """Decode rooms ``indices`` of ``case``, ``in_flight`` open at a time, until all ended."""
         sem = asyncio.Semaphore(case.in_flight)
 
         async def windowed(i: int) -> None:
             try:
-                latencies.append(await one(i))
+                latencies.append(await self._room(case, bootstrap, schedule, i))
             finally:
                 sem.release()
 
-        start, cpu = time.monotonic(), time.process_time()
         tasks = []
-        for i in range(2, total):
+        for i in indices:
             await sem.acquire()
             tasks.append(asyncio.ensure_future(windowed(i)))
         await asyncio.gather(*tasks)
-        end, cpu = time.monotonic(), time.process_time() - cpu
+
+    def _verify(self, case: Case, schedule: list[tuple[list[int], list[int]]]) -> int:
+        """Mismatching bytes of every room of ``case`` (after the timed phase)."""
         if case.tamper and self.rank == 0:
             self.big.view(self.torch.uint8)[0, schedule[-1][1][0]].view(-1)[0] ^= 1  # noqa: E501 - token 0 of the last room
-        bad = self._check(schedule, n_tokens)
+        bad = self._check(schedule, case.tokens(self.shape))
         if case.hybrid:  # decode slot i holds prefill slot i's state, this rank's rows of it
             want = self._decode_state_words(len(schedule))
             bad += int((self.state.view(self.torch.int16) != want).sum().item()) * 2
-        return {"first": first, "warm": warm, "start": start, "end": end, "latencies": latencies, "bad": bad,
-                "cpu": cpu / max(1e-9, end - start)}
+        return bad
 
     def _decode_state_words(self, rooms: int) -> Any:
         """What this decode rank's state slots must hold after ``rooms`` rooms: the prefill content
@@ -549,6 +519,94 @@ class _Rank:
         return nbytes / statistics.median(times)
 
 
+async def send_rooms(order: list[tuple[_Rank, Case, int]], in_flight: int) -> list[dict[str, Any]]:
+    """A prefill rank's side of a run: open and send every room of ``order`` ((rank, case, room)
+    in the order the decode ranks open them), at most ``2 * in_flight`` unfinished, and wait for
+    all. Per rank of ``order`` (in first appearance): the paths its rooms took, the descriptors
+    of each room after the first two, and this process's CPU over the whole span."""
+    ranks = list({id(rank): rank for rank, _case, _i in order}.values())
+    stats = {id(rank): {"paths": set(), "descriptors": []} for rank in ranks}
+    live: set[Any] = set()
+    changed = asyncio.Event()
+    began, cpu = time.monotonic(), time.process_time()
+
+    def finished(handle: Any, mine: dict[str, Any], i: int, task: Any) -> None:
+        live.discard(task)
+        changed.set()
+        if handle.stats.paths:
+            mine["paths"].update(handle.stats.paths)
+        if i >= 2:
+            mine["descriptors"].append(handle.stats.descriptors)
+
+    for rank, case, i in order:
+        while len(live) >= 2 * in_flight:
+            changed.clear()
+            await changed.wait()
+        handle = rank.endpoint.open_room(_room_id(case, i))
+        src = rank.sources[i]
+        if case.hybrid:
+            handle.send(src, case.tokens(rank.shape), last=True, group_pages={"lin": src}, state_slots={"state": i})
+        else:
+            handle.send(src, case.tokens(rank.shape), last=True)
+        task = asyncio.ensure_future(handle.wait())
+        task.add_done_callback(functools.partial(finished, handle, stats[id(rank)], i))
+        live.add(task)
+    while live:
+        changed.clear()
+        await changed.wait()
+    used = time.process_time() - cpu
+    return [{"paths": sorted(stats[id(rank)]["paths"]), "descriptors": stats[id(rank)]["descriptors"],
+             "cpu": used / max(1e-9, time.monotonic() - began), "cpu_us_per_room": used / len(order) * 1e6}
+            for rank in ranks]
+
+
+def segment_kinds(segments: int) -> list[int]:
+    """The cache kind (0 or 1) of each segment of an interleaved run: 0 1 1 0 0 1 1 0 ..., so that
+    every pair of segments (2p, 2p + 1) holds one of each and neither kind always goes first."""
+    return [(s + s // 2) % 2 for s in range(segments)]
+
+
+def segment_rooms(rooms: int, segment: int) -> list[tuple[int, range]]:
+    """(kind, its rooms) of every segment of an interleaved run of ``rooms`` rooms per kind (a
+    multiple of ``segment``): each kind's rooms 2, 3, ... in order, a segment at a time."""
+    taken = [0, 0]
+    out = []
+    for k in segment_kinds(2 * (rooms // segment)):
+        out.append((k, range(2 + taken[k] * segment, 2 + (taken[k] + 1) * segment)))
+        taken[k] += 1
+    return out
+
+
+async def alternate(ranks: list[_Rank], cases: list[Case], addresses: list[str], segment: int) -> list[dict[str, Any]]:
+    """A rank process's side of an interleaved run: both cache kinds' endpoints started, their
+    rooms in segments of ``segment`` rooms taking turns (``segment_rooms``); each kind's first
+    and warm rooms come first, alone. A decode rank times every segment and then checks every
+    room of both kinds. Per kind: what ``_Rank.rooms`` returns, and ``segments`` ((start, end) of
+    each of its segments)."""
+    plan = segment_rooms(cases[0].rooms, segment)
+    if ranks[0].role == "prefill":
+        order = [(ranks[k], cases[k], i) for k in (0, 1) for i in (0, 1)]
+        order += [(ranks[k], cases[k], i) for k, rooms in plan for i in rooms]
+        return await send_rooms(order, cases[0].in_flight)
+    schedules = [[room_pages(case, rank.shape, i) for i in range(case.rooms + 2)] for rank, case in zip(ranks, cases)]
+    out: list[dict[str, Any]] = []
+    for rank, case, address, schedule in zip(ranks, cases, addresses, schedules):
+        first = await rank._room(case, address, schedule, 0)
+        out.append({"first": first, "warm": await rank._room(case, address, schedule, 1), "latencies": [],
+                    "segments": []})
+    cpu = time.process_time()
+    for k, rooms in plan:
+        began = time.monotonic()
+        await ranks[k]._windowed(cases[k], addresses[k], schedules[k], rooms, out[k]["latencies"])
+        out[k]["segments"].append((began, time.monotonic()))
+    cpu = time.process_time() - cpu
+    start, end = out[plan[0][0]]["segments"][0][0], out[plan[-1][0]]["segments"][-1][1]
+    for k, mine in enumerate(out):
+        mine.update(start=start, end=end, cpu=cpu / max(1e-9, end - start),
+                    bad=ranks[k]._verify(cases[k], schedules[k]))
+    return out
+
+
 def _room_id(case: Case, i: int) -> int:
     """Room ``i`` of ``case``: the same number in every process (a fresh id range per case)."""
     return (case.seed + 1) * 1_000_000 + i
@@ -591,7 +649,14 @@ def _rank_main(role: str, rank: int, tp: int, shape: Shape, device: str, transpo
         import torch
 
         torch.cuda.set_device(torch.device(device))
-    me = _Rank(role, rank, tp, shape, device, transport)
+    ranks = [_Rank(role, rank, tp, shape, device, transport)]
+    """The rank of each cache kind this process serves at once: one, and a second for the other
+    kind of an interleaved run (made when first named)."""
+
+    def kind(k: int) -> _Rank:
+        while len(ranks) <= k:
+            ranks.append(_Rank(role, rank, tp, shape, device, transport))
+        return ranks[k]
 
     async def serve() -> None:
         loop = asyncio.get_running_loop()
@@ -599,10 +664,18 @@ def _rank_main(role: str, rank: int, tp: int, shape: Shape, device: str, transpo
             cmd, *args = await loop.run_in_executor(None, conn.recv)
             try:
                 if cmd == "exit":
-                    await me.stop()
+                    for me in ranks:
+                        await me.stop()
                     conn.send(("ok", None))
                     return
-                result = getattr(me, cmd)(*args)
+                me = ranks[0]
+                if cmd == "as":  # ("as", k, cmd, *args): the rank of cache kind k
+                    k, cmd, *args = args
+                    me = kind(k)
+                if cmd == "alternate":
+                    result: Any = alternate([kind(0), kind(1)], *args)
+                else:
+                    result = getattr(me, cmd)(*args)
                 if asyncio.iscoroutine(result):
                     result = await result
                 conn.send(("ok", result))
@@ -700,8 +773,50 @@ def run_case(group: _Group, case: Case, shape: Shape, raw_gbps: float) -> Row:
     for conn in prefills + decodes:
         group.call(conn, "stop")
     span = max(r["end"] for r in d_results) - min(r["start"] for r in d_results)
-    moved = case.room_bytes(shape) * case.rooms
-    gbps = moved / span / 1e9
+    return _row(case, shape, raw_gbps, case.room_bytes(shape) * case.rooms / span / 1e9, p_results, d_results)
+
+
+def run_interleaved(group: _Group, cases: list[Case], shape: Shape, raw_gbps: float,
+                    segment: int) -> tuple[list[Row], list[float]]:
+    """One interleaved run of the two cache kinds of ``cases`` (module docstring): a row per
+    kind, its GB/s over its own segments, and for every pair of adjacent segments the second
+    kind's GB/s over the first kind's."""
+    prefills, decodes = group.by_role("prefill"), group.by_role("decode")
+    addresses = []
+    for k, case in enumerate(cases):
+        address = group.call(prefills[0], "as", k, "start", case, None)
+        for conn in prefills[1:]:
+            group.call(conn, "as", k, "start", case, address)
+        for conn in decodes:
+            group.call(conn, "as", k, "start", case, None)
+        addresses.append(address)
+    for conn in prefills + decodes:
+        conn.send(("alternate", cases, addresses, segment))
+    p_results = [group.result(conn) for conn in prefills]
+    d_results = [group.result(conn) for conn in decodes]
+    for k in range(len(cases)):
+        for conn in prefills + decodes:
+            group.call(conn, "as", k, "stop")
+    rows, segment_gbps = [], []
+    for k, case in enumerate(cases):
+        spans = [max(r[k]["segments"][j][1] for r in d_results) - min(r[k]["segments"][j][0] for r in d_results)
+                 for j in range(len(d_results[0][k]["segments"]))]  # a segment: from its first open on any decode rank
+        moved = case.room_bytes(shape) * segment
+        segment_gbps.append([moved / span / 1e9 for span in spans])
+        rows.append(_row(case, shape, raw_gbps, moved * len(spans) / sum(spans) / 1e9,
+                         [r[k] for r in p_results], [r[k] for r in d_results]))
+    plan = segment_rooms(cases[0].rooms, segment)
+    nth = [[sum(1 for kind, _ in plan[:s] if kind == k) for s in range(len(plan))] for k in (0, 1)]
+    pairs = []
+    for s in range(0, len(plan) - 1, 2):
+        at = {plan[s][0]: nth[plan[s][0]][s], plan[s + 1][0]: nth[plan[s + 1][0]][s + 1]}
+        pairs.append(segment_gbps[1][at[1]] / segment_gbps[0][at[0]])
+    return rows, pairs
+
+
+def _row(case: Case, shape: Shape, raw_gbps: float, gbps: float, p_results: list[dict[str, Any]],
+         d_results: list[dict[str, Any]]) -> Row:
+    """A run's row from what its prefill and decode ranks returned."""
     latencies = sorted(x for r in d_results for x in r["latencies"])
     first = max(r["first"] for r in d_results)
     warm = max(r["warm"] for r in d_results)
@@ -739,6 +854,19 @@ def ratio_interval(one: list[float], other: list[float], *, level: float = 0.9, 
                     / statistics.median(rng.choices(one, k=len(one))) for _ in range(draws))
     tail = int(draws * (1 - level) / 2)
     return ratios[tail], ratios[draws - 1 - tail]
+
+
+def pairs_interval(pairs: list[float], *, level: float = 0.9, draws: int = 2000,
+                   seed: int = 0) -> tuple[float, float] | None:
+    """The ``level`` bootstrap interval of the median of ``pairs`` (an interleaved run's ratios of
+    adjacent segments), drawn again with replacement ``draws`` times (seeded); None with fewer
+    than three."""
+    if len(pairs) < 3:
+        return None
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(pairs, k=len(pairs))) for _ in range(draws))
+    tail = int(draws * (1 - level) / 2)
+    return medians[tail], medians[draws - 1 - tail]
 
 
 def raw_reference(group: _Group, size: int, in_flight: int, rounds: int) -> float:
@@ -848,12 +976,19 @@ def main(argv: list[str] | None = None) -> int:
                          "(every case of both is printed with the hybrid's GB/s over the one-group's)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs of every case, the cache kinds taking turns; the median run is printed")
+    ap.add_argument("--interleave", type=int, default=0, metavar="ROOMS",
+                    help="with --groups one hybrid: run both kinds at once, in turns of ROOMS rooms, and give "
+                         "'vs one' as the median over adjacent turns (module docstring); 0: kinds run by turns "
+                         "of whole runs")
     ap.add_argument("--no-pin", action="store_true",
                     help="leave the rank processes where the OS puts them (default: each on physical cores of its "
                          "own where there are enough)")
     ap.add_argument("--tamper", action="store_true", help=argparse.SUPPRESS)  # tests: the byte check must fail
     ap.add_argument("--json", help="write every figure to this file")
     args = ap.parse_args(argv)
+    segment = args.interleave
+    if segment and (args.groups != ["one", "hybrid"] or args.tamper):
+        ap.error("--interleave compares the two cache kinds: give --groups one hybrid")
     shape = Shape(args.layers, args.heads, args.head_dim, args.block, args.decode_block, args.decode_layout)
     gpus = torch.cuda.device_count() if args.device == "auto" else 0
     devices = ("cuda:0", "cuda:1") if gpus >= 2 else (("cuda:0", "cuda:0") if gpus == 1 else ("cpu", "cpu"))
@@ -894,6 +1029,8 @@ def main(argv: list[str] | None = None) -> int:
                 in_flight = args.in_flight or default_in_flight(size)
                 rooms = args.rooms or max(8, 3 * in_flight)
                 budget = (48 << 30) if devices[1] != "cpu" else (1 << 30)  # destination pages per decode rank
+                if segment:
+                    budget //= 2  # both kinds' caches at once
                 rooms = max(2, min(rooms, budget // max(1, size // d_tp) - 2))
                 key = (size, in_flight)
                 for pages in args.pages:
@@ -903,7 +1040,38 @@ def main(argv: list[str] | None = None) -> int:
                             continue  # pages differ between the sides: no direct path
                         runs: dict[str, list[Row]] = {}
                         skipped: set[str] = set()
-                        for turn in range(max(1, args.repeat)):
+                        pairs: list[float] = []
+                        if segment and rooms < 2 * segment:
+                            print(f"{p_tp}->{d_tp} {size_mib:g} MiB {pages} {path}: skipped, --interleave {segment} "
+                                  f"needs at least {2 * segment} rooms of each kind, the case has {rooms}", flush=True)
+                            continue
+                        if segment:
+                            cases = [Case(p_tp, d_tp, size, pages, path, in_flight, rooms - rooms % segment,
+                                          seed=len(rows) + 1 + 2 * turn + k, staging_mib=args.staging_mib,
+                                          hybrid=kind == "hybrid")
+                                     for turn in range(max(1, args.repeat)) for k, kind in enumerate(args.groups)]
+                            need: dict[str, int] = {}
+                            for case in cases[:2]:
+                                for place, n in memory_needed(case, shape, devices).items():
+                                    need[place] = need.get(place, 0) + n
+                            short = {place: (n, memory_available(place)) for place, n in need.items()
+                                     if n > 0.85 * memory_available(place)}
+                            if short:
+                                print(f"{p_tp}->{d_tp} {size_mib:g} MiB {pages} {path}: skipped, the two kinds "
+                                      f"interleaved need " + ", ".join(
+                                          f"{n / (1 << 30):.1f} GiB of {place} memory ({free / (1 << 30):.1f} free)"
+                                          for place, (n, free) in short.items()), flush=True)
+                                continue
+                            if key not in raws:
+                                raws[key] = raw_reference(group, cases[0].tokens(shape) * shape.token_bytes,
+                                                          in_flight, args.raw_rounds)
+                            for turn in range(0, len(cases), 2):
+                                made, paired = run_interleaved(group, cases[turn:turn + 2], shape, raws[key], segment)
+                                for kind, row in zip(args.groups, made):
+                                    runs.setdefault(kind, []).append(row)
+                                    failed |= row.bad_bytes != 0
+                                pairs += paired
+                        for turn in range(0 if segment else max(1, args.repeat)):
                             for kind in args.groups:
                                 case = Case(p_tp, d_tp, size, pages, path, in_flight, rooms, seed=len(rows) + turn + 1,
                                             staging_mib=args.staging_mib, tamper=args.tamper, hybrid=kind == "hybrid")
@@ -928,7 +1096,11 @@ def main(argv: list[str] | None = None) -> int:
                         medians = {kind: median_run(done) for kind, done in runs.items()}
                         one = medians.get("one")
                         for kind, row in medians.items():
-                            if kind == "hybrid" and one is not None and one.gbps:
+                            if kind == "hybrid" and pairs:
+                                row.vs_one, row.vs_one_pairs = statistics.median(pairs), pairs
+                                interval = pairs_interval(pairs)
+                                row.vs_one_interval = list(interval) if interval else []
+                            elif kind == "hybrid" and one is not None and one.gbps:
                                 row.vs_one = row.gbps / one.gbps
                                 interval = ratio_interval(one.gbps_runs, row.gbps_runs)
                                 row.vs_one_interval = list(interval) if interval else []

@@ -88,6 +88,32 @@ def test_bench_transfer_repeat_prints_the_median_run_of_each_cache_kind(tmp_path
     assert low <= hybrid["vs_one"] <= high and one["vs_one_interval"] == []
 
 
+def test_bench_transfer_interleave_alternates_the_kinds_in_segments_and_pairs_them(tmp_path: Path) -> None:
+    """--interleave 2: both kinds' endpoints run in the same rank processes, their rooms in
+    segments of two taking turns (0 1 1 0 ...); every room of both is checked, each row's GB/s
+    is over its own segments, and ``vs one`` is the median of the adjacent pairs' ratios."""
+    import statistics
+
+    from kvproto.bench import transfer
+
+    assert transfer.segment_kinds(8) == [0, 1, 1, 0, 0, 1, 1, 0]
+    assert transfer.segment_rooms(4, 2) == [(0, range(2, 4)), (1, range(2, 4)), (1, range(4, 6)), (0, range(4, 6))]
+    out = tmp_path / "transfer.json"
+    code = transfer.main([*TINY, "--rooms", "5", "--layers", "4", "--tp", "1:2", "--paths", "auto", "--pages",
+                          "random", "--groups", "one", "hybrid", "--interleave", "2", "--repeat", "2",
+                          "--json", str(out)])
+    assert code == 0
+    one, hybrid = json.loads(out.read_text())["rows"]
+    assert (one["groups"], hybrid["groups"], one["rooms"], hybrid["rooms"]) == ("one", "hybrid", 4, 4)
+    assert one["bad_bytes"] == hybrid["bad_bytes"] == 0 and "state" in hybrid["paths"]
+    assert len(hybrid["vs_one_pairs"]) == 4 and all(p > 0 for p in hybrid["vs_one_pairs"])  # 2 pairs per run
+    assert hybrid["vs_one"] == pytest.approx(statistics.median(hybrid["vs_one_pairs"]))
+    low, high = hybrid["vs_one_interval"]
+    assert low <= hybrid["vs_one"] <= high
+    with pytest.raises(SystemExit):
+        transfer.main([*TINY, "--groups", "one", "--interleave", "2"])
+
+
 def test_bench_rooms_tiny_reports_rates_latency_and_loop_lag(tmp_path: Path) -> None:
     """1-page rooms on loopback (one process) and NIXL (peer in another process): rooms/s,
     latency p50/p99 and the ticker's lag are reported for each window."""
