@@ -57,23 +57,23 @@ kernel_path() {  # the kernel path (transport cuda-ipc) and NIXL beside it, rand
     step layers 150 python3 -m kvproto.cli bench layers --json "$out/layers.json" --transports nixl cuda-ipc \
         --layers 32 --tokens 1024 --compute-ms 1 --rooms 10
 }
-hybrid() {  # a GDN-shaped hybrid room against a one-group room of the same layers, both transports;
-    # the kinds take turns and each row is the median run. Runs of one case spread by 20-50 % (up to
-    # 3x at 128 MiB) on the H100 and H200 hosts measured: the 8 MiB cases run 15 times each, which
-    # leaves the ratio's 90 % interval (printed) about +-0.1 wide; medians of the same code still
-    # differ by 0.1-0.4 between machines. The JSON's prefill_us_runs holds each run's prefill CPU.
+hybrid() {  # a GDN-shaped hybrid room against a one-group room of the same layers, both transports.
+    # The kinds run interleaved (--interleave): both kinds' endpoints in the same rank processes,
+    # their rooms in turns of a few hundred milliseconds or less, vs one the median over adjacent
+    # turns. Whole runs taking turns (--repeat alone) spread by 20-50 %, up to 3x, on the H100 and
+    # H200 hosts measured, whose cores run at full or half speed in spells (kvproto.bench.transfer).
     local b="python3 -m kvproto.cli bench transfer --pages random --paths auto --groups one hybrid"
     b="$b --tp 1:1 1:2 2:1"
-    step hybrid-kernel-8 420 $b --repeat 15 --transport cuda-ipc --json "$out/hybrid-kernel-8.json" --sizes-mib 8 \
-        --rooms 1500
-    step hybrid-kernel-128 290 $b --repeat 9 --transport cuda-ipc --json "$out/hybrid-kernel-128.json" \
-        --sizes-mib 128 --rooms 200
-    step hybrid-kernel-512 200 $b --repeat 7 --transport cuda-ipc --json "$out/hybrid-kernel-512.json" \
-        --sizes-mib 512 --rooms 40
-    step hybrid-nixl-8 420 $b --repeat 15 --transport nixl --json "$out/hybrid-nixl-8.json" --sizes-mib 8 \
-        --rooms 1000
-    step hybrid-nixl-128 420 $b --repeat 15 --transport nixl --json "$out/hybrid-nixl-128.json" --sizes-mib 128 \
-        --rooms 150
+    step hybrid-kernel-8 300 $b --interleave 150 --rooms 1950 --repeat 2 --transport cuda-ipc \
+        --json "$out/hybrid-kernel-8.json" --sizes-mib 8
+    step hybrid-kernel-128 240 $b --interleave 30 --rooms 120 --repeat 4 --transport cuda-ipc \
+        --json "$out/hybrid-kernel-128.json" --sizes-mib 128
+    step hybrid-kernel-512 240 $b --interleave 8 --rooms 24 --repeat 4 --transport cuda-ipc \
+        --json "$out/hybrid-kernel-512.json" --sizes-mib 512
+    step hybrid-nixl-8 300 $b --interleave 100 --rooms 1000 --repeat 2 --transport nixl \
+        --json "$out/hybrid-nixl-8.json" --sizes-mib 8
+    step hybrid-nixl-128 300 $b --interleave 30 --rooms 120 --repeat 3 --transport nixl \
+        --json "$out/hybrid-nixl-128.json" --sizes-mib 128
 }
 if [ "$quick" = hybrid ]; then
     hybrid

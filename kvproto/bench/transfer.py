@@ -49,6 +49,22 @@ ratio of the two medians. With three runs or more of each kind, the line also gi
 times, seeded): how far the spread of the runs leaves the ratio open. An interval that lies
 above a target says more than one median that does.
 
+Runs are not enough where the host's speed moves faster than runs end. On the GPU hosts
+measured (virtual machines whose cores share physical ones with other tenants), one pinned core
+running a fixed Python loop goes at full speed or at about half, in spells of 100 ms to tens of
+seconds, and every core dips at once for ~150 ms about every 1.5 s; a case's runs are seconds
+apart, so runs of one kind spread by 20-50 % and up to 2-3x, and the ratio of two kinds'
+medians moves by 0.1-0.4 between machines. ``--interleave ROOMS`` compares the kinds inside one
+run instead: every rank process starts both kinds' endpoints (and caches) at once, each kind's
+first and warm rooms go alone, and then the kinds take turns in *segments* of ``ROOMS`` rooms
+(0 1 1 0 0 1 1 0 ...: every pair of segments holds one of each, neither always first), each
+segment timed from its first open to its last completion on any decode rank, the pipeline
+drained between segments. A kind's GB/s is over its own segments; ``vs one`` is the median over
+the pairs of adjacent segments (tens of milliseconds apart) of the hybrid's GB/s over the
+one-group's, and its interval the bootstrap interval of that median. Every room of both kinds
+is checked, as in other runs. Segments should hold several times the rooms in flight (the
+drain costs one room's latency per segment).
+
 It is a benchmark: the exit status is non-zero only when a room fails or a byte differs.
 """
 
@@ -1030,7 +1046,7 @@ def main(argv: list[str] | None = None) -> int:
                 rooms = args.rooms or max(8, 3 * in_flight)
                 budget = (48 << 30) if devices[1] != "cpu" else (1 << 30)  # destination pages per decode rank
                 if segment:
-                    budget //= 2  # both kinds' caches at once
+                    budget //= 3  # both kinds' caches at once, and room for the other processes' buffers
                 rooms = max(2, min(rooms, budget // max(1, size // d_tp) - 2))
                 key = (size, in_flight)
                 for pages in args.pages:
