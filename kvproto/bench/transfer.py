@@ -821,12 +821,10 @@ def run_interleaved(group: _Group, cases: list[Case], shape: Shape, raw_gbps: fl
         segment_gbps.append([moved / span / 1e9 for span in spans])
         rows.append(_row(case, shape, raw_gbps, moved * len(spans) / sum(spans) / 1e9,
                          [r[k] for r in p_results], [r[k] for r in d_results]))
-    plan = segment_rooms(cases[0].rooms, segment)
-    nth = [[sum(1 for kind, _ in plan[:s] if kind == k) for s in range(len(plan))] for k in (0, 1)]
-    pairs = []
-    for s in range(0, len(plan) - 1, 2):
-        at = {plan[s][0]: nth[plan[s][0]][s], plan[s + 1][0]: nth[plan[s + 1][0]][s + 1]}
-        pairs.append(segment_gbps[1][at[1]] / segment_gbps[0][at[0]])
+    plan = segment_rooms(cases[0].rooms, segment)  # segment j of a kind holds its rooms from 2 + j * segment
+    nth = {(k, (rooms.start - 2) // segment): s for s, (k, rooms) in enumerate(plan)}
+    pairs = [segment_gbps[1][j] / segment_gbps[0][j] for j in range(len(plan) // 2)]
+    assert all(abs(nth[0, j] - nth[1, j]) == 1 for j in range(len(pairs))), "each pair: adjacent segments"
     return rows, pairs
 
 
@@ -861,28 +859,29 @@ def median_run(runs: list[Row]) -> Row:
 def ratio_interval(one: list[float], other: list[float], *, level: float = 0.9, draws: int = 2000,
                    seed: int = 0) -> tuple[float, float] | None:
     """The ``level`` bootstrap interval of median(``other``) / median(``one``): each list drawn again
-    with replacement ``draws`` times (seeded: the same runs give the same interval); None with
-    fewer than three runs of either."""
+    with replacement; None with fewer than three runs of either."""
     if len(one) < 3 or len(other) < 3 or min(one) <= 0:
         return None
-    rng = random.Random(seed)
-    ratios = sorted(statistics.median(rng.choices(other, k=len(other)))
-                    / statistics.median(rng.choices(one, k=len(one))) for _ in range(draws))
-    tail = int(draws * (1 - level) / 2)
-    return ratios[tail], ratios[draws - 1 - tail]
+    return _bootstrap(lambda rng: statistics.median(rng.choices(other, k=len(other)))
+                      / statistics.median(rng.choices(one, k=len(one))), level, draws, seed)
 
 
 def pairs_interval(pairs: list[float], *, level: float = 0.9, draws: int = 2000,
                    seed: int = 0) -> tuple[float, float] | None:
     """The ``level`` bootstrap interval of the median of ``pairs`` (an interleaved run's ratios of
-    adjacent segments), drawn again with replacement ``draws`` times (seeded); None with fewer
-    than three."""
+    adjacent segments), drawn again with replacement; None with fewer than three."""
     if len(pairs) < 3:
         return None
+    return _bootstrap(lambda rng: statistics.median(rng.choices(pairs, k=len(pairs))), level, draws, seed)
+
+
+def _bootstrap(statistic: Any, level: float, draws: int, seed: int) -> tuple[float, float]:
+    """The central ``level`` of ``draws`` values of ``statistic(rng)`` (seeded: the same runs give
+    the same interval)."""
     rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(pairs, k=len(pairs))) for _ in range(draws))
+    values = sorted(statistic(rng) for _ in range(draws))
     tail = int(draws * (1 - level) / 2)
-    return medians[tail], medians[draws - 1 - tail]
+    return values[tail], values[draws - 1 - tail]
 
 
 def raw_reference(group: _Group, size: int, in_flight: int, rounds: int) -> float:
@@ -960,6 +959,14 @@ def memory_available(place: str) -> int:
     import torch
 
     return torch.cuda.mem_get_info(torch.device(place))[0]
+
+
+def memory_short(need: dict[str, int]) -> str:
+    """What of ``need`` (bytes per place) does not fit in 85 % of the free memory there, in words
+    ("" where everything fits)."""
+    short = {place: (n, memory_available(place)) for place, n in need.items() if n > 0.85 * memory_available(place)}
+    return ", ".join(f"{n / (1 << 30):.1f} GiB of {place} memory ({free / (1 << 30):.1f} free)"
+                     for place, (n, free) in short.items())
 
 
 def default_in_flight(size: int) -> int:
@@ -1070,13 +1077,10 @@ def main(argv: list[str] | None = None) -> int:
                             for case in cases[:2]:
                                 for place, n in memory_needed(case, shape, devices).items():
                                     need[place] = need.get(place, 0) + n
-                            short = {place: (n, memory_available(place)) for place, n in need.items()
-                                     if n > 0.85 * memory_available(place)}
+                            short = memory_short(need)
                             if short:
                                 print(f"{p_tp}->{d_tp} {size_mib:g} MiB {pages} {path}: skipped, the two kinds "
-                                      f"interleaved need " + ", ".join(
-                                          f"{n / (1 << 30):.1f} GiB of {place} memory ({free / (1 << 30):.1f} free)"
-                                          for place, (n, free) in short.items()), flush=True)
+                                      f"interleaved need {short}", flush=True)
                                 continue
                             if key not in raws:
                                 raws[key] = raw_reference(group, cases[0].tokens(shape) * shape.token_bytes,
@@ -1093,15 +1097,11 @@ def main(argv: list[str] | None = None) -> int:
                                             staging_mib=args.staging_mib, tamper=args.tamper, hybrid=kind == "hybrid")
                                 if kind in skipped:
                                     continue
-                                short = {place: (n, memory_available(place))
-                                         for place, n in memory_needed(case, shape, devices).items()
-                                         if n > 0.85 * memory_available(place)}
+                                short = memory_short(memory_needed(case, shape, devices))
                                 if short:
                                     skipped.add(kind)
-                                    print(f"{p_tp}->{d_tp} {size_mib:g} MiB {pages} {path}: skipped, it needs "
-                                          + ", ".join(f"{n / (1 << 30):.1f} GiB of {place} memory "
-                                                      f"({free / (1 << 30):.1f} free)"
-                                                      for place, (n, free) in short.items()), flush=True)
+                                    print(f"{p_tp}->{d_tp} {size_mib:g} MiB {pages} {path}: skipped, it needs {short}",
+                                          flush=True)
                                     continue
                                 if key not in raws:
                                     tokens_bytes = case.tokens(shape) * shape.token_bytes
