@@ -161,7 +161,7 @@ def check_destinations(groups: Sequence[GroupSpec], sizes: Sequence[GroupSpec | 
             return ErrorCode.PEER_PROTOCOL_ERROR, f"paged group {spec.name!r} takes pages, not a slot"
         first = 0 if spec.window is None or num_tokens <= spec.window else (num_tokens - spec.window) // block
         if dest.first_page != first or len(pages) != max(0, -(-num_tokens // block) - first) \
-                or prefix_tokens % block or (pages and (min(pages) < 0 or max(pages) >= pool)) \
+                or prefix_tokens % block or page_outside(pages, pool) is not None \
                 or len(set(pages)) != len(pages):
             return _paged_problem(spec, block, pool, dest, num_tokens, prefix_tokens)
     return None
