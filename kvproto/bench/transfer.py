@@ -52,7 +52,7 @@ above a target says more than one median that does.
 Runs are not enough where the host's speed moves faster than runs end. On the GPU hosts
 measured (virtual machines whose cores share physical ones with other tenants), one pinned core
 running a fixed Python loop goes at full speed or at about half, in spells of 100 ms to tens of
-seconds, and every core dips at once for ~150 ms about every 1.5 s; a case's runs are seconds
+seconds, and every core dips at once for ~150 ms about once a second; a case's runs are seconds
 apart, so runs of one kind spread by 20-50 % and up to 2-3x, and the ratio of two kinds'
 medians moves by 0.1-0.4 between machines. ``--interleave ROOMS`` compares the kinds inside one
 run instead: every rank process starts both kinds' endpoints (and caches) at once, each kind's
