@@ -925,7 +925,8 @@ def _print(row: Row) -> None:
           f"{f'{row.prefill_cpu * 100:.0f}/{row.decode_cpu * 100:.0f}':>9} "
           f"{'OK' if row.bad_bytes == 0 else row.bad_bytes:>6}"
           + ("  runs " + " ".join(f"{g:.1f}" for g in row.gbps_runs) if len(row.gbps_runs) > 1 else "")
-          + ("  vs one 90 % {:.2f}-{:.2f}".format(*row.vs_one_interval) if row.vs_one_interval else ""), flush=True)
+          + ("  vs one 90 % {:.2f}-{:.2f}".format(*row.vs_one_interval) if row.vs_one_interval else "")
+          + (f" (median of {len(row.vs_one_pairs)} adjacent segment pairs)" if row.vs_one_pairs else ""), flush=True)
 
 
 def memory_needed(case: Case, shape: Shape, devices: tuple[str, str]) -> dict[str, int]:
