@@ -23,10 +23,10 @@ link (bootstrap, descriptor lists, kernels), and reports:
 * descriptors per room (as posted by the prefill ranks) and the path each room took.
 
 Every byte is checked: the prefill ranks fill their caches once with a pure function of
-(region, page, slot, global head, element); each decode rank recomputes, for every room as it
-completes, what its pages must hold from the room's source pages (the same seeded schedule
-runs in every process) and compares on the device, asynchronously on a side stream; a
-destination slot is reused only after its check ran. The totals are read once per case.
+(region, page, slot, global head, element); every room lands in decode pages of its own, and
+after the timed phase each decode rank recomputes, for every room, what its pages must hold from
+the room's source pages (the same seeded schedule runs in every process) and compares on the
+device. The totals are read once per case.
 
 The run also prints the constants of the direct-or-staged choice that it measured
 (``kvproto.core.cost``): the transport's cost per descriptor (a room's bytes as one write of
@@ -821,11 +821,8 @@ def run_interleaved(group: _Group, cases: list[Case], shape: Shape, raw_gbps: fl
         segment_gbps.append([moved / span / 1e9 for span in spans])
         rows.append(_row(case, shape, raw_gbps, moved * len(spans) / sum(spans) / 1e9,
                          [r[k] for r in p_results], [r[k] for r in d_results]))
-    plan = segment_rooms(cases[0].rooms, segment)  # segment j of a kind holds its rooms from 2 + j * segment
-    nth = {(k, (rooms.start - 2) // segment): s for s, (k, rooms) in enumerate(plan)}
-    pairs = [segment_gbps[1][j] / segment_gbps[0][j] for j in range(len(plan) // 2)]
-    assert all(abs(nth[0, j] - nth[1, j]) == 1 for j in range(len(pairs))), "each pair: adjacent segments"
-    return rows, pairs
+    # pair j: segments 2j and 2j + 1, one of each kind (segment_kinds), each kind's j-th segment
+    return rows, [hybrid / one for one, hybrid in zip(*segment_gbps)]
 
 
 def _row(case: Case, shape: Shape, raw_gbps: float, gbps: float, p_results: list[dict[str, Any]],
