@@ -149,21 +149,19 @@ def check_destinations(groups: Sequence[GroupSpec], sizes: Sequence[GroupSpec | 
             f"the room names {len(dests)} destinations for the {len(groups)} groups beyond the first "
             f"({', '.join(repr(s.name) for s in groups) or 'none'})")
     for spec, size, dest in zip(groups, sizes, dests, strict=True):
-        pool = size.pool
         if spec.state:
             if dest.pages or dest.first_page:
                 return ErrorCode.PEER_PROTOCOL_ERROR, f"state group {spec.name!r} takes a slot, not pages"
-            if not 0 <= dest.slot < pool:
-                return ErrorCode.INDEX_OUT_OF_RANGE, f"slot {dest.slot} of group {spec.name!r} outside [0, {pool})"
+            if not 0 <= dest.slot < size.pool:
+                return ErrorCode.INDEX_OUT_OF_RANGE, f"slot {dest.slot} of group {spec.name!r} outside [0, {size.pool})"
             continue
-        block, pages = size.block_size, dest.pages
-        if dest.slot != NO_SLOT:
-            return ErrorCode.PEER_PROTOCOL_ERROR, f"paged group {spec.name!r} takes pages, not a slot"
-        first = 0 if spec.window is None or num_tokens <= spec.window else (num_tokens - spec.window) // block
-        if dest.first_page != first or len(pages) != max(0, -(-num_tokens // block) - first) \
-                or prefix_tokens % block or page_outside(pages, pool) is not None \
+        block, pages, window = size.block_size, dest.pages, spec.window
+        first = 0 if window is None or num_tokens <= window else (num_tokens - window) // block
+        # one test for the common case (every page fits): the reasons are worked out only on a refusal
+        if dest.slot != NO_SLOT or dest.first_page != first or len(pages) != -(-num_tokens // block) - first \
+                or prefix_tokens % block or page_outside(pages, size.pool) is not None \
                 or len(set(pages)) != len(pages):
-            return _paged_problem(spec, block, pool, dest, num_tokens, prefix_tokens)
+            return _paged_problem(spec, block, size.pool, dest, num_tokens, prefix_tokens)
     return None
 
 
@@ -171,6 +169,8 @@ def _paged_problem(spec: GroupSpec, block: int, pool: int, dest: GroupDestinatio
                    prefix_tokens: int) -> tuple[ErrorCode, str]:
     """``check_destinations``' answer for a paged group's destination that its quick test refused."""
     name, pages = spec.name, dest.pages
+    if dest.slot != NO_SLOT:
+        return ErrorCode.PEER_PROTOCOL_ERROR, f"paged group {name!r} takes pages, not a slot"
     need = spec.needed_pages(num_tokens, block)
     if dest.first_page != need.start or len(pages) != len(need):
         return ErrorCode.TOKEN_COUNT_MISMATCH, (

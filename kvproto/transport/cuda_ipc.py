@@ -1035,10 +1035,11 @@ class _RowsRecipe:
         page bytes, bytes from a region base to the end of its region)."""
         count = self.lists[0][3]
         self.whole: tuple[int, list[int]] | None = None
-        """Where every list is used from its first page and lists as many pages, more than a few:
-        (that count, each list's page limit). Its lists then become the table in one conversion
-        and are checked row by row (``_page_rows``), not list by list."""
-        if count > _FEW_PAGES and all(first == 0 and n == count for _, _, first, n, _, _ in self.lists):
+        """Where every list is used from its first page and lists as many pages (every group of a
+        hybrid write without a window, and every one-group write): (that count, each list's page
+        limit). Its lists then become the table in one conversion, checked in one pass
+        (``_page_rows``), not list by list."""
+        if all(first == 0 and n == count for _, _, first, n, _, _ in self.lists):
             self.whole = count, [room // page_bytes for *_, page_bytes, room in self.lists]
         bases = shape.bases
         self.device = bases.table.device
@@ -1166,7 +1167,16 @@ class PreparedParts:
 def _page_rows(listed: Sequence[Sequence[int]], count: int, limits: Sequence[int]) -> np.ndarray | None:
     """The page lists of a rows launch as its table (int64, one list after another) in one
     conversion, each list checked to hold ``count`` pages in ``[0, limit)``; None if any does
-    not (``_page_list`` then finds which, and says so)."""
+    not (``_page_list`` then finds which, and says so). A few pages per list are checked as plain
+    integers (``max`` per list, one ``min``: cheaper than numpy's reductions there), more as one
+    array, row by row."""
+    if count <= _FEW_PAGES:
+        flat: list[int] = []
+        for pages, limit in zip(listed, limits):
+            if len(pages) != count or max(pages) >= limit:
+                return None
+            flat.extend(pages)
+        return np.array(flat, dtype=np.int64) if min(flat) >= 0 else None
     if any(len(pages) != count for pages in listed):
         return None
     table = np.array(listed, dtype=np.int64)
