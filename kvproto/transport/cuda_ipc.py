@@ -54,6 +54,7 @@ from __future__ import annotations
 import base64
 import collections
 import functools
+import itertools
 import json
 import logging
 import os
@@ -1169,7 +1170,7 @@ def _page_rows(listed: Sequence[Sequence[int]], count: int, limits: Sequence[int
     conversion, each list checked to hold ``count`` pages in ``[0, limit)``; None if any does
     not (``_page_list`` then finds which, and says so). A few pages per list are checked as plain
     integers (``max`` per list, one ``min``: cheaper than numpy's reductions there), more as one
-    array, row by row."""
+    array, one unsigned maximum per list."""
     if count <= _FEW_PAGES:
         flat: list[int] = []
         for pages, limit in zip(listed, limits):
@@ -1179,13 +1180,12 @@ def _page_rows(listed: Sequence[Sequence[int]], count: int, limits: Sequence[int
         return np.array(flat, dtype=np.int64) if min(flat) >= 0 else None
     if any(len(pages) != count for pages in listed):
         return None
-    table = np.array(listed, dtype=np.int64)
-    if table.ndim != 2 or int(table.min()) < 0:
-        return None
-    for high, limit in zip(table.max(axis=1).tolist(), limits):
+    table = np.fromiter(itertools.chain.from_iterable(listed), dtype=np.int64, count=count * len(listed))
+    # as unsigned, a negative page is huge: one reduction per list checks both ends
+    for high, limit in zip(table.view(np.uint64).reshape(len(listed), count).max(axis=1).tolist(), limits):
         if high >= limit:
             return None
-    return table.reshape(-1)
+    return table
 
 
 def _page_list(listed: Sequence[int], side: int, first: int, count: int, page_bytes: int, room: int, start: int,
