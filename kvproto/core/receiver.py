@@ -322,8 +322,8 @@ class ReceiverCore(CoreBase):
                                          f"slot for each ({', '.join(repr(g.name) for g in self.groups) or 'none'})")
             groups = tuple([
                 slot_destination(int(slot)) if spec.state else
-                GroupDestination(first_page=0 if spec.window is None else spec.window_start(num_tokens) // spec.block_size,
-                                 pages=tuple(group), slot=NO_SLOT)
+                GroupDestination(first_page=spec.window_start(num_tokens) // spec.block_size, pages=tuple(group),
+                                 slot=NO_SLOT)
                 for spec, group, slot in zip(self.groups, group_pages, state_slots)])
             problem = check_destinations(self.groups, self.groups, groups, num_tokens, prefix_tokens)
             if problem is not None:
