@@ -38,7 +38,12 @@ other layers a second paged group of their own pool, and those layers also keep 
 state (``STATE_ROWS`` x 128 bf16 per layer, split over TP by rows) in a state group. A hybrid room
 moves the same K/V bytes as the one-group room of its case, plus its state (its bytes counted),
 in one write per chunk and link carrying every group; its line prints its GB/s against the one-group room's of the
-same case (``vs one``), measured in the same run. Every group's bytes are checked.
+same case (``vs one``), measured in the same run. Every group's bytes are checked. Both paged
+groups name every page of the room, so a hybrid room carries twice the page lists of a one-group
+room: the per-page host work (lists encoded, decoded, checked for range and duplicates on both
+sides, copied into the launch's table) doubles, and where the host sets the pace (rooms of tens
+of pages on the kernel path) ``vs one`` falls with the room's pages; the GPU's copy costs the
+same for both kinds.
 
 A case of a few hundred small rooms lasts well under a second, so two runs of it differ by more
 than the effect being compared. ``--repeat N`` runs each case N times, the cache kinds taking
