@@ -967,9 +967,9 @@ def memory_available(place: str) -> int:
 def memory_short(need: dict[str, int]) -> str:
     """What of ``need`` (bytes per place) does not fit in 85 % of the free memory there, in words
     ("" where everything fits)."""
-    short = {place: (n, memory_available(place)) for place, n in need.items() if n > 0.85 * memory_available(place)}
-    return ", ".join(f"{n / (1 << 30):.1f} GiB of {place} memory ({free / (1 << 30):.1f} free)"
-                     for place, (n, free) in short.items())
+    free = {place: memory_available(place) for place in need}
+    return ", ".join(f"{n / (1 << 30):.1f} GiB of {place} memory ({free[place] / (1 << 30):.1f} free)"
+                     for place, n in need.items() if n > 0.85 * free[place])
 
 
 def default_in_flight(size: int) -> int:
