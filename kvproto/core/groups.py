@@ -33,7 +33,12 @@ model's last layer completes its tokens for every group.
 Checks live here so that the two cores apply the same rules: ``check_chunk_pages`` (the
 application's pages of a chunk, per group) and ``check_destinations`` (a decode rank's group
 destinations, on both sides: the decode's application, and the prefill against what the link
-registered).
+registered). *A page list is checked once.* Groups often name the same pages as the first group
+(an indexer cache beside the latent it indexes, paged groups that share one page table): a list
+equal to the first group's, whose pool is at least as large, holds no page that the first
+group's check has not already passed (in range, none twice), so both checks take it on one
+comparison (``same_pages``) instead of a pass over its pages for range and another for
+duplicates.
 """
 
 from __future__ import annotations
@@ -110,10 +115,23 @@ def local_span(layers: Sequence[int], span: tuple[int, int] | None) -> tuple[int
     return bisect_left(layers, span[0]), bisect_left(layers, span[1])
 
 
+def same_pages(pages: Sequence[int], pool: int, checked: Sequence[int], checked_pool: int) -> bool:
+    """Whether ``pages`` (of a pool of ``pool`` pages) are the list ``checked``, which already
+    passed the checks in a pool of ``checked_pool``: then they pass them too (module docstring).
+    Lists of other types (or of two types) are not compared: they take the checks."""
+    kind = pages.__class__
+    return pool >= checked_pool and (kind is list or kind is tuple) and checked.__class__ is kind and (
+        pages is checked or pages == checked)
+
+
 def check_chunk_pages(groups: Sequence[GroupSpec], held: Sequence[Sequence[int]], new: Sequence[Sequence[int]],
-                      end_token: int, last: bool) -> tuple[ErrorCode | None, str] | None:
+                      end_token: int, last: bool,
+                      checked: tuple[Sequence[int], Sequence[int], int] = ((), (), 0)
+                      ) -> tuple[ErrorCode | None, str] | None:
     """``(code, reason)`` if a chunk's new pages of the paged groups do not fit (count, pool,
-    duplicates, alignment); None if they do. ``held``: the room's pages so far, per group."""
+    duplicates, alignment); None if they do. ``held``: the room's pages so far, per group;
+    ``checked``: the first group's (held, new, pool), already checked."""
+    first_held, first_new, first_pool = checked
     for g, spec in enumerate(groups):
         pages = new[g] if g < len(new) else ()
         if spec.state:
@@ -127,6 +145,8 @@ def check_chunk_pages(groups: Sequence[GroupSpec], held: Sequence[Sequence[int]]
         if len(held[g]) + len(pages) != need:
             return None, (f"{end_token} tokens need {need} pages of group {spec.name!r}, "
                           f"the room has {len(held[g]) + len(pages)}")
+        if same_pages(pages, spec.pool, first_new, first_pool) and held[g] == first_held:
+            continue  # the first group's pages, checked: none outside this pool, none twice
         bad = page_outside(pages, spec.pool)
         if bad is not None:
             return ErrorCode.INDEX_OUT_OF_RANGE, f"page {bad} of group {spec.name!r} outside [0, {spec.pool})"
@@ -138,12 +158,14 @@ def check_chunk_pages(groups: Sequence[GroupSpec], held: Sequence[Sequence[int]]
 
 
 def check_destinations(groups: Sequence[GroupSpec], sizes: Sequence[GroupSpec | LinkGroup],
-                       dests: Sequence[GroupDestination], num_tokens: int,
-                       prefix_tokens: int) -> tuple[ErrorCode, str] | None:
+                       dests: Sequence[GroupDestination], num_tokens: int, prefix_tokens: int,
+                       checked: tuple[tuple[int, ...], int] = ((), 0)) -> tuple[ErrorCode, str] | None:
     """``(code, reason)`` unless ``dests`` names, for every group beyond the first and in order,
     exactly what the decode rank needs: ``sizes[g]`` holds the decode rank's ``pool`` and
     ``block_size`` of group ``g`` (its own ``GroupSpec``, or the ``LinkGroup`` a link registered).
+    ``checked``: the first group's destination pages (a tuple), already checked, and its pool.
     None when they fit. Runs once per room on each side: the common case is a few comparisons."""
+    first_pages, first_pool = checked
     if len(dests) != len(groups):
         return ErrorCode.PEER_PROTOCOL_ERROR, (
             f"the room names {len(dests)} destinations for the {len(groups)} groups beyond the first "
@@ -159,8 +181,8 @@ def check_destinations(groups: Sequence[GroupSpec], sizes: Sequence[GroupSpec | 
         first = 0 if window is None or num_tokens <= window else (num_tokens - window) // block
         # one test for the common case (every page fits): the reasons are worked out only on a refusal
         if dest.slot != NO_SLOT or dest.first_page != first or len(pages) != -(-num_tokens // block) - first \
-                or prefix_tokens % block or page_outside(pages, size.pool) is not None \
-                or len(set(pages)) != len(pages):
+                or prefix_tokens % block or not same_pages(pages, size.pool, first_pages, first_pool) and (
+                    page_outside(pages, size.pool) is not None or len(set(pages)) != len(pages)):
             return _paged_problem(spec, block, size.pool, dest, num_tokens, prefix_tokens)
     return None
 

@@ -299,6 +299,7 @@ class ReceiverCore(CoreBase):
         ``group_pages`` / ``state_slots``: per group beyond the first, its pages (those holding the
         tokens needed: ``GroupSpec.needed_pages``) or its slot; the other kind's entry is ignored."""
         need = -(-num_tokens // self.block_size)
+        pages = tuple(pages)
         if not 0 < num_tokens < 2**32:
             raise LocalProtocolError(f"token count {num_tokens} outside [1, 2**32)", ErrorCode.TOKEN_COUNT_MISMATCH)
         if len(pages) != need:
@@ -325,10 +326,11 @@ class ReceiverCore(CoreBase):
                 GroupDestination(first_page=spec.window_start(num_tokens) // spec.block_size, pages=tuple(group),
                                  slot=NO_SLOT)
                 for spec, group, slot in zip(self.groups, group_pages, state_slots)])
-            problem = check_destinations(self.groups, self.groups, groups, num_tokens, prefix_tokens)
+            problem = check_destinations(self.groups, self.groups, groups, num_tokens, prefix_tokens,
+                                         checked=(pages, self.num_blocks))
             if problem is not None:
                 raise LocalProtocolError(problem[1], problem[0])
-        return Destination(pages=tuple(pages), num_tokens=num_tokens, prefix_tokens=prefix_tokens, aux_slot=aux_slot,
+        return Destination(pages=pages, num_tokens=num_tokens, prefix_tokens=prefix_tokens, aux_slot=aux_slot,
                            groups=groups)
 
     # --- control plane ---------------------------------------------------------------------------

@@ -368,7 +368,8 @@ class SenderCore(CoreBase):
         if aux_slot is not None and (not last or not 0 <= aux_slot < self.aux_slots):
             raise LocalProtocolError(f"aux slot {aux_slot} needs the last chunk and a slot in [0, {self.aux_slots})")
         if self.groups:
-            problem = check_chunk_pages(self.groups, room.group_pages, group_pages, end_token, last)
+            problem = check_chunk_pages(self.groups, room.group_pages, group_pages, end_token, last,
+                                        checked=(room.src_pages, pages, self.num_blocks))
             if problem is not None:
                 raise LocalProtocolError(problem[1], problem[0])
         elif any(group_pages):
@@ -534,8 +535,8 @@ class SenderCore(CoreBase):
         if msg.generation == 0:
             return ErrorCode.PEER_PROTOCOL_ERROR, "transfer request without a generation"
         if self.groups or msg.groups:
-            return check_destinations(self.groups, link.groups, msg.groups,
-                                      msg.num_tokens, msg.prefix_tokens)
+            return check_destinations(self.groups, link.groups, msg.groups, msg.num_tokens, msg.prefix_tokens,
+                                      checked=(msg.dst_pages, link.num_blocks))
         return None
 
     def _token_mismatch(self, room: SenderRoom) -> str | None:

@@ -1,0 +1,88 @@
+"""The checks both cores run on a room's groups beyond the first (``kvproto.core.groups``): a
+group that names the first group's pages is taken on one comparison, and only where that
+comparison proves what the checks would."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvproto.core.groups as groups
+from kvproto.core import GroupSpec, ReceiverCore
+from kvproto.wire import NO_SLOT, ErrorCode, GroupDestination, LocalProtocolError
+
+PAGED = GroupSpec("lin", state=False, pool=64, block_size=16)
+STATE = GroupSpec("state", state=True, pool=8)
+
+
+def dest(pages: tuple[int, ...]) -> GroupDestination:
+    return GroupDestination(first_page=0, pages=pages, slot=NO_SLOT)
+
+
+def no_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make any pass over a page list fail the test: what is taken on the comparison never gets one."""
+    def passed(*_a: object) -> None:
+        raise AssertionError("a page list that equals the checked one was checked again")
+    monkeypatch.setattr(groups, "page_outside", passed)
+    monkeypatch.setattr(groups, "duplicate_page", passed)
+
+
+def test_same_pages_only_for_equal_lists_of_one_type_in_a_pool_as_large():
+    """Equal lists of one type (list, tuple) in a pool at least as large; nothing else."""
+    assert groups.same_pages((1, 2), 64, (1, 2), 64)
+    assert groups.same_pages([1, 2], 65, [1, 2], 64)
+    assert not groups.same_pages((1, 2), 63, (1, 2), 64)  # a smaller pool: the range check must run
+    assert not groups.same_pages((1, 2), 64, (2, 1), 64)
+    assert not groups.same_pages((1, 2), 64, [1, 2], 64)  # two types: never compared
+    assert not groups.same_pages(np.array([1, 2]), 64, np.array([1, 2]), 64)  # arrays: never compared
+
+
+def test_check_destinations_takes_the_first_groups_pages_on_one_comparison(monkeypatch):
+    """A paged group naming the first group's pages (checked, in a pool no larger) passes
+    without a pass over its pages for range or duplicates."""
+    pages = (5, 9, 1)
+    no_pass(monkeypatch)
+    assert groups.check_destinations([PAGED], [PAGED], [dest(pages)], 40, 0, checked=(pages, 64)) is None
+
+
+def test_check_destinations_checks_the_first_groups_pages_in_a_smaller_pool():
+    """The first group's pages in a group of a smaller pool still meet its range check."""
+    small = GroupSpec("lin", state=False, pool=8, block_size=16)
+    pages = (5, 9, 1)
+    code, reason = groups.check_destinations([small], [small], [dest(pages)], 40, 0, checked=(pages, 64))
+    assert code is ErrorCode.INDEX_OUT_OF_RANGE and "page 9 of group 'lin'" in reason
+
+
+@pytest.mark.parametrize("pages, what", [((5, 5, 1), "listed twice"), ((5, 70, 1), "page 70")])
+def test_check_destinations_checks_pages_unlike_the_first_groups(pages, what):
+    """A list that differs from the first group's gets every check: a duplicate or a page outside
+    the pool is refused and named."""
+    code, reason = groups.check_destinations([PAGED, STATE], [PAGED, STATE],
+                                             [dest(pages), GroupDestination(first_page=0, pages=(), slot=3)],
+                                             40, 0, checked=((5, 9, 1), 64))
+    assert code is ErrorCode.INDEX_OUT_OF_RANGE and what in reason
+
+
+def test_check_chunk_pages_takes_the_first_groups_pages_when_held_alike(monkeypatch):
+    """A chunk's pages equal to the first group's, the room's earlier pages equal too: one comparison."""
+    no_pass(monkeypatch)
+    assert groups.check_chunk_pages([PAGED], [[3, 4]], [[7]], 40, True, checked=([3, 4], [7], 64)) is None
+
+
+def test_check_chunk_pages_checks_when_the_held_pages_differ():
+    """Equal new pages but different earlier ones: the duplicate across chunks is still found."""
+    code, reason = groups.check_chunk_pages([PAGED], [[7, 4]], [[7]], 40, True, checked=([3, 4], [7], 64))
+    assert code is ErrorCode.INDEX_OUT_OF_RANGE and "page 7 of group 'lin' is listed twice" in reason
+
+
+def test_receiver_refuses_the_first_groups_pages_outside_a_smaller_group_pool():
+    """End to end on the decode's own check: a group given the first group's pages, which fit the
+    first group's 64 pages but not the group's 8, is refused naming the group."""
+    core = ReceiverCore(block_size=16, num_blocks=64, aux_slots=4, seed=1,
+                        groups=[GroupSpec("lin", state=False, pool=8, block_size=16)])
+    pages = [3, 40, 2]
+    with pytest.raises(LocalProtocolError, match="page 40 of group 'lin'") as err:
+        core.check_destination(pages, 40, group_pages=[pages], state_slots=[NO_SLOT])
+    assert err.value.code is ErrorCode.INDEX_OUT_OF_RANGE
+    ok = core.check_destination([3, 4, 2], 40, group_pages=[[3, 4, 2]], state_slots=[NO_SLOT])
+    assert ok.groups[0].pages == (3, 4, 2) and ok.pages == (3, 4, 2)
