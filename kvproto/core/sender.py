@@ -815,6 +815,7 @@ class SenderCore(CoreBase):
             chunk = room.chunks[room.posted_chunks]
             room.posted_chunks += 1
             ready = () if chunk.ready is None else (chunk.ready,)
+            src = tuple(room.src_pages)  # one object for every peer and group that names these pages
             for peer in room.peers.values():
                 link, req = peer.link, peer.request
                 if not link.writes_any:
@@ -832,27 +833,29 @@ class SenderCore(CoreBase):
                     elif span is None or span[0] < span[1]:  # the span holds some of the first group's layers
                         if not self.groups:
                             self._post(room, peer, PostWrite, start_token=start, end_token=end,
-                                       src_pages=tuple(room.src_pages), dst_pages=req.dst_pages, layers=span,
-                                       ready=ready)
+                                       src_pages=src, dst_pages=req.dst_pages, layers=span, ready=ready)
                         else:
                             parts.append(PagedPart(group=0, start_token=start, end_token=end,
-                                                   src_pages=tuple(room.src_pages), dst_pages=req.dst_pages,
-                                                   layers=span))
+                                                   src_pages=src, dst_pages=req.dst_pages, layers=span))
                 elif peer.staged and chunk.last and chunk.completes:  # an empty last chunk: it gives the slots
                     self._stage_up_to(room, peer, end)
                 if self.groups:
-                    parts += self._group_parts(room, peer, chunk, start, end)
+                    parts += self._group_parts(room, peer, chunk, start, end, src)
                 if parts:
                     self._post(room, peer, PostGroups, parts=tuple(parts), ready=ready)
                 if chunk.last and chunk.completes and link.aux_owner and chunk.aux_slot is not None and \
                         req.aux_slot != NO_SLOT:
                     self._post(room, peer, PostAux, src_slot=chunk.aux_slot, dst_slot=req.aux_slot)
 
-    def _group_parts(self, room: SenderRoom, peer: _Peer, chunk: _Chunk, start: int, end: int) -> list[Part]:
+    def _group_parts(self, room: SenderRoom, peer: _Peer, chunk: _Chunk, start: int, end: int,
+                     src: tuple[int, ...]) -> list[Part]:
         """The parts of groups beyond the first that a chunk's write to ``peer`` carries: each
         paged group's tokens (clipped to its window; none where the link's staged pieces carry the
         group) and, with the last token range, each state slot, unless the piece that ends the
-        request's tokens is still to be granted on a staged link: the slots then ride in it."""
+        request's tokens is still to be granted on a staged link: the slots then ride in it.
+        A group whose pages are the first group's (``src``, the request's ``dst_pages``) names the
+        same objects, so that a transport can tell by identity that the lists are one
+        (``kvproto.transport.cuda_ipc`` then lists them once in its launch)."""
         parts: list[Part] = []
         req = peer.request
         states = chunk.last and room.state_slots is not None and not (peer.staged and peer.link.stage_tail > 0)
@@ -869,9 +872,13 @@ class SenderCore(CoreBase):
                 continue
             first = start if spec.window is None else max(start, spec.window_start(req.num_tokens))
             if first < end:
-                parts.append(PagedPart(group=g + 1, start_token=first, end_token=end,
-                                       src_pages=tuple(room.group_pages[g]), dst_pages=pages_from_zero(req.groups[g]),
-                                       layers=span))
+                held, dest = room.group_pages[g], req.groups[g]
+                parts.append(PagedPart(
+                    group=g + 1, start_token=first, end_token=end,
+                    src_pages=src if held == room.src_pages else tuple(held),
+                    dst_pages=req.dst_pages if dest.first_page == 0 and dest.pages == req.dst_pages
+                    else pages_from_zero(dest),
+                    layers=span))
         return parts
 
     def _piece_states(self, room: SenderRoom, peer: _Peer, end_token: int) -> tuple[StatePart, ...]:

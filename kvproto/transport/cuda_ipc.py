@@ -583,14 +583,21 @@ class CudaIpcTransport:
             raise TransportError(f"post_plan: bad token range [{start}, {end})")
         shape = self._rows_shape(mapped, plans, start, end)
         zero = None if slot is None else self._zero_bases(plans[0][2]).table
-        return _RowsRecipe(tuple(which), shape, start, end, slot, zero)
+        recipe = _RowsRecipe(tuple(which), shape, start, end, slot, zero)
+        if len(plans) > 1:  # the twin for writes whose plans all name the first plan's page lists
+            one = self._rows_shape(mapped, plans, start, end, shared=True)
+            recipe.shared = _RowsRecipe((which[0],), one, start, end, slot, zero), tuple(which[1:])
+        return recipe
 
-    def _rows_shape(self, mapped: _Peer, plans: Sequence[tuple[Any, ...]], start: int, end: int) -> _RowsShape:
+    def _rows_shape(self, mapped: _Peer, plans: Sequence[tuple[Any, ...]], start: int, end: int,
+                    shared: bool = False) -> _RowsShape:
         """What a rows launch of these plans over tokens ``[start, end)`` is, whatever its pages:
         each plan's bases checked, the regions side by side, the rows plan, the table's layout.
+        ``shared``: every plan reads the first plan's two page lists (groups that name the same
+        pages), so the table holds two lists, their limits the tightest of the plans'.
         Remembered by the identity of the plans and base arrays (a link passes the same ones for
-        every write) and the token range."""
-        key = (id(mapped), start, end, tuple((id(p[0]), id(p[1]), id(p[3]), p[2], p[4]) for p in plans))
+        every write), the token range and ``shared``."""
+        key = (id(mapped), start, end, shared, tuple((id(p[0]), id(p[1]), id(p[3]), p[2], p[4]) for p in plans))
         hit = self._shapes.get(key)
         if hit is not None and hit.peer is mapped and all(
                 a is p[0] and b is p[1] and c is p[3] for (a, b, c), p in zip(hit.refs, plans)):
@@ -604,6 +611,10 @@ class CudaIpcTransport:
             counts.append(bases.regions)
         if len(plans) > 1:
             bases = self._joined_bases(mapped, plans)
+        if shared:  # one list per side, read by every plan: its pages must lie in every plan's memory
+            sides = tuple([(*side[0][:3], side[0][2] * min(room // page for _, _, page, room in side))]
+                          for side in sides)  # type: ignore[assignment]
+            counts = [sum(counts)]
         n_src = sum(count for _, count, _, _ in sides[0])
         offsets = None
         if len(plans) > 1:  # each region's offsets into the source lists, then into the destination lists
@@ -1026,11 +1037,16 @@ class _RowsRecipe:
     two numbers and passes them to the kernel. Everything else a launch needs (the lists'
     layout, the region tables' halves, the slot's tiles) is taken apart here, once."""
 
-    __slots__ = ("lists", "shape", "start", "end", "slot", "zero", "device", "tables", "slot_tiles", "whole")
+    __slots__ = ("lists", "shape", "start", "end", "slot", "zero", "device", "tables", "slot_tiles", "whole",
+                 "shared")
 
     def __init__(self, which: tuple[int, ...], shape: _RowsShape, start: int, end: int,
                  slot: tuple[int, _SlotPlan] | None, zero: Any) -> None:
         self.shape, self.start, self.end, self.slot, self.zero = shape, start, end, slot, zero
+        self.shared: tuple[_RowsRecipe, tuple[int, ...]] | None = None
+        """Where several plans join: the launch that lists the first plan's pages once for all,
+        and the other parts' indices, taken when each of them names the very page lists (the same
+        objects) that the first does."""
         self.lists = [(i, side, *listed) for side in (0, 1) for i, listed in zip(which, shape.sides[side])]
         """Per page list of the table, in its order: (part, side, first page used, pages listed,
         page bytes, bytes from a region base to the end of its region)."""
@@ -1055,6 +1071,15 @@ class _RowsRecipe:
                                                 len(strided.plan.tiles), zero)
 
     def launch(self, values: Sequence[Any]) -> _Launch:
+        if self.shared is not None:
+            one, others = self.shared
+            src, dst = values[self.lists[0][0]]
+            for i in others:
+                pages = values[i]
+                if pages[0] is not src or pages[1] is not dst:
+                    break
+            else:
+                return one.launch(values)
         shape, start, end = self.shape, self.start, self.end
         table = None if self.whole is None else _page_rows([values[i][side] for i, side, *_ in self.lists],
                                                             *self.whole)

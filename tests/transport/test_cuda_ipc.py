@@ -268,6 +268,63 @@ def test_cuda_ipc_post_parts_joins_groups_of_one_page_geometry_in_one_launch(dst
         b.close()
 
 
+@pytest.mark.parametrize("same", [True, False], ids=["same-objects", "equal-copies"])
+def test_cuda_ipc_joined_groups_naming_the_same_page_lists_list_them_once(same: bool, monkeypatch) -> None:
+    """Two groups of one page geometry (pools of 8 and 5 pages) whose parts name the very same
+    page lists (a group that shares the first group's pages): one launch whose table lists the
+    pages once per side; equal lists that are copies are listed for each group. Either way every
+    byte lands as the torch reference puts it. A shared page that the larger pool holds but the
+    smaller does not is refused, and nothing is written."""
+    import dataclasses
+
+    import torch
+
+    from kvproto.aio.paths import Part
+    from kvproto.geometry import plan_pair
+
+    src_a, dst_a = _geometry(1, 0, 4, "NHD", blocks=8), _geometry(2, 1, 4, "NHD", blocks=8)
+    src_b, dst_b = (dataclasses.replace(g, num_blocks=5) for g in (src_a, dst_a))
+    sp, dp = [4, 0, 3, 1], [2, 4, 0, 3]
+    tables = []
+    real = kernels.launch_rows
+    monkeypatch.setattr(kernels, "launch_rows", lambda rows, st, dt, s, d, **k: (
+        tables.append((len(s), len(d))), real(rows, st, dt, s, d, **k)))
+    a, b = _agents(**KERNELS)
+    try:
+        parts, want, dst_all, src_all = [], [], [], []
+        for i, (sg, dg) in enumerate([(src_a, dst_a), (src_b, dst_b)]):
+            src = _regions(2, sg.num_blocks * sg.page_bytes, 10 * i)
+            src_all += src
+            dst_bufs = [np.zeros(dg.num_blocks * dg.page_bytes, np.uint8) for _ in range(2)]
+            a.register([region(x) for x in src])
+            b.register([region(x) for x in dst_bufs])
+            plan = plan_pair(sg, dg)
+            ref = [torch.zeros_like(torch.from_numpy(d)) for d in dst_bufs]
+            kernels.copy_reference(kernels.pair_extents(dataclasses.replace(plan, direct=False), sp, dp, 0, 15),
+                                   [torch.from_numpy(x) for x in src], ref)
+            pages = (sp, dp) if same or i == 0 else (list(sp), list(dp))
+            parts.append(Part(1, DRAM, DRAM, plan=(plan, np.array([x.ctypes.data for x in src]), DRAM,
+                                                   np.array([x.ctypes.data for x in dst_bufs]), DRAM, *pages, 0, 15)))
+            want += ref
+            dst_all += dst_bufs
+        a.add_peer(b.metadata())
+        prepared = a.prepare_parts("b", parts)
+        xfer = prepared.post([(p.plan[5], p.plan[6]) for p in parts], b"shared")
+        assert [n.tag for n in _finish(a, b, xfer)] == [b"shared"]
+        assert tables == ([(4, 4)] if same else [(8, 8)])  # (source, destination) pages in the table
+        for d, w in zip(dst_all, want, strict=True):
+            assert np.array_equal(d, w.numpy())
+        for d in dst_all:
+            d[:] = 0
+        far = [4, 0, 3, 5]  # page 5: inside the pool of 8, outside the pool of 5
+        with pytest.raises(TransportError, match="not inside registered memory"):
+            prepared.post([(far, dp), (far if same else list(far), dp if same else list(dp))], b"far")
+        assert not any(d.any() for d in dst_all)
+    finally:
+        a.close()
+        b.close()
+
+
 def _paged_and_state(a, b, half: int):
     """Memory for a write of a paged group (TP 1 -> 2, block 4 -> 8, NHD -> HND, two regions) and a
     state slot (three regions, slots of ``half`` bytes, four local and six remote), registered
