@@ -119,6 +119,12 @@ class Destination:
     """One per group beyond the first: its pages (from ``first_page``) or its state slot."""
 
 
+def _one_of(pages: tuple[int, ...], first: tuple[int, ...]) -> tuple[int, ...]:
+    """``pages``, or the first group's tuple where they are equal: one object for one list, which
+    the checks and the codec then take by identity (``kvproto.core.groups.same_pages``)."""
+    return first if pages == first else pages
+
+
 @dataclass(slots=True)
 class _Progress:
     writes: int | None = None
@@ -323,8 +329,8 @@ class ReceiverCore(CoreBase):
                                          f"slot for each ({', '.join(repr(g.name) for g in self.groups) or 'none'})")
             groups = tuple([
                 slot_destination(int(slot)) if spec.state else
-                GroupDestination(first_page=spec.window_start(num_tokens) // spec.block_size, pages=tuple(group),
-                                 slot=NO_SLOT)
+                GroupDestination(first_page=spec.window_start(num_tokens) // spec.block_size,
+                                 pages=_one_of(tuple(group), pages), slot=NO_SLOT)
                 for spec, group, slot in zip(self.groups, group_pages, state_slots)])
             problem = check_destinations(self.groups, self.groups, groups, num_tokens, prefix_tokens,
                                          checked=(pages, self.num_blocks))

@@ -7,7 +7,7 @@ Every control frame is a 24-byte little-endian header followed by a body::
     offset size field
     0      2    magic        b"KV"
     2      1    major        1
-    3      1    minor        0..255 (additions only; this build speaks 2)
+    3      1    minor        0..255 (additions only; this build speaks 3)
     4      1    msg_type     MsgType
     5      1    flags        bit set; unknown bits are ignored
     6      2    reserved     sent as 0, ignored on receipt
@@ -42,6 +42,12 @@ input it does not take as valid (a short body, a value out of range, a wrong typ
 the steps above run from the same offset, so every error is the steps' own; where it succeeds, it
 produces what the steps would (``tests/wire/test_codec.py`` checks both on the same inputs).
 ``_Fast.code(cls)`` shows the code written for ``cls``.
+
+A ``u32[]`` decodes to a tuple of ints, and the last one decoded is kept with its bytes
+(``_u32s``): a list whose bytes equal it (a group that names the first group's pages, in the
+same request) decodes to that very tuple, with no int made and none compared again; those who
+take the lists can then tell by identity that they are one (``kvproto.core.groups.same_pages``,
+the kernel path's table). Tuples are immutable, so sharing one between equal lists is safe.
 """
 
 from __future__ import annotations
@@ -198,6 +204,47 @@ class _Step:
     ints: struct.Struct | None = None
 
 
+_LAST_U32S: tuple[bytes, tuple[int, ...]] = (b"", ())
+"""The last ``u32[]`` decoded: its bytes and its tuple (one object, swapped whole: threads that
+decode at once each see a matching pair)."""
+
+
+def _u32s(buf: Any, start: int, stop: int) -> tuple[int, ...]:
+    """The ``u32[]`` whose elements are ``buf[start:stop]`` (checked to lie in the body): the last
+    decoded tuple again when its bytes are the same."""
+    global _LAST_U32S
+    raw = bytes(buf[start:stop])
+    last = _LAST_U32S
+    if raw == last[0]:
+        return last[1]
+    arr = array("I")
+    arr.frombytes(raw)
+    if not _LITTLE:  # pragma: no cover
+        arr.byteswap()
+    pages = tuple(arr)
+    _LAST_U32S = (raw, pages)
+    return pages
+
+
+_LAST_U32S_OUT: tuple[Any, bytes] = ((), b"")
+"""The last tuple ``_u32s_out`` encoded, and its bytes (count and elements)."""
+
+
+def _u32s_out(values: tuple[int, ...] | list[int]) -> bytes:
+    """A ``u32[]``'s bytes, count first; a tuple encoded just before (the same object, as a
+    request names for a group on the first group's pages) is not encoded again. Raises what
+    ``array`` raises on an element that does not fit."""
+    global _LAST_U32S_OUT
+    last = _LAST_U32S_OUT
+    if values is last[0]:
+        return last[1]
+    arr = array("I", values)
+    data = _U32.pack(len(arr)) + arr.tobytes()
+    if values.__class__ is tuple:
+        _LAST_U32S_OUT = (values, data)
+    return data
+
+
 _STEPS: dict[type, tuple[_Step, ...]] = {}
 _INT_CODE = {"u8": "B", "u16": "H", "u32": "I", "u64": "Q"}
 
@@ -210,12 +257,8 @@ def _reader(kind: Any, what: str) -> Any:
             if pos + 4 <= r.end:
                 (n,) = _U32.unpack_from(r.buf, pos)
                 if pos + 4 + 4 * n <= r.end:
-                    arr = array("I")
-                    arr.frombytes(r.buf[pos + 4:pos + 4 + 4 * n])
                     r.pos = pos + 4 + 4 * n
-                    if not _LITTLE:  # pragma: no cover
-                        arr.byteswap()
-                    return tuple(arr)
+                    return _u32s(r.buf, pos + 4, r.pos)
             return _decode_field(r, kind, what)  # truncated: its error
         return read_u32s
     if isinstance(kind, list):
@@ -362,11 +405,9 @@ def _decode_field(r: _Reader, kind: Any, what: str) -> Any:
             return bytes(r.take(r.uint("u32", what), what))
         if kind == "u32[]":
             n = r.uint("u32", what)
-            arr = array("I")
-            arr.frombytes(r.take(4 * n, what))
-            if not _LITTLE:  # pragma: no cover
-                arr.byteswap()
-            return tuple(arr)
+            start = r.pos
+            r.take(4 * n, what)
+            return _u32s(r.buf, start, r.pos)
         raise AssertionError(f"unknown field kind {kind!r}")  # pragma: no cover
     if isinstance(kind, list):
         (sub,) = kind
@@ -413,7 +454,8 @@ class _Fast:
     def _make(cls, body: type) -> _Fast | None:
         fields = body.FIELDS
         names = {name for name, _ in fields}
-        env: dict[str, Any] = {"C": body, "array": array, "U32": _U32, "struct_error": struct.error}
+        env: dict[str, Any] = {"C": body, "array": array, "U32": _U32, "U32S": _u32s, "U32S_OUT": _u32s_out,
+                               "struct_error": struct.error}
         for k, (_, kind) in enumerate(fields):
             if isinstance(kind, list):
                 sub = cls.of(kind[0]) if isinstance(kind[0], type) and issubclass(kind[0], Body) else None
@@ -460,11 +502,9 @@ class _Fast:
             elif kind == "u32[]":
                 read += ["        if pos + 4 > end: return None", "        n, = U32.unpack_from(buf, pos)",
                          "        stop = pos + 4 + 4 * n", "        if stop > end: return None",
-                         "        a = array('I')", "        a.frombytes(buf[pos + 4:stop])",
-                         f"        f{k} = tuple(a)", "        pos = stop"]
+                         f"        f{k} = U32S(buf, pos + 4, stop)", "        pos = stop"]
                 write += [f"        v = body.{name}", "        if v.__class__ is not tuple and v.__class__ is not list:",
-                          "            return False", "        a = array('I', v)",
-                          "        out += U32.pack(len(a))", "        out += a.tobytes()"]
+                          "            return False", "        out += U32S_OUT(v)"]
             else:  # a list of records
                 read += ["        if pos + 4 > end: return None", "        n, = U32.unpack_from(buf, pos)",
                          "        pos += 4", "        if n > end - pos: return None", "        items = []",

@@ -432,3 +432,31 @@ def test_the_fast_reader_reads_what_the_steps_read_on_any_bytes(case: tuple[type
         assert _outcome(lambda: read("decode_from")) == _outcome(lambda: read("decode_steps"))
     assert cls.decode_from(_Reader(memoryview(whole)), **head) == (
         dataclasses.replace(body, **head) if head else body)  # type: ignore[type-var]
+
+
+def test_codec_equal_page_lists_of_a_request_decode_to_one_tuple_and_encode_once() -> None:
+    """A group that names the first group's pages: its list decodes to the very tuple of
+    ``dst_pages`` (no second tuple, identity for those who take it), both ways of encoding write
+    the same bytes when one tuple is named twice, and lists that differ keep their own values."""
+    from kvproto.wire import NO_SLOT, decode_frame, encode
+
+    pages = tuple(range(1000, 1064))
+
+    def request(dst: tuple[int, ...], group: tuple[int, ...]) -> TransferRequest:
+        return TransferRequest(room_id=3, generation=1, num_tokens=64 * 16, prefix_tokens=0, aux_slot=0,
+                               expected_writers=1, dst_pages=dst,
+                               groups=(GroupDestination(first_page=0, pages=group, slot=NO_SLOT),
+                                       GroupDestination(first_page=0, pages=(), slot=4)))
+
+    same = request(pages, pages)
+    steps, fast = bytearray(), bytearray()
+    same.encode_steps(steps)
+    same.encode_into(fast)
+    assert bytes(fast) == bytes(steps)
+    msg = decode_frame(encode(request(pages, tuple(pages))))[1]  # equal lists, two objects on the way out
+    assert msg.dst_pages == pages and msg.groups[0].pages is msg.dst_pages and msg.groups[1].pages == ()
+    other = tuple(reversed(pages))
+    for dst, group in ((pages, other), (other, pages), (pages, pages[:-1])):
+        msg = decode_frame(encode(request(dst, group)))[1]
+        assert msg.dst_pages == dst and msg.groups[0].pages == group
+        assert msg.groups[0].pages is not msg.dst_pages
