@@ -39,11 +39,14 @@ state (``STATE_ROWS`` x 128 bf16 per layer, split over TP by rows) in a state gr
 moves the same K/V bytes as the one-group room of its case, plus its state (its bytes counted),
 in one write per chunk and link carrying every group; its line prints its GB/s against the one-group room's of the
 same case (``vs one``), measured in the same run. Every group's bytes are checked. Both paged
-groups name every page of the room, so a hybrid room carries twice the page lists of a one-group
-room: the per-page host work (lists encoded, decoded, checked for range and duplicates on both
-sides, copied into the launch's table) doubles, and where the host sets the pace (rooms of tens
-of pages on the kernel path) ``vs one`` falls with the room's pages; the GPU's copy costs the
-same for both kinds.
+groups name every page of the room, the same pages (as an indexer cache names its latent's), so
+a hybrid room carries two page lists where a one-group room carries one; equal lists are taken
+by identity once the first is checked (``kvproto.core.groups.same_pages``: one comparison, not a
+pass for range and one for duplicates; the codec decodes them to one tuple; the kernel path's
+table lists them once). What a hybrid room still costs the host beyond a one-group room is per
+group and write: the second list's encoding, the state group's destination and slot checks, the
+write's parts, and where the host sets the pace (rooms of tens of pages on the kernel path) that
+shows in ``vs one``; the GPU's copy costs the same for both kinds.
 
 A case of a few hundred small rooms lasts well under a second, so two runs of it differ by more
 than the effect being compared. ``--repeat N`` runs each case N times, the cache kinds taking
