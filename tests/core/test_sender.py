@@ -1856,3 +1856,27 @@ def test_sender_without_a_state_block_the_slot_has_a_write_of_its_own():
     core.on_message("d0", grant(1, 0, 0, 40), T0)
     (w,) = pop(core).staged
     assert w.states == ()
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["same-pages", "own-pages"])
+def test_sender_group_on_the_first_groups_pages_names_the_same_lists(same: bool):
+    """A paged group whose pages (source and destination) equal the first group's: its part names
+    the first part's very lists, so a transport can list them once; a group with pages of its own
+    keeps them. Either way each part's pages are the group's."""
+    from kvproto.core import GroupSpec, LinkGroup, PostGroups
+    from kvproto.wire import GroupDestination
+
+    core = make_core(groups=[GroupSpec("idx", state=False, pool=64, block_size=BLOCK)])
+    link = replace(make_link(), groups=(LinkGroup(True, 32, BLOCK),))
+    core.add_link(link)
+    core.open_room(1, T0)
+    src, dst = [9, 4, 7], (3, 1, 2)
+    src_g, dst_g = (src, dst) if same else ([5, 6, 8], (0, 4, 5))
+    core.on_message(link.key, replace(req(1, 40, pages=dst), groups=(
+        GroupDestination(first_page=0, pages=tuple(list(dst_g)), slot=NO_SLOT),)), T0)  # equal, not the same
+    core.submit_chunk(1, list(src), 40, T0, last=True, group_pages=[list(src_g)])
+    (write,) = [x for x in core.pop_outputs() if isinstance(x, PostGroups)]
+    first, group = write.parts
+    assert (first.src_pages, first.dst_pages) == (tuple(src), dst)
+    assert (group.src_pages, group.dst_pages) == (tuple(src_g), tuple(dst_g))
+    assert (group.src_pages is first.src_pages and group.dst_pages is first.dst_pages) == same
