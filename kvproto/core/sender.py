@@ -815,7 +815,7 @@ class SenderCore(CoreBase):
             chunk = room.chunks[room.posted_chunks]
             room.posted_chunks += 1
             ready = () if chunk.ready is None else (chunk.ready,)
-            src = tuple(room.src_pages)  # one object for every peer and group that names these pages
+            src: tuple[int, ...] | None = None  # made once, by the first part that names the room's pages
             for peer in room.peers.values():
                 link, req = peer.link, peer.request
                 if not link.writes_any:
@@ -831,6 +831,8 @@ class SenderCore(CoreBase):
                         if chunk.completes:  # staged pieces carry every layer: the range waits for its last
                             self._stage_up_to(room, peer, end)
                     elif span is None or span[0] < span[1]:  # the span holds some of the first group's layers
+                        if src is None:
+                            src = tuple(room.src_pages)
                         if not self.groups:
                             self._post(room, peer, PostWrite, start_token=start, end_token=end,
                                        src_pages=src, dst_pages=req.dst_pages, layers=span, ready=ready)
@@ -848,13 +850,13 @@ class SenderCore(CoreBase):
                     self._post(room, peer, PostAux, src_slot=chunk.aux_slot, dst_slot=req.aux_slot)
 
     def _group_parts(self, room: SenderRoom, peer: _Peer, chunk: _Chunk, start: int, end: int,
-                     src: tuple[int, ...]) -> list[Part]:
+                     src: tuple[int, ...] | None) -> list[Part]:
         """The parts of groups beyond the first that a chunk's write to ``peer`` carries: each
         paged group's tokens (clipped to its window; none where the link's staged pieces carry the
         group) and, with the last token range, each state slot, unless the piece that ends the
         request's tokens is still to be granted on a staged link: the slots then ride in it.
-        A group whose pages are the first group's (``src``, the request's ``dst_pages``) names the
-        same objects, so that a transport can tell by identity that the lists are one
+        A group whose pages are the first group's (``src``, that group's part's, if the write has
+        one; the request's ``dst_pages``) names the same objects, so that a transport can tell by identity that the lists are one
         (``kvproto.transport.cuda_ipc`` then lists them once in its launch)."""
         parts: list[Part] = []
         req = peer.request
@@ -875,7 +877,7 @@ class SenderCore(CoreBase):
                 held, dest = room.group_pages[g], req.groups[g]
                 parts.append(PagedPart(
                     group=g + 1, start_token=first, end_token=end,
-                    src_pages=src if held == room.src_pages else tuple(held),
+                    src_pages=src if src is not None and held == room.src_pages else tuple(held),
                     dst_pages=req.dst_pages if dest.first_page == 0 and dest.pages == req.dst_pages
                     else pages_from_zero(dest),
                     layers=span))

@@ -454,8 +454,7 @@ class _Fast:
     def _make(cls, body: type) -> _Fast | None:
         fields = body.FIELDS
         names = {name for name, _ in fields}
-        env: dict[str, Any] = {"C": body, "array": array, "U32": _U32, "U32S": _u32s, "U32S_OUT": _u32s_out,
-                               "struct_error": struct.error}
+        env: dict[str, Any] = {"C": body, "U32": _U32, "U32S": _u32s, "U32S_OUT": _u32s_out, "struct_error": struct.error}
         for k, (_, kind) in enumerate(fields):
             if isinstance(kind, list):
                 sub = cls.of(kind[0]) if isinstance(kind[0], type) and issubclass(kind[0], Body) else None
