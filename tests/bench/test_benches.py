@@ -114,6 +114,25 @@ def test_bench_transfer_interleave_alternates_the_kinds_in_segments_and_pairs_th
         transfer.main([*TINY, "--groups", "one", "--interleave", "2"])
 
 
+def test_rank_processes_freeze_the_gc_for_their_timed_rooms_and_thaw_it_when_they_stop() -> None:
+    """A rank freezes what it holds before its timed rooms (no full collection stalls its loop
+    mid-run) and unfreezes when it stops, so that the next case's collection frees this case's
+    caches."""
+    import asyncio
+    import gc
+
+    from kvproto.bench import transfer
+
+    rank = transfer._Rank("decode", 0, 1, transfer.Shape(layers=2), "cpu", "loopback")
+    try:
+        transfer.quiet_gc()
+        assert gc.get_freeze_count() > 1000  # torch and the rest of this process
+        asyncio.run(rank.stop())
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
+
+
 def test_bench_rooms_tiny_reports_rates_latency_and_loop_lag(tmp_path: Path) -> None:
     """1-page rooms on loopback (one process) and NIXL (peer in another process): rooms/s,
     latency p50/p99 and the ticker's lag are reported for each window."""
