@@ -27,7 +27,8 @@ the transport as one write under one tag: one ``post_descs`` of all rows, or on 
 one ``post_parts`` (a launch per part, one completion, one tag). A hybrid room thus costs a write
 per chunk and link, as a one-group room does. A link's ``GroupWrites`` keeps each *shape* of such
 a write (groups, token ranges, layers) that it posted prepared by the adapter
-(``prepare_parts``), so the next write of that shape names only its pages and slots. Nothing here
+(``prepare_parts``), so the next write of that shape names only its pages and slots; the parts
+that the core gives several links of one room (its decode TP ranks) are taken apart once. Nothing here
 decides anything about rooms; errors surface as ``TransportError`` to the caller.
 """
 
@@ -202,6 +203,11 @@ class GroupWrites:
     next write of that shape (every room of that length) hands the adapter only its pages and
     slot numbers, so a hybrid write costs what a one-group write does plus its lists' checks."""
 
+    _last: tuple[Any, Any, Any] = ((), (), ())
+    """The last parts posted on any link, with their shape's key and values: the core gives the
+    links of one room's TP ranks the very same parts (``SenderCore._alike``), taken apart once.
+    A tuple swapped whole; parts are immutable."""
+
     def __init__(self, path: LinkPath, groups: Sequence[LinkPath | StatePath]) -> None:
         self.paths: tuple[LinkPath | StatePath, ...] = (path, *groups)
         self._prepare = _preparer(path.transport, path.route)
@@ -213,18 +219,24 @@ class GroupWrites:
         if self._prepare is None:
             made, kinds = self._parts(parts)
             return post_parts(first.transport, first.peer, first.route, made, tag), kinds
-        key, values = [], []
-        for p in parts:
-            if type(p) is events.StatePart:  # noqa: E721 - the exact type, on every write
-                key.append((p.group, p.layers))
-                values.append((p.src_slot, p.dst_slot))
-            else:
-                key.append((p.group, p.layers, p.start_token, p.end_token))
-                values.append((p.src_pages, p.dst_pages))
-        shape = self._shapes.get(tuple(key))
+        last = GroupWrites._last
+        if last[0] is parts:  # the parts another link's write just took (``SenderCore._alike``)
+            key, values = last[1], last[2]
+        else:
+            keys, vals = [], []
+            for p in parts:
+                if type(p) is events.StatePart:  # noqa: E721 - the exact type, on every write
+                    keys.append((p.group, p.layers))
+                    vals.append((p.src_slot, p.dst_slot))
+                else:
+                    keys.append((p.group, p.layers, p.start_token, p.end_token))
+                    vals.append((p.src_pages, p.dst_pages))
+            key, values = tuple(keys), tuple(vals)
+            GroupWrites._last = (parts, key, values)
+        shape = self._shapes.get(key)
         if shape is None:
             made, kinds = self._parts(parts)
-            shape = self._shapes.keep(tuple(key), (self._prepare(first.peer, made), *_counts(made), kinds))
+            shape = self._shapes.keep(key, (self._prepare(first.peer, made), *_counts(made), kinds))
         return Posted(shape[0].post(values, tag), shape[1], shape[2]), shape[3]
 
     def _parts(self, parts: Sequence[events.Part]) -> tuple[list[Part], tuple[str, ...]]:

@@ -31,6 +31,15 @@ On a staged link whose pieces end with a state block (``SenderLink.stage_tail``,
 state slots ride in the piece that carries the request's last token instead, so that piece is
 asked for only once the last chunk has given them.
 
+*Once per room, not once per rank.* The TP ranks of one decode engine name the same pages and
+slots, so each sends the same request body; the codec decodes an equal body to the very lists it
+gave the first (``kvproto.wire.codec``, repeated bodies). A request whose lists are those of a
+request of the room already checked, against a link holding at least as much, passes the page
+and group checks on that identity (``_checked_by``), and a writer link whose request and groups
+are alike another's gets that link's parts of a chunk's write (``_alike``): at prefill TP 1,
+decode TP 2 every room is checked and described once instead of twice. Anything else takes
+every check.
+
 Invariants: the sides' token counts must agree exactly (never shifted): a chunk past the
 request's ``num_tokens`` or a last chunk short of it fails with TOKEN_COUNT_MISMATCH. A
 failure is reported once, sends ABORT to every other link of the room, and frees the room.
@@ -523,21 +532,37 @@ class SenderCore(CoreBase):
         if len(msg.dst_pages) != need:
             return ErrorCode.TOKEN_COUNT_MISMATCH, (
                 f"{msg.num_tokens} tokens need {need} decode pages, the request lists {len(msg.dst_pages)}")
-        if msg.dst_pages and max(msg.dst_pages) >= link.num_blocks:
-            return ErrorCode.INDEX_OUT_OF_RANGE, (
-                f"destination page {max(msg.dst_pages)} outside the {link.num_blocks} registered pages")
-        twice = duplicate_page(msg.dst_pages)
-        if twice is not None:
-            return ErrorCode.INDEX_OUT_OF_RANGE, (
-                f"destination page {twice} is listed twice: two token ranges would share it")
+        pages_checked, groups_checked = self._checked_by(room, link, msg)
+        if not pages_checked:
+            if msg.dst_pages and max(msg.dst_pages) >= link.num_blocks:
+                return ErrorCode.INDEX_OUT_OF_RANGE, (
+                    f"destination page {max(msg.dst_pages)} outside the {link.num_blocks} registered pages")
+            twice = duplicate_page(msg.dst_pages)
+            if twice is not None:
+                return ErrorCode.INDEX_OUT_OF_RANGE, (
+                    f"destination page {twice} is listed twice: two token ranges would share it")
         if msg.aux_slot != NO_SLOT and msg.aux_slot >= link.aux_slots:
             return ErrorCode.INDEX_OUT_OF_RANGE, f"aux slot {msg.aux_slot} outside the {link.aux_slots} registered slots"
         if msg.generation == 0:
             return ErrorCode.PEER_PROTOCOL_ERROR, "transfer request without a generation"
-        if self.groups or msg.groups:
+        if (self.groups or msg.groups) and not groups_checked:
             return check_destinations(self.groups, link.groups, msg.groups, msg.num_tokens, msg.prefix_tokens,
                                       checked=(msg.dst_pages, link.num_blocks))
         return None
+
+    @staticmethod
+    def _checked_by(room: SenderRoom, link: SenderLink, msg: TransferRequest) -> tuple[bool, bool]:
+        """Whether a request of ``room`` already checked (a peer's) names ``msg``'s very page list
+        (the same object) against a link of no more pages, and its very group destinations for the
+        same token counts against a link that registered the same groups: then ``msg``'s pages,
+        and its groups, pass the checks that one passed (module docstring)."""
+        for peer in room.peers.values():
+            seen, other = peer.request, peer.link
+            pages = seen.dst_pages is msg.dst_pages and other.num_blocks <= link.num_blocks
+            groups = pages and seen.groups is msg.groups and seen.num_tokens == msg.num_tokens and \
+                seen.prefix_tokens == msg.prefix_tokens and other.groups == link.groups
+            return pages, groups
+        return False, False
 
     def _token_mismatch(self, room: SenderRoom) -> str | None:
         counts = {p.request.num_tokens for p in room.peers.values()}
@@ -816,17 +841,23 @@ class SenderCore(CoreBase):
             room.posted_chunks += 1
             ready = () if chunk.ready is None else (chunk.ready,)
             src: tuple[int, ...] | None = None  # made once, by the first part that names the room's pages
+            made: tuple[_Peer, tuple[Part, ...]] | None = None  # a direct link's parts, for links alike
             for peer in room.peers.values():
                 link, req = peer.link, peer.request
                 if not link.writes_any:
                     continue
                 start = max(chunk.start, req.prefix_tokens)
                 end = min(chunk.end, req.num_tokens)
+                if link.writer and start < end and peer.staged is None:
+                    peer.staged = self._stages(room, peer, start, end)
+                if made is not None and self._alike(made[0], peer):
+                    if made[1]:
+                        self._post(room, peer, PostGroups, parts=made[1], ready=ready)
+                    self._post_aux(room, chunk, peer)
+                    continue
                 span = local_span(self.layers, chunk.layers)
                 parts: list[Part] = []
                 if link.writer and start < end:
-                    if peer.staged is None:
-                        peer.staged = self._stages(room, peer, start, end)
                     if peer.staged:
                         if chunk.completes:  # staged pieces carry every layer: the range waits for its last
                             self._stage_up_to(room, peer, end)
@@ -843,11 +874,28 @@ class SenderCore(CoreBase):
                     self._stage_up_to(room, peer, end)
                 if self.groups:
                     parts += self._group_parts(room, peer, chunk, start, end, src)
-                if parts:
-                    self._post(room, peer, PostGroups, parts=tuple(parts), ready=ready)
-                if chunk.last and chunk.completes and link.aux_owner and chunk.aux_slot is not None and \
-                        req.aux_slot != NO_SLOT:
-                    self._post(room, peer, PostAux, src_slot=chunk.aux_slot, dst_slot=req.aux_slot)
+                posted = tuple(parts)
+                if self.groups and peer.staged is not True:
+                    made = (peer, posted)
+                if posted:
+                    self._post(room, peer, PostGroups, parts=posted, ready=ready)
+                self._post_aux(room, chunk, peer)
+
+    def _post_aux(self, room: SenderRoom, chunk: _Chunk, peer: _Peer) -> None:
+        """The aux slot's write to ``peer``, with the chunk that completes the last token range."""
+        if chunk.last and chunk.completes and peer.link.aux_owner and chunk.aux_slot is not None and \
+                peer.request.aux_slot != NO_SLOT:
+            self._post(room, peer, PostAux, src_slot=chunk.aux_slot, dst_slot=peer.request.aux_slot)
+
+    @staticmethod
+    def _alike(made: _Peer, peer: _Peer) -> bool:
+        """Whether a chunk's write to ``peer`` has the very parts of the write to ``made`` (neither
+        staged): the same request lists (identity) and token counts, a link of the same role and
+        groups. The parts name groups, tokens, pages and slots, none of the link's own geometry."""
+        a, b = made.request, peer.request
+        return peer.staged is made.staged and b.dst_pages is a.dst_pages and b.groups is a.groups and \
+            b.num_tokens == a.num_tokens and b.prefix_tokens == a.prefix_tokens and \
+            peer.link.writer == made.link.writer and peer.link.groups == made.link.groups
 
     def _group_parts(self, room: SenderRoom, peer: _Peer, chunk: _Chunk, start: int, end: int,
                      src: tuple[int, ...] | None) -> list[Part]:

@@ -48,6 +48,15 @@ A ``u32[]`` decodes to a tuple of ints, and the last one decoded is kept with it
 same request) decodes to that very tuple, with no int made and none compared again; those who
 take the lists can then tell by identity that they are one (``kvproto.core.groups.same_pages``,
 the kernel path's table). Tuples are immutable, so sharing one between equal lists is safe.
+
+*Repeated bodies.* Every TP rank of a decode engine sends a prefill rank the same
+``TRANSFER_REQUEST`` body for a room (the engine's page table and slots are the same on all of
+them; the header names the room). A class that says so (``Body.REPEATED``) keeps its last
+``RECENT_BODIES`` decoded bodies by their bytes (``decode_body``): an equal body decodes to the
+kept message (under another header, a copy with that header's fields), so its lists are the
+very objects the first rank's request carried, nothing is decoded again, and the prefill's core
+can tell by identity that a request names what another rank's request already passed
+(``kvproto.core.sender``). A body that does not decode is never kept.
 """
 
 from __future__ import annotations
@@ -118,6 +127,9 @@ class Body:
 
     FIELDS: ClassVar[tuple[tuple[str, Any], ...]] = ()
     OPTIONAL_FROM: ClassVar[int | None] = None
+    REPEATED: ClassVar[bool] = False
+    """Peers send this body again, byte for byte, under other headers: ``decode_body`` keeps the
+    recent ones (module docstring, *repeated bodies*)."""
 
     def sent_fields(self) -> tuple[tuple[str, Any], ...]:
         """The fields this body puts on the wire: ``FIELDS`` without the trailing optional ones
@@ -597,5 +609,42 @@ def peek_header(frame: bytes | memoryview) -> Header | None:
     return Header(msg_type, room_id, generation, flags, major, minor)
 
 
+RECENT_BODIES = 64
+"""Bodies of each ``REPEATED`` class kept (module docstring): the requests of the rooms whose
+other TP ranks have not sent theirs yet."""
+_RECENT: dict[tuple[type, bytes], Any] = {}
+
+
 def decode_body(cls: type[Body], body: memoryview, **header_fields: int) -> Any:
-    return cls.decode_from(_Reader(body), **header_fields)
+    if not cls.REPEATED:
+        return cls.decode_from(_Reader(body), **header_fields)
+    key = (cls, bytes(body))
+    kept = _RECENT.get(key)
+    if kept is not None:
+        return _with_header(kept, header_fields)
+    msg = cls.decode_from(_Reader(body), **header_fields)
+    if len(_RECENT) >= RECENT_BODIES:
+        try:
+            del _RECENT[next(iter(_RECENT))]  # the oldest
+        except (KeyError, RuntimeError, StopIteration):  # another thread's decode changed it meanwhile
+            pass
+    _RECENT[key] = msg
+    return msg
+
+
+def _with_header(msg: Any, header_fields: dict[str, int]) -> Any:
+    """``msg`` with the header's fields (``msg`` itself where they are its own): a new object whose
+    other fields are ``msg``'s very values."""
+    if all(getattr(msg, name) == value for name, value in header_fields.items()):
+        return msg
+    setters = _SETTERS.get(type(msg))
+    if setters is None:
+        setters = _SETTERS[type(msg)] = tuple(
+            (f.name, getattr(type(msg), f.name).__set__) for f in dataclasses.fields(msg))
+    copy = object.__new__(type(msg))
+    for name, put in setters:
+        put(copy, header_fields[name] if name in header_fields else getattr(msg, name))
+    return copy
+
+
+_SETTERS: dict[type, tuple[tuple[str, Any], ...]] = {}

@@ -289,6 +289,7 @@ class TransferRequest(Message):
         ("groups", [GroupDestination]),
     )
     OPTIONAL_FROM: ClassVar = 5
+    REPEATED: ClassVar = True  # every TP rank of the decode engine sends the same body
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
