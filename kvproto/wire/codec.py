@@ -610,8 +610,8 @@ def peek_header(frame: bytes | memoryview) -> Header | None:
 
 
 RECENT_BODIES = 64
-"""Bodies of each ``REPEATED`` class kept (module docstring): the requests of the rooms whose
-other TP ranks have not sent theirs yet."""
+"""Bodies of ``REPEATED`` classes kept (module docstring): the requests of the rooms whose other
+TP ranks have not sent theirs yet."""
 _RECENT: dict[tuple[type, bytes], Any] = {}
 
 

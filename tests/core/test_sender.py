@@ -1880,3 +1880,81 @@ def test_sender_group_on_the_first_groups_pages_names_the_same_lists(same: bool)
     assert (first.src_pages, first.dst_pages) == (tuple(src), dst)
     assert (group.src_pages, group.dst_pages) == (tuple(src_g), tuple(dst_g))
     assert (group.src_pages is first.src_pages and group.dst_pages is first.dst_pages) == same
+
+
+def _two_rank_core(blocks1: int = 32, pool1: int = 32):
+    """A hybrid core (an indexer-like paged group, a state group) with decode ranks 0 and 1 of one
+    engine; rank 1's link registered ``blocks1`` pages and a paged group pool of ``pool1``."""
+    from kvproto.core import GroupSpec, LinkGroup
+
+    core = make_core(groups=[GroupSpec("idx", state=False, pool=64, block_size=BLOCK),
+                             GroupSpec("ssm", state=True, pool=8)])
+    links = [replace(make_link(d, paired=(0, 1), blocks=(32, blocks1)[d], aux_owner=d == 0),
+                     groups=(LinkGroup(True, (32, pool1)[d], BLOCK), LinkGroup(True, 8)))
+             for d in (0, 1)]
+    for link in links:
+        core.add_link(link)
+    core.open_room(1, T0)
+    return core, links
+
+
+def _hybrid_request(pages: tuple[int, ...], n: int = 40) -> TransferRequest:
+    from kvproto.wire import GroupDestination
+
+    return replace(req(1, n, pages=pages), groups=(GroupDestination(first_page=0, pages=pages, slot=NO_SLOT),
+                                                   GroupDestination(first_page=0, pages=(), slot=5)))
+
+
+def test_sender_tp_ranks_naming_the_same_lists_are_checked_and_described_once(monkeypatch):
+    """Decode ranks of one engine send equal requests, which the codec decodes to the very same
+    lists: the second is taken on the first's checks (the group check runs once) and its write
+    carries the first's very parts; both writes move the same groups, pages and slots."""
+    import kvproto.core.sender as sender_module
+    from kvproto.core import PostGroups
+
+    calls = []
+    check = sender_module.check_destinations
+    monkeypatch.setattr(sender_module, "check_destinations", lambda *a, **k: calls.append(a) or check(*a, **k))
+    core, links = _two_rank_core()
+    first = _hybrid_request((3, 1, 2))
+    core.on_message("d0", first, T0)
+    core.on_message("d1", replace(first, generation=12), T0)  # what the codec gives: a copy, the same lists
+    assert len(calls) == 1
+    core.submit_chunk(1, [9, 4, 7], 40, T0, last=True, group_pages=[[9, 4, 7], []], state_slots=[0, 2])
+    w0, w1 = [x for x in core.pop_outputs() if isinstance(x, PostGroups)]
+    assert (w0.link, w1.link) == ("d0", "d1") and w1.parts is w0.parts
+    assert [(p.group, getattr(p, "dst_pages", None), getattr(p, "dst_slot", None)) for p in w0.parts] == [
+        (0, (3, 1, 2), None), (1, (3, 1, 2), None), (2, None, 5)]
+    finish_writes(core, [w0, w1])
+    assert core.room_state(1) is RoomState.SUCCESS
+
+
+@pytest.mark.parametrize("smaller", ["pages", "group-pool"])
+def test_sender_the_same_lists_are_checked_again_against_a_smaller_link(smaller: str):
+    """The very lists that rank 0's request passed are still refused for a rank whose link holds
+    fewer pages (or a smaller pool of the group) than one of them needs: nothing is written."""
+    core, _links = _two_rank_core(**({"blocks1": 8} if smaller == "pages" else {"pool1": 8}))
+    first = _hybrid_request((3, 1, 20))
+    core.on_message("d0", first, T0)
+    core.on_message("d1", replace(first, generation=12), T0)
+    o = pop(core)
+    assert o.posts == [] and len(o.ended) == 1 and o.ended[0].code is ErrorCode.INDEX_OUT_OF_RANGE
+    assert "20" in o.ended[0].reason
+
+
+def test_sender_equal_lists_of_other_objects_take_every_check_and_parts_of_their_own(monkeypatch):
+    """Requests that are equal but name lists of their own (not through the codec's kept bodies)
+    are checked one by one and described one by one: the same bytes, nothing shared."""
+    import kvproto.core.sender as sender_module
+    from kvproto.core import PostGroups
+
+    calls = []
+    check = sender_module.check_destinations
+    monkeypatch.setattr(sender_module, "check_destinations", lambda *a, **k: calls.append(a) or check(*a, **k))
+    core, _links = _two_rank_core()
+    core.on_message("d0", _hybrid_request((3, 1, 2)), T0)
+    core.on_message("d1", _hybrid_request(tuple([3, 1, 2])), T0)
+    assert len(calls) == 2
+    core.submit_chunk(1, [9, 4, 7], 40, T0, last=True, group_pages=[[9, 4, 7], []], state_slots=[0, 2])
+    w0, w1 = [x for x in core.pop_outputs() if isinstance(x, PostGroups)]
+    assert w1.parts is not w0.parts and w1.parts == w0.parts

@@ -460,3 +460,42 @@ def test_codec_equal_page_lists_of_a_request_decode_to_one_tuple_and_encode_once
         msg = decode_frame(encode(request(dst, group)))[1]
         assert msg.dst_pages == dst and msg.groups[0].pages == group
         assert msg.groups[0].pages is not msg.dst_pages
+
+
+def test_codec_a_repeated_request_body_decodes_to_the_kept_lists() -> None:
+    """Every decode TP rank sends the same TRANSFER_REQUEST body for a room: an equal body decodes
+    to the message kept from the first (itself under the same header; under another, a copy with
+    that header's fields and the very same lists), equal to what a fresh decode gives. A body that
+    differs decodes on its own; the kept bodies are bounded; a body that does not decode is not
+    kept."""
+    from kvproto.wire import NO_SLOT, codec
+
+    codec._RECENT.clear()
+    pages = tuple(range(2000, 2064))
+
+    def request(gen: int, dst: tuple[int, ...] = pages, room: int = 77) -> TransferRequest:
+        return TransferRequest(room_id=room, generation=gen, num_tokens=64 * 16, prefix_tokens=0, aux_slot=1,
+                               expected_writers=1, dst_pages=dst,
+                               groups=(GroupDestination(first_page=0, pages=dst, slot=NO_SLOT),
+                                       GroupDestination(first_page=0, pages=(), slot=3)))
+
+    first = decode(encode(request(5)))
+    assert decode(encode(request(5))) is first
+    again = decode(encode(request(6)))
+    assert again is not first and (again.room_id, again.generation) == (77, 6)
+    assert again.dst_pages is first.dst_pages and again.groups is first.groups
+    assert again == request(6) and first == request(5)
+    fresh = codec.decode_body(TransferRequest, memoryview(encode(request(6))[HEADER_SIZE:]), room_id=77, generation=6)
+    assert fresh == again
+    other = decode(encode(request(5, pages[:-1] + (3,))))
+    assert other.dst_pages[-1] == 3 and other.dst_pages is not first.dst_pages
+    for room in range(codec.RECENT_BODIES):
+        decode(encode(request(5, (room,))))
+    assert len(codec._RECENT) == codec.RECENT_BODIES
+    assert decode(encode(request(5))) is not first  # forgotten: decoded anew (and kept again)
+    frame = bytearray(encode(request(9, (1, 2))))
+    struct.pack_into("<I", frame, HEADER_SIZE + 14, 1000)  # a page count past the body's end
+    kept = len(codec._RECENT)
+    with pytest.raises(MalformedFrame):
+        decode(bytes(frame))
+    assert len(codec._RECENT) == kept
