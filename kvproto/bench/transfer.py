@@ -48,10 +48,12 @@ groups name every page of the room, the same pages (as an indexer cache names it
 a hybrid room carries two page lists where a one-group room carries one; equal lists are taken
 by identity once the first is checked (``kvproto.core.groups.same_pages``: one comparison, not a
 pass for range and one for duplicates; the codec decodes them to one tuple; the kernel path's
-table lists them once). What a hybrid room still costs the host beyond a one-group room is per
-group and write: the second list's encoding, the state group's destination and slot checks, the
-write's parts, and where the host sets the pace (rooms of tens of pages on the kernel path) that
-shows in ``vs one``; the GPU's copy costs the same for both kinds.
+table lists them once). Where a prefill rank serves several decode ranks (TP 1 -> 2), their equal
+requests are decoded, checked and described once per room (``kvproto.core.sender``, *once per
+room*). What a hybrid room still costs the host beyond a one-group room is per group and write:
+the second list's encoding, the state group's destination and slot checks, the write's parts,
+and where the host sets the pace (rooms of tens of pages on the kernel path) that shows in
+``vs one``; the GPU's copy costs the same for both kinds.
 
 A case of a few hundred small rooms lasts well under a second, so two runs of it differ by more
 than the effect being compared. ``--repeat N`` runs each case N times, the cache kinds taking
