@@ -841,7 +841,7 @@ class SenderCore(CoreBase):
             room.posted_chunks += 1
             ready = () if chunk.ready is None else (chunk.ready,)
             src: tuple[int, ...] | None = None  # made once, by the first part that names the room's pages
-            made: tuple[_Peer, tuple[Part, ...]] | None = None  # a direct link's parts, for links alike
+            made: tuple[_Peer, tuple[Part, ...]] | None = None  # a link's parts (not staged), for links alike
             for peer in room.peers.values():
                 link, req = peer.link, peer.request
                 if not link.writes_any:
