@@ -556,13 +556,14 @@ class SenderCore(CoreBase):
         (the same object) against a link of no more pages, and its very group destinations for the
         same token counts against a link that registered the same groups: then ``msg``'s pages,
         and its groups, pass the checks that one passed (module docstring)."""
-        for peer in room.peers.values():
-            seen, other = peer.request, peer.link
-            pages = seen.dst_pages is msg.dst_pages and other.num_blocks <= link.num_blocks
-            groups = pages and seen.groups is msg.groups and seen.num_tokens == msg.num_tokens and \
-                seen.prefix_tokens == msg.prefix_tokens and other.groups == link.groups
-            return pages, groups
-        return False, False
+        peer = next(iter(room.peers.values()), None)  # any checked request will do: take the first
+        if peer is None:
+            return False, False
+        seen, other = peer.request, peer.link
+        pages = seen.dst_pages is msg.dst_pages and other.num_blocks <= link.num_blocks
+        groups = pages and seen.groups is msg.groups and seen.num_tokens == msg.num_tokens and \
+            seen.prefix_tokens == msg.prefix_tokens and other.groups == link.groups
+        return pages, groups
 
     def _token_mismatch(self, room: SenderRoom) -> str | None:
         counts = {p.request.num_tokens for p in room.peers.values()}
@@ -904,8 +905,9 @@ class SenderCore(CoreBase):
         group) and, with the last token range, each state slot, unless the piece that ends the
         request's tokens is still to be granted on a staged link: the slots then ride in it.
         A group whose pages are the first group's (``src``, that group's part's, if the write has
-        one; the request's ``dst_pages``) names the same objects, so that a transport can tell by identity that the lists are one
-        (``kvproto.transport.cuda_ipc`` then lists them once in its launch)."""
+        one; the request's ``dst_pages``) names the same objects, so that a transport can tell by
+        identity that the lists are one (``kvproto.transport.cuda_ipc`` then lists them once in its
+        launch)."""
         parts: list[Part] = []
         req = peer.request
         states = chunk.last and room.state_slots is not None and not (peer.staged and peer.link.stage_tail > 0)
