@@ -173,8 +173,9 @@ _compiled: dict[tuple[Any, ...], Any] = {}
 """Compiled kernels by ``_launch``'s key: what Triton specialises a launch on."""
 
 
-def _launch(kernel: Any, grid: tuple[int, int], args: tuple[Any, ...], constants: dict[str, Any]) -> None:
-    """``kernel[grid](*args, **constants)`` on the current stream, at a fraction of its host cost.
+def _launch(kernel: Any, grid: tuple[int, int], args: tuple[Any, ...], constants: dict[str, Any]) -> Any:
+    """``kernel[grid](*args, **constants)`` on the current stream, at a fraction of its host cost;
+    returns what later launches of this specialisation call (``_direct``'s answer; False: the JIT).
 
     A JIT launch binds and specialises every argument and hashes its options before it finds the
     compiled kernel: tens of microseconds, the same again as the whole staging copy of a piece of
@@ -184,23 +185,31 @@ def _launch(kernel: Any, grid: tuple[int, int], args: tuple[Any, ...], constants
     specialises on for these kernels (every int parameter is ``do_not_specialize``): each pointer
     argument's dtype and 16-byte alignment, each int's width, the constexprs and options, the
     device. The interpreter, launch hooks, or a Triton whose compiled kernels look otherwise take
-    the JIT path every time."""
+    the JIT path every time. A launch made again and again with most arguments the same binds
+    them once instead (``PagedLaunch``)."""
     if isinstance(kernel, InterpretedFunction) or _jit_only():
         kernel[grid](*args, **constants)
-        return
+        return False
     spec = [-0x80000000 <= a < 0x80000000 if a.__class__ is int else (a.dtype, not a.data_ptr() & 15) for a in args]
     key = (id(kernel), torch.cuda.current_device(), *spec, *constants.items())
     known = _compiled.get(key)
     if known is None:
         compiled = kernel[grid](*args, **constants)
-        _compiled[key] = _direct(kernel, compiled, len(args), constants)
-        return
+        known = _compiled[key] = _direct(kernel, compiled, len(args), constants)
+        return known
     if known is False:
         kernel[grid](*args, **constants)
-        return
+        return known
+    _call(known, grid, args)
+    return known
+
+
+def _call(known: Any, grid: tuple[int, int], args: tuple[Any, ...]) -> None:
+    """A compiled kernel's launcher called directly (``_direct``'s answer) on the current stream."""
     run, function, metadata, tail = known
-    run(grid[0], grid[1], 1, torch._C._cuda_getCurrentRawStream(torch.cuda.current_device()), function, metadata,
-        None, None, None, *args, *tail)
+    device = torch.cuda.current_device()
+    run(grid[0], grid[1], 1, torch._C._cuda_getCurrentRawStream(device), function, metadata, None, None, None,
+        *args, *tail)
 
 
 def _direct(kernel: Any, compiled: Any, positional: int, constants: dict[str, Any]) -> Any:
@@ -797,25 +806,89 @@ def copy_paged(plan: Any, src_table: torch.Tensor, dst_table: Any, src_pages: An
     ``lists``: where regions of several groups share a launch, int64 offsets into the page lists,
     ``regions`` for the source lists then ``regions`` for the destination lists. ``slots``: a
     state slot's copy in the same launch (``SlotTiles``): the grid's first rows copy its tiles over
-    one region of base 0, each moved by the write's two slot numbers."""
-    device = src_table.device
-    interpret = device.type != "cuda"
-    constants = dict(plan.constants)
-    constants.update(LISTS=int(lists is not None), SLOTS=int(slots is not None))
-    programs, regions = plan.programs_x, plan.regions
-    word = _word_tensor(plan.word, device)
+    one region of base 0, each moved by the write's two slot numbers. The launch is bound once per
+    plan, tables, lists and tiles (``PagedLaunch.of``); a write gives its pages and slots."""
+    bound = PagedLaunch.of(plan, src_table, dst_table, lists, slots)
     if slots is None:
-        slot_args: tuple[Any, ...] = (src_table, 0, src_table, word, 0, 0)
-        constants.update(S_TILE_WORDS=1, S_VEC=1, S_ALIGN=1)
+        bound(src_pages, dst_pages)
     else:
-        slot_plan = slots.plan
-        slot_args = (slots.tiles, slots.count, slots.zero, _word_tensor(slot_plan.word, device), slots.src_slot,
-                     slots.dst_slot)
-        constants.update(S_TILE_WORDS=slot_plan.tile_words, S_VEC=slot_plan.vec,
-                         S_ALIGN=slot_plan.word * slot_plan.vec)
-        regions += -(-slots.count // programs)  # the slot's tiles in rows before the regions' rows
-    if not interpret:
-        constants["num_warps"] = NUM_WARPS
-    _launch(_paged_kernel(interpret), (programs, regions),
-            (src_table, dst_table, src_pages, dst_pages, src_pages if lists is None else lists, plan.start,
-             plan.num_rows, plan.regions, word, *slot_args), constants)
+        bound(src_pages, dst_pages, slots.src_slot, slots.dst_slot)
+
+
+class PagedLaunch:
+    """A ``copy_paged`` launch bound once, made again per write with only its pages and slots.
+
+    The kernel path launches one rows kernel per write, and a link's writes of one shape (every
+    room of a prompt length) share everything but their page lists and state slots: the plan, the
+    region tables, the lists' offsets, the slot's tiles. Binding them once keeps the constexprs,
+    the grid and the fixed arguments; a write then costs the lookup of its specialisation (the
+    16-byte alignment and dtype of its two page lists, the device: at most a few per binding) and
+    the launcher's call. ``of`` keeps the bindings by the identity of what they bind (the objects
+    are held, so an id is never reused while its binding is kept), at most ``KEPT``, oldest out."""
+
+    KEPT = 256
+    __slots__ = ("kernel", "grid", "constants", "args", "lists", "_known")
+    _bound: OrderedDict[tuple[int, ...], tuple[tuple[Any, ...], PagedLaunch]] = OrderedDict()
+
+    def __init__(self, plan: Any, src_table: torch.Tensor, dst_table: Any, lists: Any = None,
+                 slots: SlotTiles | None = None) -> None:
+        device = src_table.device
+        interpret = device.type != "cuda"
+        constants = dict(plan.constants)
+        constants.update(LISTS=int(lists is not None), SLOTS=int(slots is not None))
+        programs, regions = plan.programs_x, plan.regions
+        word = _word_tensor(plan.word, device)
+        if slots is None:
+            slot_args: tuple[Any, ...] = (src_table, 0, src_table, word)
+            constants.update(S_TILE_WORDS=1, S_VEC=1, S_ALIGN=1)
+        else:
+            slot_plan = slots.plan
+            slot_args = (slots.tiles, slots.count, slots.zero, _word_tensor(slot_plan.word, device))
+            constants.update(S_TILE_WORDS=slot_plan.tile_words, S_VEC=slot_plan.vec,
+                             S_ALIGN=slot_plan.word * slot_plan.vec)
+            regions += -(-slots.count // programs)  # the slot's tiles in rows before the regions' rows
+        if not interpret:
+            constants["num_warps"] = NUM_WARPS
+        self.kernel = _paged_kernel(interpret)
+        self.grid = (programs, regions)
+        self.constants = constants
+        self.lists = lists
+        self.args = ((src_table, dst_table), (plan.start, plan.num_rows, plan.regions, word, *slot_args))
+        """The arguments before the page lists, and those between them and the two slot numbers."""
+        self._known: dict[tuple[Any, ...], Any] = {}
+        """``_launch``'s answer per specialisation of the page lists (and device)."""
+
+    @classmethod
+    def of(cls, plan: Any, src_table: Any, dst_table: Any, lists: Any = None,
+           slots: SlotTiles | None = None) -> PagedLaunch:
+        """The binding of these objects, made on first use."""
+        held = (plan, src_table, dst_table, lists, None if slots is None else slots.tiles,
+                None if slots is None else slots.zero)
+        key = tuple(map(id, held))
+        hit = cls._bound.get(key)
+        if hit is not None and all(a is b for a, b in zip(hit[0], held)):
+            return hit[1]
+        bound = cls(plan, src_table, dst_table, lists, slots)
+        if len(cls._bound) >= cls.KEPT:
+            cls._bound.popitem(last=False)
+        cls._bound[key] = (held, bound)
+        return bound
+
+    def __call__(self, src_pages: Any, dst_pages: Any, src_slot: int = 0, dst_slot: int = 0) -> None:
+        """Launch for these page lists (int64 from token 0, where the kernel reads them) and slots."""
+        head, mid = self.args
+        args = (*head, src_pages, dst_pages, src_pages if self.lists is None else self.lists, *mid, src_slot,
+                dst_slot)
+        kernel = self.kernel
+        if isinstance(kernel, InterpretedFunction) or _jit_only():
+            kernel[self.grid](*args, **self.constants)
+            return
+        spec = (torch.cuda.current_device(), src_pages.dtype, not src_pages.data_ptr() & 15, dst_pages.dtype,
+                not dst_pages.data_ptr() & 15, src_slot < 0x80000000 and dst_slot < 0x80000000)
+        known = self._known.get(spec)
+        if known is None:  # the first launch of this specialisation here: the JIT's (or ``_launch``'s kept)
+            self._known[spec] = _launch(kernel, self.grid, args, self.constants)
+        elif known is False:
+            kernel[self.grid](*args, **self.constants)
+        else:
+            _call(known, self.grid, args)

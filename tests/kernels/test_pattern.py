@@ -137,3 +137,104 @@ def test_strided_rows_stepped_tiles_move_to_any_slot_pair_as_the_shifted_tiles_d
     moved[:, 0] += src_slot * stepped[:, 3]
     moved[:, 1] += dst_slot * stepped[:, 4]
     assert np.array_equal(moved, strided.tiles(src_slot, dst_slot))
+
+
+def _rows_case(device: str, regions: int = 2, seed: int = 0):
+    """Source regions (TP 1, blocks of 4, NHD) and zeroed destination regions (TP 2 rank 1, blocks
+    of 8, HND) of bf16 pages, a rows plan of tokens [3, 29) between them, the tables."""
+    from kvproto.geometry import KVGeometry, Layout, plan_pair
+    from kvproto.geometry.model import DType
+
+    def geometry(tp: int, rank: int, block: int, layout: str) -> KVGeometry:
+        return KVGeometry(tp_size=tp, tp_rank=rank, num_layers=1, num_kv_heads=4, head_dim=8,
+                          dtype=DType.BFLOAT16, block_size=block, layout=Layout[layout], mla=False, num_blocks=16)
+
+    pair = plan_pair(geometry(1, 0, 4, "NHD"), geometry(2, 1, 8, "HND"))
+    gen = torch.Generator().manual_seed(seed)
+    src = [torch.randint(0, 256, (16 * pair.src.page_bytes,), generator=gen, dtype=torch.uint8).to(device)
+           for _ in range(regions)]
+    dst = [torch.zeros(16 * pair.dst.page_bytes, dtype=torch.uint8, device=device) for _ in range(regions)]
+    rows = P.plan_rows(pair, 3, 29, regions=regions, base_align=P.alignment([t.data_ptr() for t in src + dst]))
+    table = torch.tensor([t.data_ptr() for t in src + dst], dtype=torch.int64, device=device)
+    return pair, rows, src, dst, table[:regions], table[regions:]
+
+
+def _rows_want(pair, src, dst, src_pages, dst_pages) -> list[torch.Tensor]:
+    import dataclasses
+
+    want = [torch.zeros_like(d.cpu()) for d in dst]
+    P.copy_reference(P.pair_extents(dataclasses.replace(pair, direct=False), src_pages, dst_pages, 3, 29),
+                     [s.cpu() for s in src], want)
+    assert all(w.count_nonzero() > 600 for w in want)  # 26 tokens x 2 heads x 16 bytes: 832, mostly nonzero
+    return want
+
+
+@needs_triton
+def test_paged_launch_is_bound_once_per_plan_and_tables_and_moves_each_writes_pages() -> None:
+    """The rows launch is bound once per plan and tables (``PagedLaunch.of``: by identity, the
+    same binding for the same objects, another for another table); writes of other pages through
+    one binding each land as the torch reference puts them (interpreted on CPU tensors)."""
+    from kvproto.kernels import triton_kernels as TK
+
+    pair, rows, src, dst, src_table, dst_table = _rows_case("cpu")
+    bound = TK.PagedLaunch.of(rows, src_table, dst_table)
+    assert TK.PagedLaunch.of(rows, src_table, dst_table) is bound
+    assert TK.PagedLaunch.of(rows, src_table.clone(), dst_table) is not bound
+    for seed in range(3):
+        perm = torch.randperm(16, generator=torch.Generator().manual_seed(seed))
+        src_pages, dst_pages = perm[:8].tolist(), perm[8:12].tolist()
+        for d in dst:
+            d.zero_()
+        P.launch_rows(rows, src_table, dst_table, torch.tensor(src_pages), torch.tensor(dst_pages))
+        assert TK.PagedLaunch.of(rows, src_table, dst_table) is bound
+        for got, want in zip(dst, _rows_want(pair, src, dst, src_pages, dst_pages), strict=True):
+            assert torch.equal(got, want)
+
+
+def test_paged_launch_keeps_at_most_its_limit_of_bindings(monkeypatch) -> None:
+    """Bindings are kept by identity up to ``KEPT``, the oldest out first; each holds what it binds."""
+    from collections import OrderedDict
+
+    from kvproto.kernels import triton_kernels as TK
+
+    monkeypatch.setattr(TK.PagedLaunch, "_bound", OrderedDict())
+    monkeypatch.setattr(TK.PagedLaunch, "KEPT", 3)
+    _, rows, _, _, src_table, dst_table = _rows_case("cpu")
+    tables = [src_table.clone() for _ in range(4)]
+    first = [TK.PagedLaunch.of(rows, t, dst_table) for t in tables]
+    assert len(TK.PagedLaunch._bound) == 3 and len({id(b) for b in first}) == 4
+    assert TK.PagedLaunch.of(rows, tables[3], dst_table) is first[3]
+    assert TK.PagedLaunch.of(rows, tables[0], dst_table) is not first[0]  # the oldest went out
+    assert all(held[1] is t for (held, _), t in zip(TK.PagedLaunch._bound.values(), tables[2:] + tables[:1]))
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_paged_launch_compiled_takes_the_jit_once_per_page_list_alignment(monkeypatch) -> None:
+    """On the GPU a bound rows launch goes through Triton's JIT only for the first write of each
+    specialisation of its page lists (16-byte aligned or not); every later write calls the
+    compiled kernel's launcher directly. Each write lands as the torch reference puts it."""
+    from kvproto.kernels import triton_kernels as TK
+
+    assert not TK._jit_only(), "this Triton's launches cannot skip the JIT: nothing to test"
+    pair, rows, src, dst, src_table, dst_table = _rows_case("cuda")
+    kernel = TK._paged_kernel(False)
+    jit = []
+    real = type(kernel).run
+    monkeypatch.setattr(type(kernel), "run", lambda self, *a, **k: jit.append(1) or real(self, *a, **k))
+    monkeypatch.setattr(TK, "_compiled", {})  # this test's specialisations, from nothing
+    lists = torch.zeros(64, dtype=torch.int64, device="cuda")  # two lists at 16-byte aligned or odd entries
+    for seed, at in enumerate((0, 0, 1, 1, 0, 1)):
+        perm = torch.randperm(16, generator=torch.Generator().manual_seed(seed))
+        src_pages, dst_pages = perm[:8].tolist(), perm[8:12].tolist()
+        lists[at:at + 8] = torch.tensor(src_pages)
+        lists[at + 16:at + 20] = torch.tensor(dst_pages)
+        for d in dst:
+            d.zero_()
+        P.launch_rows(rows, src_table, dst_table, lists[at:], lists[at + 16:])
+        torch.cuda.synchronize()
+        for got, want in zip(dst, _rows_want(pair, src, dst, src_pages, dst_pages), strict=True):
+            assert torch.equal(got.cpu(), want)
+    assert len(jit) == 2  # aligned lists, then lists 8 bytes past an alignment
+    assert len(TK.PagedLaunch.of(rows, src_table, dst_table)._known) == 2
