@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvproto.core.state import RoomState
 from kvproto.wire import ErrorCode, Message
@@ -62,10 +63,12 @@ class PostWrite:
     """The application's readiness handles (CUDA events) the write must wait for (opaque here)."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PagedPart:
+class PagedPart(NamedTuple):
     """Tokens ``[start_token, end_token)`` of paged group ``group`` (0: the first), of its own
-    ``layers`` (``(first, end)``) or all of them; pages from the prompt's token 0 on both sides."""
+    ``layers`` (``(first, end)``) or all of them; pages from the prompt's token 0 on both sides.
+
+    The parts of a write are tuples (immutable, as the other outputs): a hybrid write makes
+    several per chunk and link, and a tuple costs a third of a frozen dataclass to build."""
 
     group: int
     start_token: int
@@ -75,8 +78,7 @@ class PagedPart:
     layers: tuple[int, int] | None = None
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StatePart:
+class StatePart(NamedTuple):
     """Slot ``src_slot`` of state group ``group`` (of its own ``layers``, or all of them) into the
     decode rank's slot ``dst_slot``."""
 

@@ -869,8 +869,7 @@ class SenderCore(CoreBase):
                             self._post(room, peer, PostWrite, start_token=start, end_token=end,
                                        src_pages=src, dst_pages=req.dst_pages, layers=span, ready=ready)
                         else:
-                            parts.append(PagedPart(group=0, start_token=start, end_token=end,
-                                                   src_pages=src, dst_pages=req.dst_pages, layers=span))
+                            parts.append(PagedPart(0, start, end, src, req.dst_pages, span))
                 elif peer.staged and chunk.last and chunk.completes:  # an empty last chunk: it gives the slots
                     self._stage_up_to(room, peer, end)
                 if self.groups:
@@ -918,19 +917,17 @@ class SenderCore(CoreBase):
             span = None if layers is None else local_span(spec.layers, layers)
             if span is not None and span[0] == span[1]:
                 continue  # none of the group's layers in this chunk
-            if spec.state:
-                parts.append(StatePart(group=g + 1, src_slot=room.state_slots[g],  # type: ignore[index]
-                                       dst_slot=req.groups[g].slot, layers=span))
+            dest = req.groups[g]
+            if spec.state:  # (group, src_slot, dst_slot, layers): the part's group counts the first as 0
+                parts.append(StatePart(g + 1, room.state_slots[g], dest.slot, span))  # type: ignore[index]
                 continue
             first = start if spec.window is None else max(start, spec.window_start(req.num_tokens))
-            if first < end:
-                held, dest = room.group_pages[g], req.groups[g]
+            if first < end:  # (group, start_token, end_token, src_pages, dst_pages, layers)
+                held = room.group_pages[g]
                 parts.append(PagedPart(
-                    group=g + 1, start_token=first, end_token=end,
-                    src_pages=src if src is not None and held == room.src_pages else tuple(held),
-                    dst_pages=req.dst_pages if dest.first_page == 0 and dest.pages == req.dst_pages
-                    else pages_from_zero(dest),
-                    layers=span))
+                    g + 1, first, end, src if src is not None and held == room.src_pages else tuple(held),
+                    req.dst_pages if dest.first_page == 0 and dest.pages == req.dst_pages else pages_from_zero(dest),
+                    span))
         return parts
 
     def _piece_states(self, room: SenderRoom, peer: _Peer, end_token: int) -> tuple[StatePart, ...]:
@@ -943,7 +940,7 @@ class SenderCore(CoreBase):
             return ()
         assert room.state_slots is not None, "the piece that ends a request is asked for after its last chunk"
         writes = peer.link.groups
-        return tuple([StatePart(group=g + 1, src_slot=room.state_slots[g], dst_slot=req.groups[g].slot)
+        return tuple([StatePart(g + 1, room.state_slots[g], req.groups[g].slot)
                       for g in self._states if writes[g].writes])
 
     def _post(self, room: SenderRoom, peer: _Peer, output: type, **fields: object) -> None:

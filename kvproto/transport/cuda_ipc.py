@@ -159,9 +159,11 @@ class _Launch:
 
     bases: _Bases
     table: np.ndarray
-    go: Callable[[Any], None]
+    go: Callable[..., None]
     nbytes: int
     descriptors: int
+    slots: tuple[int, ...] = ()
+    """What ``go`` takes after the table: a fused state slot's two numbers (``_RowsRecipe``)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -730,7 +732,7 @@ class CudaIpcTransport:
         device = launches[0].bases.table.device
         if device.type == "cpu":
             for launch in launches:
-                launch.go(torch.from_numpy(launch.table))
+                launch.go(torch.from_numpy(launch.table), *launch.slots)
             return self._record(mapped, tag, _Done(), (), nbytes, descriptors)
         stream = self._own_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
@@ -738,7 +740,7 @@ class CudaIpcTransport:
         with torch.cuda.stream(stream):
             for launch in launches:
                 table, slot = self._uploads.put(launch.table, device)
-                launch.go(table)
+                launch.go(table, *launch.slots)
                 keep.append(table)
                 slots.append(slot)
             event = torch.cuda.Event()
@@ -994,8 +996,11 @@ class _Done:
 _FUSE_SLOTS = True
 """Whether a write's state slot rides in its rows launch (``post_parts``); turned off for the
 process if that kernel variant ever fails to build, the slot then getting a launch of its own."""
-_FEW_PAGES = 32
-"""A write's page lists up to this long are checked with plain integers (``_RowsRecipe``)."""
+_FEW_PAGES = 128
+"""A write's page lists up to this long are checked with plain integers (``_RowsRecipe``). In a
+loop of its own, numpy's conversion and reductions win from ~64 pages on; inside a serving
+loop, each numpy call costs several times that (a prefill pass touches far more than the CPU's
+caches hold), and for two lists of 64 pages the plain integers took half the time numpy did."""
 
 
 # --- prepared writes --------------------------------------------------------------------------------------
@@ -1090,38 +1095,39 @@ class _RowsRecipe:
                 table = np.concatenate([np.asarray(piece, dtype=np.int64) for piece in pieces])
             else:  # a few pages per list: one conversion
                 table = np.array([p for piece in pieces for p in piece], dtype=np.int64)
-        rows, bases, lists, split = shape.rows, shape.bases, shape.lists, shape.split
-        src_table, dst_table = self.tables
         if self.slot is None:
-            def go(table: Any) -> None:
-                src, dst = _split(table, split)
-                kernels.launch_rows(rows, src_table, dst_table, src, dst, lists=lists)
-
-            return _Launch(bases, table, go, rows.nbytes, 0)
+            return _Launch(shape.bases, table, self._go, shape.rows.nbytes, 0)
         at, plan = self.slot
         src_slot, dst_slot = values[at]
         plan.check(src_slot, dst_slot)
-        fused = self.slot_tiles(src_slot, dst_slot)
+        return _Launch(shape.bases, table, self._go_fused, shape.rows.nbytes + plan.nbytes, plan.descriptors,
+                       (src_slot, dst_slot))
 
-        def go_fused(table: Any) -> None:
-            global _FUSE_SLOTS
-            src, dst = _split(table, split)
-            if _FUSE_SLOTS:
-                try:
-                    kernels.launch_rows(rows, src_table, dst_table, src, dst, lists=lists, slots=fused)
-                    return
-                except Exception as exc:  # noqa: BLE001 - the kernel variant failed to build: nothing was launched
-                    _FUSE_SLOTS = False
-                    log.warning("the rows kernel with a state slot failed (%s: %s); state slots get launches of "
-                                "their own from now on", type(exc).__name__, exc)
-            import torch
+    def _go(self, table: Any) -> None:
+        shape = self.shape
+        src, dst = _split(table, shape.split)
+        kernels.launch_rows(shape.rows, *self.tables, src, dst, lists=shape.lists)
 
-            zero, strided = self.zero, plan.strided
-            kernels.launch_rows(rows, src_table, dst_table, src, dst, lists=lists)
-            tiles = torch.from_numpy(strided.tiles(src_slot, dst_slot)).to(zero.device)
-            kernels.launch(strided.plan, zero[:1], zero[1:], tiles)
+    def _go_fused(self, table: Any, src_slot: int, dst_slot: int) -> None:
+        global _FUSE_SLOTS
+        shape = self.shape
+        src, dst = _split(table, shape.split)
+        if _FUSE_SLOTS:
+            try:
+                kernels.launch_rows(shape.rows, *self.tables, src, dst, lists=shape.lists,
+                                    slots=self.slot_tiles(src_slot, dst_slot))
+                return
+            except Exception as exc:  # noqa: BLE001 - the kernel variant failed to build: nothing was launched
+                _FUSE_SLOTS = False
+                log.warning("the rows kernel with a state slot failed (%s: %s); state slots get launches of "
+                            "their own from now on", type(exc).__name__, exc)
+        import torch
 
-        return _Launch(bases, table, go_fused, rows.nbytes + plan.nbytes, plan.descriptors)
+        assert self.slot is not None
+        zero, strided = self.zero, self.slot[1].strided
+        kernels.launch_rows(shape.rows, *self.tables, src, dst, lists=shape.lists)
+        tiles = torch.from_numpy(strided.tiles(src_slot, dst_slot)).to(zero.device)
+        kernels.launch(strided.plan, zero[:1], zero[1:], tiles)
 
 
 def _split(table: Any, split: int) -> tuple[Any, Any]:

@@ -9,6 +9,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvproto.kernels import pattern as kernels
 from kvproto.testing.conformance import TransportConformance, pattern, region
@@ -473,12 +475,45 @@ def test_cuda_ipc_prepared_parts_post_other_pages_and_slots_checked_each_time() 
         b.close()
 
 
-def test_cuda_ipc_prepared_rows_of_many_pages_are_one_table_checked_list_by_list(monkeypatch) -> None:
-    """Two groups of one page geometry and 40 pages a list (more than a few: the launch's lists
-    become its table in one conversion), prepared once and posted with other pages each time:
-    every write lands as the torch reference puts it; a page past the smaller pool, in the last
-    list, and a list one page short are each refused on the write that names them, naming the
-    list's side, and move nothing."""
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), count=st.integers(1, 300), lists=st.integers(1, 4))
+def test_cuda_ipc_page_rows_as_integers_and_as_an_array_agree(data, count: int, lists: int) -> None:
+    """The two ways ``_page_rows`` checks a write's lists (plain integers up to ``_FEW_PAGES``, one
+    array past it) give the same answer for any lists: the same table, or both None for a list of
+    another length or a page outside ``[0, limit)`` (negative ones included)."""
+    from kvproto.transport import cuda_ipc
+
+    limits = data.draw(st.lists(st.integers(1, 1 << 40), min_size=lists, max_size=lists))
+    listed = []
+    for limit in limits:
+        n = data.draw(st.sampled_from([count, count, count, count - 1, count + 1]))
+        pages = data.draw(st.lists(st.integers(-3, limit + 2) | st.integers(0, limit - 1), min_size=max(0, n),
+                                   max_size=max(0, n)))
+        listed.append(tuple(pages) if data.draw(st.booleans()) else pages)
+    answers = []
+    for few in (0, 1 << 20):
+        cuda_ipc._FEW_PAGES, kept = few, cuda_ipc._FEW_PAGES
+        try:
+            answers.append(cuda_ipc._page_rows(listed, count, limits))
+        finally:
+            cuda_ipc._FEW_PAGES = kept
+    array, integers = answers
+    fits = all(len(p) == count and all(0 <= x < lim for x in p) for p, lim in zip(listed, limits))
+    if not fits:
+        assert array is None and integers is None
+    else:
+        assert array is not None and integers is not None and array.dtype == integers.dtype == np.int64
+        assert array.tolist() == integers.tolist() == [x for p in listed for x in p]
+
+
+@pytest.mark.parametrize("few", [8, None], ids=["as-an-array", "as-integers"])
+def test_cuda_ipc_prepared_rows_of_many_pages_are_one_table_checked_list_by_list(few: int | None,
+                                                                                 monkeypatch) -> None:
+    """Two groups of one page geometry and 40 pages a list (the launch's lists become its table
+    in one conversion: checked as one array past ``_FEW_PAGES``, as plain integers up to it),
+    prepared once and posted with other pages each time: every write lands as the torch
+    reference puts it; a page past the smaller pool, in the last list, and a list one page short
+    are each refused on the write that names them, naming the list's side, and move nothing."""
     import dataclasses
 
     import torch
@@ -488,6 +523,8 @@ def test_cuda_ipc_prepared_rows_of_many_pages_are_one_table_checked_list_by_list
     from kvproto.transport import cuda_ipc
     from kvproto.transport.cuda_ipc import part_values
 
+    if few is not None:
+        monkeypatch.setattr(cuda_ipc, "_FEW_PAGES", few)
     tables = []
     real = cuda_ipc._page_rows
     monkeypatch.setattr(cuda_ipc, "_page_rows", lambda *args: tables.append(real(*args)) or tables[-1])
