@@ -222,16 +222,8 @@ class GroupWrites:
         last = GroupWrites._last
         if last[0] is parts:  # the parts another link's write just took (``SenderCore._alike``)
             key, values = last[1], last[2]
-        else:
-            keys, vals = [], []
-            for p in parts:
-                if type(p) is events.StatePart:  # noqa: E721 - the exact type, on every write
-                    keys.append((p.group, p.layers))
-                    vals.append((p.src_slot, p.dst_slot))
-                else:
-                    keys.append((p.group, p.layers, p.start_token, p.end_token))
-                    vals.append((p.src_pages, p.dst_pages))
-            key, values = tuple(keys), tuple(vals)
+        else:  # a part's shape, then what a write of that shape names (``events.PagedPart``)
+            key, values = tuple([p[:-2] for p in parts]), tuple([p[-2:] for p in parts])
             GroupWrites._last = (parts, key, values)
         shape = self._shapes.get(key)
         if shape is None:

@@ -65,27 +65,31 @@ class PostWrite:
 
 class PagedPart(NamedTuple):
     """Tokens ``[start_token, end_token)`` of paged group ``group`` (0: the first), of its own
-    ``layers`` (``(first, end)``) or all of them; pages from the prompt's token 0 on both sides.
+    ``layers`` (``(first, end)``) or all of them (None); pages from the prompt's token 0 on both
+    sides.
 
     The parts of a write are tuples (immutable, as the other outputs): a hybrid write makes
-    several per chunk and link, and a tuple costs a third of a frozen dataclass to build."""
+    several per chunk and link, and a tuple costs a third of a frozen dataclass to build. A
+    part's last two fields are what one write of its shape names and the next one changes (its
+    pages, a state part's slots); the fields before them are its *shape* (``part[:-2]``), which
+    the I/O layer plans a write by once (``kvproto.aio.paths.GroupWrites``)."""
 
     group: int
     start_token: int
     end_token: int
+    layers: tuple[int, int] | None
     src_pages: Sequence[int]
     dst_pages: Sequence[int]
-    layers: tuple[int, int] | None = None
 
 
 class StatePart(NamedTuple):
-    """Slot ``src_slot`` of state group ``group`` (of its own ``layers``, or all of them) into the
-    decode rank's slot ``dst_slot``."""
+    """Slot ``src_slot`` of state group ``group`` (of its own ``layers``, or all of them: None)
+    into the decode rank's slot ``dst_slot``."""
 
     group: int
+    layers: tuple[int, int] | None
     src_slot: int
     dst_slot: int
-    layers: tuple[int, int] | None = None
 
 
 Part = PagedPart | StatePart

@@ -869,7 +869,7 @@ class SenderCore(CoreBase):
                             self._post(room, peer, PostWrite, start_token=start, end_token=end,
                                        src_pages=src, dst_pages=req.dst_pages, layers=span, ready=ready)
                         else:
-                            parts.append(PagedPart(0, start, end, src, req.dst_pages, span))
+                            parts.append(PagedPart(0, start, end, span, src, req.dst_pages))
                 elif peer.staged and chunk.last and chunk.completes:  # an empty last chunk: it gives the slots
                     self._stage_up_to(room, peer, end)
                 if self.groups:
@@ -918,16 +918,15 @@ class SenderCore(CoreBase):
             if span is not None and span[0] == span[1]:
                 continue  # none of the group's layers in this chunk
             dest = req.groups[g]
-            if spec.state:  # (group, src_slot, dst_slot, layers): the part's group counts the first as 0
-                parts.append(StatePart(g + 1, room.state_slots[g], dest.slot, span))  # type: ignore[index]
+            if spec.state:  # (group, layers, src_slot, dst_slot): the part's group counts the first as 0
+                parts.append(StatePart(g + 1, span, room.state_slots[g], dest.slot))  # type: ignore[index]
                 continue
             first = start if spec.window is None else max(start, spec.window_start(req.num_tokens))
-            if first < end:  # (group, start_token, end_token, src_pages, dst_pages, layers)
+            if first < end:  # (group, start_token, end_token, layers, src_pages, dst_pages)
                 held = room.group_pages[g]
                 parts.append(PagedPart(
-                    g + 1, first, end, src if src is not None and held == room.src_pages else tuple(held),
-                    req.dst_pages if dest.first_page == 0 and dest.pages == req.dst_pages else pages_from_zero(dest),
-                    span))
+                    g + 1, first, end, span, src if src is not None and held == room.src_pages else tuple(held),
+                    req.dst_pages if dest.first_page == 0 and dest.pages == req.dst_pages else pages_from_zero(dest)))
         return parts
 
     def _piece_states(self, room: SenderRoom, peer: _Peer, end_token: int) -> tuple[StatePart, ...]:
@@ -940,7 +939,7 @@ class SenderCore(CoreBase):
             return ()
         assert room.state_slots is not None, "the piece that ends a request is asked for after its last chunk"
         writes = peer.link.groups
-        return tuple([StatePart(g + 1, room.state_slots[g], req.groups[g].slot)
+        return tuple([StatePart(g + 1, None, room.state_slots[g], req.groups[g].slot)
                       for g in self._states if writes[g].writes])
 
     def _post(self, room: SenderRoom, peer: _Peer, output: type, **fields: object) -> None:
