@@ -191,7 +191,8 @@ def _launch(kernel: Any, grid: tuple[int, int], args: tuple[Any, ...], constants
         kernel[grid](*args, **constants)
         return False
     spec = [-0x80000000 <= a < 0x80000000 if a.__class__ is int else (a.dtype, not a.data_ptr() & 15) for a in args]
-    key = (id(kernel), torch.cuda.current_device(), *spec, *constants.items())
+    device = torch.cuda.current_device()
+    key = (id(kernel), device, *spec, *constants.items())
     known = _compiled.get(key)
     if known is None:
         compiled = kernel[grid](*args, **constants)
@@ -200,14 +201,14 @@ def _launch(kernel: Any, grid: tuple[int, int], args: tuple[Any, ...], constants
     if known is False:
         kernel[grid](*args, **constants)
         return known
-    _call(known, grid, args)
+    _call(known, grid, args, device)
     return known
 
 
-def _call(known: Any, grid: tuple[int, int], args: tuple[Any, ...]) -> None:
-    """A compiled kernel's launcher called directly (``_direct``'s answer) on the current stream."""
+def _call(known: Any, grid: tuple[int, int], args: tuple[Any, ...], device: int) -> None:
+    """A compiled kernel's launcher called directly (``_direct``'s answer) on the current stream of
+    ``device`` (the current device)."""
     run, function, metadata, tail = known
-    device = torch.cuda.current_device()
     run(grid[0], grid[1], 1, torch._C._cuda_getCurrentRawStream(device), function, metadata, None, None, None,
         *args, *tail)
 
@@ -883,12 +884,13 @@ class PagedLaunch:
         if isinstance(kernel, InterpretedFunction) or _jit_only():
             kernel[self.grid](*args, **self.constants)
             return
-        spec = (torch.cuda.current_device(), src_pages.dtype, not src_pages.data_ptr() & 15, dst_pages.dtype,
-                not dst_pages.data_ptr() & 15, src_slot < 0x80000000 and dst_slot < 0x80000000)
+        device = torch.cuda.current_device()
+        spec = (device, src_pages.dtype, not src_pages.data_ptr() & 15, dst_pages.dtype, not dst_pages.data_ptr() & 15,
+                src_slot < 0x80000000 and dst_slot < 0x80000000)
         known = self._known.get(spec)
         if known is None:  # the first launch of this specialisation here: the JIT's (or ``_launch``'s kept)
             self._known[spec] = _launch(kernel, self.grid, args, self.constants)
         elif known is False:
             kernel[self.grid](*args, **self.constants)
         else:
-            _call(known, self.grid, args)
+            _call(known, self.grid, args, device)
