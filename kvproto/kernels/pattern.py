@@ -316,18 +316,21 @@ def rows_key(plan: PairPlan) -> tuple[Any, ...]:
 
 
 def launch_rows(plan: RowsPlan, src_table: torch.Tensor, dst_table: Any, src_pages: Any, dst_pages: Any, *,
-                stream: Any = None, lists: Any = None, slots: Any = None) -> None:
+                stream: Any = None, lists: Any = None, slots: Any = None, src_slot: int = 0,
+                dst_slot: int = 0) -> None:
     """Run a ``RowsPlan`` with Triton (CPU tensors: the interpreter); ``src_pages``/``dst_pages``
     are int64 page lists from token 0, where the kernel reads them; ``lists``, where regions of
     several groups share the launch, each region's offsets into them; ``slots``, a state slot's
-    copy in the same launch (``triton_kernels.SlotTiles``: ``StridedRows.stepped`` tiles)."""
+    copy in the same launch (``triton_kernels.SlotTiles``: ``StridedRows.stepped`` tiles), from
+    slot ``src_slot`` into slot ``dst_slot``."""
     from kvproto.kernels import triton_kernels
 
     if src_table.device.type == "cuda" and stream is not None:
         with torch.cuda.stream(stream):
-            triton_kernels.copy_paged(plan, src_table, dst_table, src_pages, dst_pages, lists, slots)
+            triton_kernels.copy_paged(plan, src_table, dst_table, src_pages, dst_pages, lists, slots, src_slot,
+                                      dst_slot)
     else:
-        triton_kernels.copy_paged(plan, src_table, dst_table, src_pages, dst_pages, lists, slots)
+        triton_kernels.copy_paged(plan, src_table, dst_table, src_pages, dst_pages, lists, slots, src_slot, dst_slot)
 
 
 def copy_reference(pattern: np.ndarray, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> None:

@@ -252,15 +252,13 @@ class SlotTiles(NamedTuple):
     """A state slot's copy inside a rows launch (``copy_paged``): ``tiles`` ``(count, 5)`` int64
     where the kernel reads them (in vectors of ``plan``: source and destination of slot 0 as
     absolute addresses, length, and how far one slot moves each side), a table whose first entry
-    is 0 (the base the addresses are taken from), and the write's two slots. The tiles are the
-    link's, uploaded once; a write names only its slots."""
+    is 0 (the base the addresses are taken from). The tiles are the link's, uploaded once; a
+    write names only its two slots (``copy_paged``'s ``src_slot`` and ``dst_slot``)."""
 
     plan: Any
     tiles: Any
     count: int
     zero: Any
-    src_slot: int
-    dst_slot: int
 
 
 SLOT_GROUPS = 4
@@ -801,19 +799,16 @@ def _paged_kernel(interpret: bool) -> Any:
 
 
 def copy_paged(plan: Any, src_table: torch.Tensor, dst_table: Any, src_pages: Any, dst_pages: Any,
-               lists: Any = None, slots: SlotTiles | None = None) -> None:
+               lists: Any = None, slots: SlotTiles | None = None, src_slot: int = 0, dst_slot: int = 0) -> None:
     """Launch one ``kvproto.kernels.pattern.RowsPlan`` on the current stream (grid: row tiles x
     regions); tables and page lists are where the kernel reads them (CPU: the interpreter).
     ``lists``: where regions of several groups share a launch, int64 offsets into the page lists,
     ``regions`` for the source lists then ``regions`` for the destination lists. ``slots``: a
     state slot's copy in the same launch (``SlotTiles``): the grid's first rows copy its tiles over
-    one region of base 0, each moved by the write's two slot numbers. The launch is bound once per
-    plan, tables, lists and tiles (``PagedLaunch.of``); a write gives its pages and slots."""
-    bound = PagedLaunch.of(plan, src_table, dst_table, lists, slots)
-    if slots is None:
-        bound(src_pages, dst_pages)
-    else:
-        bound(src_pages, dst_pages, slots.src_slot, slots.dst_slot)
+    one region of base 0, each moved by the write's two slot numbers (``src_slot``, ``dst_slot``).
+    The launch is bound once per plan, tables, lists and tiles (``PagedLaunch.of``); a write gives
+    its pages and slots."""
+    PagedLaunch.of(plan, src_table, dst_table, lists, slots)(src_pages, dst_pages, src_slot, dst_slot)
 
 
 class PagedLaunch:

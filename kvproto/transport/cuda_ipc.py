@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import base64
 import collections
-import functools
 import itertools
 import json
 import logging
@@ -1067,13 +1066,12 @@ class _RowsRecipe:
         self.device = bases.table.device
         self.tables = bases.table[:bases.regions], bases.table[bases.regions:]
         self.slot_tiles: Any = None
-        """With a slot: ``SlotTiles`` of this launch's slot plan, given the write's two slot numbers."""
+        """With a slot: the ``SlotTiles`` of this launch's slot plan (a write names its two slots)."""
         if slot is not None:
             from kvproto.kernels import triton_kernels
 
             strided = slot[1].strided
-            self.slot_tiles = functools.partial(triton_kernels.SlotTiles, strided.plan, slot[1].steps,
-                                                len(strided.plan.tiles), zero)
+            self.slot_tiles = triton_kernels.SlotTiles(strided.plan, slot[1].steps, len(strided.plan.tiles), zero)
 
     def launch(self, values: Sequence[Any]) -> _Launch:
         if self.shared is not None:
@@ -1114,8 +1112,8 @@ class _RowsRecipe:
         src, dst = _split(table, shape.split)
         if _FUSE_SLOTS:
             try:
-                kernels.launch_rows(shape.rows, *self.tables, src, dst, lists=shape.lists,
-                                    slots=self.slot_tiles(src_slot, dst_slot))
+                kernels.launch_rows(shape.rows, *self.tables, src, dst, lists=shape.lists, slots=self.slot_tiles,
+                                    src_slot=src_slot, dst_slot=dst_slot)
                 return
             except Exception as exc:  # noqa: BLE001 - the kernel variant failed to build: nothing was launched
                 _FUSE_SLOTS = False
