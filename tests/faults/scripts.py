@@ -816,6 +816,16 @@ def _leftovers(decode: DecodeEndpoint, prefills: list[PrefillEndpoint]) -> list[
     return left
 
 
+def _foreign_bootstrap(code: Any, reason: str) -> bool:
+    """Whether a decode room failed because another endpoint answered at its closed prefill's
+    bootstrap address. Scripts run side by side (``CONCURRENT``) on random loopback ports: once a
+    prefill rank closes, its port is free, and another script's prefill rank that is not a
+    bootstrap rank may bind it and refuse the decode's ``BOOTSTRAP_QUERY`` (found by perturbed
+    seed 13). The decode then fails at once, naming the refusal, as it should when its bootstrap
+    address reaches a rank that cannot answer; any other reason stays a violation."""
+    return code == ErrorCode.PEER_PROTOCOL_ERROR and "BootstrapQuery is not accepted by a prefill rank" in reason
+
+
 def _check_codes(out: Outcome, script: Script) -> None:
     """Quiet scripts: codes agree across sides, and a decode failure follows its cause quickly."""
     logs: dict[int, set[str]] = {}
@@ -866,6 +876,8 @@ def _check_codes(out: Outcome, script: Script) -> None:
                 if not _propagated(side, e) and code not in allowed_timeouts[side[0]]:
                     out.violations.append(f"room {r.room_id}: {side} waited out {code.name} ({e.reason}); "
                                           f"injected {sorted(injected)}, ends {_fmt(ends)}")
+            elif side == "D" and script.close_prefill is not None and _foreign_bootstrap(code, e.reason):
+                out.counts["bootstrap_port_taken"] += 1
             elif code not in origins:
                 out.violations.append(f"room {r.room_id}: {side} failed with {code!r} ({e.reason}), "
                                       f"not one of {sorted(c.name for c in origins)}; ends {_fmt(ends)}")
