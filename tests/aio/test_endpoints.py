@@ -203,6 +203,27 @@ async def test_endpoint_bootstrap_timeout_fails_room(transport: str) -> None:
         assert failed.value.code is ErrorCode.BOOTSTRAP_TIMEOUT
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_endpoint_bootstrap_at_a_rank_that_is_not_rank_0_fails_at_once(transport: str) -> None:
+    """A decode room whose bootstrap address reaches a prefill rank that is not rank 0 (a
+    misconfigured address, or a closed rank 0's port taken by another engine's rank: found by
+    perturbed fault script seed 13) fails at once with PEER_PROTOCOL_ERROR naming the refused
+    query, long before its bootstrap deadline; the prefill ranks carry on."""
+    src0, src1, dst = make_cache(seed=1, tp=2, rank=0), make_cache(seed=2, tp=2, rank=1), make_cache(seed=3, heads=4)
+    async with PrefillEndpoint(src0.kv, config=config(transport)) as rank0, \
+            PrefillEndpoint(src1.kv, bootstrap=rank0.address, config=config(transport)) as rank1, \
+            DecodeEndpoint(dst.kv, config=config(transport, timeouts=Timeouts(bootstrap=30.0))) as decode:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        room = decode.open_room(11, rank1.address, pages=[1, 2], num_tokens=8)
+        with pytest.raises(TransferFailed) as failed:
+            await asyncio.wait_for(room.wait(), 10)
+        assert failed.value.code is ErrorCode.PEER_PROTOCOL_ERROR
+        assert "BootstrapQuery is not accepted by a prefill rank" in str(failed.value)
+        assert loop.time() - began < 5
+        assert not rank0.closed and not rank1.closed
+
+
 @pytest.mark.parametrize("transport", [t for t in TRANSPORTS if t != "simulated"])
 @pytest.mark.parametrize("fragmented", [False, True], ids=["contiguous", "fragmented"])
 async def test_endpoint_auto_path_prices_each_room(transport, fragmented) -> None:
