@@ -29,6 +29,7 @@ addresses belong to anyone: callers check every row against registered memory fi
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -331,6 +332,15 @@ def launch_rows(plan: RowsPlan, src_table: torch.Tensor, dst_table: Any, src_pag
                                       dst_slot)
     else:
         triton_kernels.copy_paged(plan, src_table, dst_table, src_pages, dst_pages, lists, slots, src_slot, dst_slot)
+
+
+def forget_tables(tables: Sequence[Any]) -> None:
+    """Region tables that a transport no longer uses (a peer unmapped, the agent closed): the
+    rows launches bound to them are dropped (``triton_kernels.PagedLaunch.forget``). Nothing to
+    do where no rows launch ran in this process."""
+    bound = sys.modules.get("kvproto.kernels.triton_kernels")
+    if bound is not None and tables:
+        bound.PagedLaunch.forget(tables)
 
 
 def copy_reference(pattern: np.ndarray, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> None:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -869,6 +869,18 @@ class PagedLaunch:
             cls._bound.popitem(last=False)
         cls._bound[key] = (held, bound)
         return bound
+
+    @classmethod
+    def forget(cls, tables: Iterable[Any]) -> int:
+        """Drop the bindings that hold any of ``tables`` or a view of one (a transport's region
+        tables, as it unmaps a peer or closes), so that nothing of a closed link stays held here;
+        the number dropped."""
+        gone = {id(t) for t in tables}
+        stale = [key for key, (held, _) in cls._bound.items()
+                 if any(id(x) in gone or id(getattr(x, "_base", None)) in gone for x in held if x is not None)]
+        for key in stale:
+            del cls._bound[key]
+        return len(stale)
 
     def __call__(self, src_pages: Any, dst_pages: Any, src_slot: int = 0, dst_slot: int = 0) -> None:
         """Launch for these page lists (int64 from token 0, where the kernel reads them) and slots."""

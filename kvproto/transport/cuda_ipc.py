@@ -412,6 +412,7 @@ class CudaIpcTransport:
             xfer.state, xfer.error = XferState.ERROR, why
         mapped.queue.clear()
         mapped.gone = why
+        kernels.forget_tables([b.table for b in self._bases_cache.values() if b.peer is mapped])
         self._bases_cache = {k: v for k, v in self._bases_cache.items() if v.peer is not mapped}
         self._seen_bases = {k: v for k, v in self._seen_bases.items() if v[2].peer is not mapped}
         self._joined = {k: v for k, v in self._joined.items() if v[1].peer is not mapped}
@@ -940,6 +941,7 @@ class CudaIpcTransport:
                     xfer.event.synchronize()
             for peer in list(self._peers):
                 self._forget_peer(peer, "the agent was closed")
+            kernels.forget_tables([b.table for b in self._bases_cache.values()])  # (the base-0 pairs)
             self._xfers.clear()
             self._lists.clear()
         finally:

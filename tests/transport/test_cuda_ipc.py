@@ -423,6 +423,46 @@ def test_cuda_ipc_state_slot_rides_in_the_rows_launch(half: int, fail: bool, mon
         b.close()
 
 
+def test_cuda_ipc_rows_launches_bound_to_a_peer_are_dropped_when_it_is_removed_or_the_agent_closes(
+        monkeypatch) -> None:
+    """The rows launches bound for a peer's writes (``PagedLaunch``: they hold the region tables)
+    are dropped when the peer is removed, and every binding the agent made when it closes: a
+    closed link leaves nothing of its own held by the kernels' module."""
+    from collections import OrderedDict
+
+    from kvproto.kernels import triton_kernels
+
+    monkeypatch.setattr(triton_kernels.PagedLaunch, "_bound", OrderedDict())
+    bound = triton_kernels.PagedLaunch._bound
+    a, b = _agents(**KERNELS)
+    c = load_transport("cuda-ipc", "c", **KERNELS)
+    try:
+        m = _paged_and_state(a, b, 2)
+        xfer = a.post_parts("b", [m.paged, m.state], b"slot")
+        assert [n.tag for n in _finish(a, b, xfer)] == [b"slot"]
+        dst_c = [np.zeros_like(d) for d in m.dst]
+        c.register([region(x) for x in dst_c])
+        a.add_peer(c.metadata())
+        xfer = a.post_plan("c", m.plan, [x.ctypes.data for x in m.src], DRAM, [x.ctypes.data for x in dst_c], DRAM,
+                           [5, 2, 7, 0], [3, 6], 3, 15, b"plain")
+        assert [n.tag for n in _finish(a, c, xfer)] == [b"plain"]
+        assert len(bound) == 2  # one binding per peer's tables (with and without the slot)
+        held = [entry[0] for entry in bound.values()]
+        a.remove_peer("b")
+        assert len(bound) == 1  # the slot write to "b" is gone, the write to "c" is kept
+        assert [entry[0] for entry in bound.values()] == [h for h in held if h[4] is None]
+        xfer = a.post_plan("c", m.plan, [x.ctypes.data for x in m.src], DRAM, [x.ctypes.data for x in dst_c], DRAM,
+                           [5, 2, 7, 0], [3, 6], 3, 15, b"again")
+        assert [n.tag for n in _finish(a, c, xfer)] == [b"again"]  # the link to "c" still writes
+        assert all(np.array_equal(x, y) for x, y in zip(dst_c, m.dst, strict=True))  # as the write to "b" put it
+        a.close()
+        assert not bound
+    finally:
+        a.close()
+        b.close()
+        c.close()
+
+
 def test_cuda_ipc_prepared_parts_post_other_pages_and_slots_checked_each_time() -> None:
     """A write's shape prepared once (``prepare_parts``: a paged group and a state slot) and
     posted with other pages and slots each time: every write lands as the references put it,
