@@ -300,7 +300,7 @@ class DecodeEndpoint(EndpointBase):
     def _send(self, link: Any, message: Message) -> None:
         target = self._links.get(link)
         if target is not None and target.channel is not None:
-            self._send_frame(target.channel, [encode(message)])
+            self._send_frame(target.channel, [self._encode(message)])
 
     # --- incoming frames --------------------------------------------------------------------------
     def _on_frame(self, link: _Link, frame: bytes) -> None:

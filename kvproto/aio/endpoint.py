@@ -197,6 +197,8 @@ class EndpointBase:
         """Rooms, bytes, phase times (``kvproto.metrics``)."""
         self._last_tick: float | None = None
         self._wakeup_fd: int | None = None
+        self._last_encoded: tuple[Any, bytes] = (None, b"")
+        """The last message ``_encode`` encoded, and its frame."""
 
     # --- lifecycle ---------------------------------------------------------------------------
     async def __aenter__(self) -> Any:
@@ -383,9 +385,16 @@ class EndpointBase:
         assert self._loop is not None
         return Channel(sock, self._loop, on_message)
 
-    @staticmethod
-    def _encode(message: Message) -> bytes:
-        return encode(message)
+    def _encode(self, message: Message) -> bytes:
+        """``message``'s frame. The core sends one message object to every link it concerns (a
+        decode rank's request to each prefill rank of the room, an abort to each peer): the last
+        object encoded is kept with its frame, so that the others send the same bytes unencoded."""
+        last = self._last_encoded
+        if last[0] is message:
+            return last[1]
+        frame = encode(message)
+        self._last_encoded = (message, frame)
+        return frame
 
     # --- progress -----------------------------------------------------------------------------
     async def _progress_loop(self) -> None:

@@ -229,7 +229,9 @@ class KVCache:
             listed = given_pages.get(name)
             if listed is not None:
                 named += 1
-            pages.append([] if listed is None else list(listed))  # as the first group's pages: checked by the core
+            # as the first group's pages: checked (and copied) by the core, a list or tuple as given
+            pages.append(() if listed is None else listed if listed.__class__ is list or listed.__class__ is tuple
+                         else list(listed))
             slot = given_slots.get(name)
             if slot is not None:
                 named += 1

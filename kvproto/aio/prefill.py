@@ -290,7 +290,7 @@ class PrefillEndpoint(EndpointBase):
 
     def _send(self, link: Any, message: Message) -> None:
         assert self._router is not None
-        self._send_frame(self._router, [link, encode(message)])
+        self._send_frame(self._router, [link, self._encode(message)])
 
     # --- incoming frames -----------------------------------------------------------------------
     def _on_frame(self, ident: bytes, frame: bytes) -> None:

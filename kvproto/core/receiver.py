@@ -305,7 +305,7 @@ class ReceiverCore(CoreBase):
         ``group_pages`` / ``state_slots``: per group beyond the first, its pages (those holding the
         tokens needed: ``GroupSpec.needed_pages``) or its slot; the other kind's entry is ignored."""
         need = -(-num_tokens // self.block_size)
-        pages = tuple(pages)
+        given, pages = pages, tuple(pages)
         if not 0 < num_tokens < 2**32:
             raise LocalProtocolError(f"token count {num_tokens} outside [1, 2**32)", ErrorCode.TOKEN_COUNT_MISMATCH)
         if len(pages) != need:
@@ -330,7 +330,7 @@ class ReceiverCore(CoreBase):
             groups = tuple([
                 slot_destination(int(slot)) if spec.state else
                 GroupDestination(first_page=spec.window_start(num_tokens) // spec.block_size,
-                                 pages=_one_of(tuple(group), pages), slot=NO_SLOT)
+                                 pages=pages if group is given else _one_of(tuple(group), pages), slot=NO_SLOT)
                 for spec, group, slot in zip(self.groups, group_pages, state_slots)])
             problem = check_destinations(self.groups, self.groups, groups, num_tokens, prefix_tokens,
                                          checked=(pages, self.num_blocks))
@@ -602,12 +602,12 @@ class ReceiverCore(CoreBase):
             assert dest is not None
             writers = [link for link in room.links if link.writer]
             room.writers = {link.link_id: _Progress(stage_next=dest.prefix_tokens) for link in writers}
+            request = TransferRequest(  # one object for every link: the endpoint encodes it once
+                room_id=room.room_id, generation=room.generation, num_tokens=dest.num_tokens,
+                prefix_tokens=dest.prefix_tokens, aux_slot=NO_SLOT if dest.aux_slot is None else dest.aux_slot,
+                expected_writers=len(writers), dst_pages=dest.pages, groups=dest.groups)
             for link in room.links:
-                self.send(link.key, TransferRequest(
-                    room_id=room.room_id, generation=room.generation, num_tokens=dest.num_tokens,
-                    prefix_tokens=dest.prefix_tokens,
-                    aux_slot=NO_SLOT if dest.aux_slot is None else dest.aux_slot,
-                    expected_writers=len(writers), dst_pages=dest.pages, groups=dest.groups))
+                self.send(link.key, request)
         elif effect in (Effect.ABORT_PEERS, Effect.ABORT_AND_DRAIN):
             abort = self._abort_message(room.room_id, room.generation, room.code, room.reason)
             for link in room.links:

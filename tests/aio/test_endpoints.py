@@ -224,6 +224,52 @@ async def test_endpoint_bootstrap_at_a_rank_that_is_not_rank_0_fails_at_once(tra
         assert not rank0.closed and not rank1.closed
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_decode_rank_sends_one_encoded_request_to_every_prefill_rank_of_a_room(transport: str,
+                                                                                      monkeypatch) -> None:
+    """A decode rank fed by two prefill ranks (TP 2 -> 1) sends each of them the room's transfer
+    request: one message, encoded once, the same bytes on both links; each prefill rank moves its
+    heads and both rooms land byte-exact."""
+    from kvproto.aio import decode as decode_module
+    from kvproto.aio import endpoint as endpoint_module
+    from kvproto.wire import TransferRequest
+
+    encoded: list[tuple[object, bytes]] = []
+    real = endpoint_module.encode
+
+    def counting(message, *args, **kwargs):
+        frame = real(message, *args, **kwargs)
+        if isinstance(message, TransferRequest):
+            encoded.append((message, frame))
+        return frame
+
+    for module in (endpoint_module, decode_module):  # wherever a frame may be encoded
+        monkeypatch.setattr(module, "encode", counting)
+    src0, src1, dst = make_cache(seed=1, tp=2, rank=0), make_cache(seed=2, tp=2, rank=1), make_cache(seed=3, heads=4)
+    async with PrefillEndpoint(src0.kv, config=config(transport)) as rank0, \
+            PrefillEndpoint(src1.kv, bootstrap=rank0.address, config=config(transport)) as rank1, \
+            DecodeEndpoint(dst.kv, config=config(transport)) as decode:
+        got: list[tuple[int, bytes]] = []  # (prefill rank, frame) of every frame the ranks receive
+        for rank, ep in enumerate((rank0, rank1)):
+            ep._on_frame = (lambda seen, rank: lambda ident, frame: (  # type: ignore[method-assign]
+                got.append((rank, bytes(frame))), seen(ident, frame)))(ep._on_frame, rank)
+        for rid, (src_pages, dst_pages) in enumerate((([3, 1], [5, 9]), ([7], [2])), start=40):
+            tokens = 4 * len(src_pages)  # whole pages: every byte of them is compared
+            room = decode.open_room(rid, rank0.bootstrap_address, pages=dst_pages, num_tokens=tokens)
+            senders = [ep.open_room(rid) for ep in (rank0, rank1)]
+            for sender in senders:
+                sender.send(src_pages, tokens, last=True)
+            await asyncio.wait_for(asyncio.gather(room.wait(), *(r.wait() for r in senders)), 20)
+            for plane in range(2):
+                for layer in range(2):
+                    for s, d in zip(src_pages, dst_pages, strict=True):
+                        want = torch.cat([src0.page(plane, layer, s), src1.page(plane, layer, s)], dim=1)
+                        assert torch.equal(dst.page(plane, layer, d), want)
+    assert [m.room_id for m, _ in encoded] == [40, 41]  # once per room, not once per link
+    requests = {frame for _, frame in encoded}
+    assert sorted(rank for rank, frame in got if frame in requests) == [0, 0, 1, 1]
+
+
 @pytest.mark.parametrize("transport", [t for t in TRANSPORTS if t != "simulated"])
 @pytest.mark.parametrize("fragmented", [False, True], ids=["contiguous", "fragmented"])
 async def test_endpoint_auto_path_prices_each_room(transport, fragmented) -> None:
