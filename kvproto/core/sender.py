@@ -411,11 +411,16 @@ class SenderCore(CoreBase):
                                          f"whose last flag is set")
             if len(slots) != len(self.groups):
                 raise LocalProtocolError(f"{len(slots)} state slots for {len(self.groups)} groups beyond the first")
+            taken = []  # each state group's slot, checked; NO_SLOT for a paged group
             for spec, slot in zip(self.groups, slots):
-                if spec.state and not 0 <= slot < spec.pool:
+                if not spec.state:
+                    taken.append(NO_SLOT)
+                elif 0 <= slot < spec.pool:
+                    taken.append(slot)
+                else:
                     raise LocalProtocolError(f"slot {slot} of group {spec.name!r} outside [0, {spec.pool})",
                                              ErrorCode.INDEX_OUT_OF_RANGE)
-            return tuple([slot if spec.state else NO_SLOT for spec, slot in zip(self.groups, slots)])
+            return tuple(taken)
         if last and self._states and room.state_slots is None:
             raise LocalProtocolError(f"room {room.room_id}: the first chunk whose last flag is set gives the slot of "
                                      f"every state group ({', '.join(repr(self.groups[g].name) for g in self._states)})")

@@ -225,6 +225,8 @@ def _u32s(buf: Any, start: int, stop: int) -> tuple[int, ...]:
     """The ``u32[]`` whose elements are ``buf[start:stop]`` (checked to lie in the body): the last
     decoded tuple again when its bytes are the same."""
     global _LAST_U32S
+    if start == stop:
+        return ()  # (a state group's destination names no pages: the list kept stays kept)
     raw = bytes(buf[start:stop])
     last = _LAST_U32S
     if raw == last[0]:
@@ -242,11 +244,17 @@ _LAST_U32S_OUT: tuple[Any, bytes] = ((), b"")
 """The last tuple ``_u32s_out`` encoded, and its bytes (count and elements)."""
 
 
+_NO_U32S = b"\0\0\0\0"
+"""An empty ``u32[]``: its count alone."""
+
+
 def _u32s_out(values: tuple[int, ...] | list[int]) -> bytes:
     """A ``u32[]``'s bytes, count first; a tuple encoded just before (the same object, as a
     request names for a group on the first group's pages) is not encoded again. Raises what
     ``array`` raises on an element that does not fit."""
     global _LAST_U32S_OUT
+    if not values:
+        return _NO_U32S
     last = _LAST_U32S_OUT
     if values is last[0]:
         return last[1]
