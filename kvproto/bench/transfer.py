@@ -78,7 +78,11 @@ drained between segments. A kind's GB/s is over its own segments; ``vs one`` is 
 the pairs of adjacent segments (tens of milliseconds apart) of the hybrid's GB/s over the
 one-group's, and its interval the bootstrap interval of that median. Every room of both kinds
 is checked, as in other runs. Segments should hold several times the rooms in flight (the
-drain costs one room's latency per segment).
+drain costs one room's latency per segment). A run of more rooms than a decode rank's pages
+hold (``--pool-rooms``: by default what a third of 48 GiB of pages per GPU allows, 120 rooms of
+128 MiB) is not cut short: each kind's segments then land in the pages of its previous segment,
+whose rooms are checked as it ends (outside its timing, before the next of its kind begins), so
+a long run gives many pairs and still checks every byte.
 
 It is a benchmark: the exit status is non-zero only when a room fails or a byte differs.
 """
@@ -142,6 +146,10 @@ class Case:
     """Flip one byte of the last room on decode rank 0 before the check (proves the check can fail)."""
     hybrid: bool = False
     """The cache as three groups (module docstring)."""
+    reuse: int = 0
+    """Rooms 2, 3, ... land in the pages of room ``2 + (i - 2) % reuse`` (0: every room in pages of
+    its own). An interleaved run longer than the decode pool holds reuses them a segment apart:
+    each segment's rooms are checked when it ends, before the next segment of its kind."""
 
     def tokens(self, shape: Shape) -> int:
         return max(1, self.size // shape.token_bytes)
@@ -209,9 +217,10 @@ def pages_per_room(case: Case, shape: Shape, role: str = "prefill") -> int:
 
 
 def pools(case: Case, shape: Shape) -> tuple[int, int]:
-    """(prefill pages, decode pages): every room lands in pages of its own, so that all rooms
-    are checked after the timed phase, with nothing of the check inside it."""
-    return max(2 * pages_per_room(case, shape), 64), (case.rooms + 2) * pages_per_room(case, shape, "decode")
+    """(prefill pages, decode pages): every room lands in pages of its own (or of its slot, with
+    ``reuse``), so that rooms are checked outside the timed phase."""
+    held = case.rooms if not case.reuse else min(case.rooms, case.reuse)
+    return max(2 * pages_per_room(case, shape), 64), (held + 2) * pages_per_room(case, shape, "decode")
 
 
 def room_pages(case: Case, shape: Shape, i: int) -> tuple[list[int], list[int]]:
@@ -219,7 +228,8 @@ def room_pages(case: Case, shape: Shape, i: int) -> tuple[list[int], list[int]]:
     n, m = pages_per_room(case, shape), pages_per_room(case, shape, "decode")
     src_pool, _ = pools(case, shape)
     rng = random.Random(case.seed * 1_000_003 + i)
-    dst = list(range(i * m, i * m + m))
+    at = i if not case.reuse or i < 2 else 2 + (i - 2) % case.reuse  # the room whose pages it takes
+    dst = list(range(at * m, at * m + m))
     if case.pages == "contiguous":
         first = rng.randrange(0, src_pool - n + 1)
         return list(range(first, first + n)), dst
@@ -399,13 +409,14 @@ class _Rank:
             tasks.append(asyncio.ensure_future(windowed(i)))
         await asyncio.gather(*tasks)
 
-    def _verify(self, case: Case, schedule: list[tuple[list[int], list[int]]]) -> int:
-        """Mismatching bytes of every room of ``case`` (after the timed phase)."""
+    def _verify(self, case: Case, schedule: list[tuple[list[int], list[int]]], slots: int = 0) -> int:
+        """Mismatching bytes of every room of ``schedule`` and of the state slots of ``slots`` rooms
+        (0: as many as ``schedule`` holds), after the timed phase."""
         if case.tamper and self.rank == 0:
             self.big.view(self.torch.uint8)[0, schedule[-1][1][0]].view(-1)[0] ^= 1  # noqa: E501 - token 0 of the last room
         bad = self._check(schedule, case.tokens(self.shape))
         if case.hybrid:  # decode slot i holds prefill slot i's state, this rank's rows of it
-            want = self._decode_state_words(len(schedule))
+            want = self._decode_state_words(slots or len(schedule))
             bad += int((self.state.view(self.torch.int16) != want).sum().item()) * 2
         return bad
 
@@ -623,8 +634,9 @@ async def alternate(ranks: list[_Rank], cases: list[Case], addresses: list[str],
     """A rank process's side of an interleaved run: both cache kinds' endpoints started, their
     rooms in segments of ``segment`` rooms taking turns (``segment_rooms``); each kind's first
     and warm rooms come first, alone. A decode rank times every segment and then checks every
-    room of both kinds. Per kind: what ``_Rank.rooms`` returns, and ``segments`` ((start, end) of
-    each of its segments)."""
+    room of both kinds (where the kinds' pages are reused, ``Case.reuse``, each segment's rooms
+    as it ends, untimed). Per kind: what ``_Rank.rooms`` returns, and ``segments`` ((start, end)
+    of each of its segments)."""
     plan = segment_rooms(cases[0].rooms, segment)
     quiet_gc()
     if ranks[0].role == "prefill":
@@ -637,16 +649,20 @@ async def alternate(ranks: list[_Rank], cases: list[Case], addresses: list[str],
         first = await rank._room(case, address, schedule, 0)
         out.append({"first": first, "warm": await rank._room(case, address, schedule, 1), "latencies": [],
                     "segments": []})
-    cpu = time.process_time()
+    cpu, timed, bad = 0.0, 0.0, [0, 0]
     for k, rooms in plan:
-        began = time.monotonic()
+        began, cpu_began = time.monotonic(), time.process_time()
         await ranks[k]._windowed(cases[k], addresses[k], schedules[k], rooms, out[k]["latencies"])
-        out[k]["segments"].append((began, time.monotonic()))
-    cpu = time.process_time() - cpu
+        ended = time.monotonic()
+        cpu, timed = cpu + time.process_time() - cpu_began, timed + ended - began
+        out[k]["segments"].append((began, ended))
+        if cases[k].reuse:  # the next segment of this kind writes these pages again: check them now
+            bad[k] += ranks[k]._check([schedules[k][i] for i in rooms], cases[k].tokens(ranks[k].shape))
     start, end = out[plan[0][0]]["segments"][0][0], out[plan[-1][0]]["segments"][-1][1]
     for k, mine in enumerate(out):
-        mine.update(start=start, end=end, cpu=cpu / max(1e-9, end - start),
-                    bad=ranks[k]._verify(cases[k], schedules[k]))
+        kept = schedules[k][:2] if cases[k].reuse else schedules[k]  # (the rest were checked above)
+        mine.update(start=start, end=end, cpu=cpu / max(1e-9, timed),
+                    bad=bad[k] + ranks[k]._verify(cases[k], kept, slots=len(schedules[k])))
     return out
 
 
@@ -1028,6 +1044,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --groups one hybrid: run both kinds at once, in turns of ROOMS rooms, and give "
                          "'vs one' as the median over adjacent turns (module docstring); 0: kinds run by turns "
                          "of whole runs")
+    ap.add_argument("--pool-rooms", type=int, default=0, metavar="N",
+                    help="rooms whose destination pages a decode rank holds at once (0: as many as 48 GiB of "
+                         "pages per GPU, 1 GiB in host memory, allow; a third of that interleaved). More rooms "
+                         "than that: fewer rooms, or with --interleave each turn reuses the pages of the "
+                         "kind's previous turn, checked as that turn ends")
     ap.add_argument("--no-pin", action="store_true",
                     help="leave the rank processes where the OS puts them (default: each on physical cores of its "
                          "own where there are enough)")
@@ -1079,7 +1100,12 @@ def main(argv: list[str] | None = None) -> int:
                 budget = (48 << 30) if devices[1] != "cpu" else (1 << 30)  # destination pages per decode rank
                 if segment:
                     budget //= 3  # both kinds' caches at once, and room for the other processes' buffers
-                rooms = max(2, min(rooms, budget // max(1, size // d_tp) - 2))
+                held = args.pool_rooms or max(2, budget // max(1, size // d_tp) - 2)  # rooms a decode rank holds
+                reuse = 0
+                if segment and rooms > held >= segment:
+                    reuse = segment  # more rooms than pages: each segment's rooms reuse the last's pages
+                else:
+                    rooms = min(rooms, held)
                 key = (size, in_flight)
                 for pages in args.pages:
                     for path in args.paths:
@@ -1096,7 +1122,7 @@ def main(argv: list[str] | None = None) -> int:
                         if segment:
                             cases = [Case(p_tp, d_tp, size, pages, path, in_flight, rooms - rooms % segment,
                                           seed=len(rows) + 1 + 2 * turn + k, staging_mib=args.staging_mib,
-                                          hybrid=kind == "hybrid")
+                                          hybrid=kind == "hybrid", reuse=reuse)
                                      for turn in range(max(1, args.repeat)) for k, kind in enumerate(args.groups)]
                             need: dict[str, int] = {}
                             for case in cases[:2]:

@@ -114,6 +114,31 @@ def test_bench_transfer_interleave_alternates_the_kinds_in_segments_and_pairs_th
         transfer.main([*TINY, "--groups", "one", "--interleave", "2"])
 
 
+def test_bench_transfer_interleave_longer_than_the_pool_reuses_pages_and_checks_every_segment(
+        tmp_path: Path) -> None:
+    """With more rooms than a decode rank's pages hold (``--pool-rooms 4``), an interleaved run is
+    not cut short: rooms 2, 3, ... cycle through the pages of one segment, each segment's rooms
+    are checked as it ends (checking them at the end, after later segments wrote the same pages
+    from other sources, would count mismatching bytes), and every pair of segments is compared."""
+    from kvproto.bench import transfer
+
+    case = transfer.Case(1, 1, 1 << 17, "random", "auto", 2, 8, reuse=2)
+    shape = transfer.Shape(2, 4, 16, 16)
+    m = transfer.pages_per_room(case, shape, "decode")
+    assert transfer.pools(case, shape)[1] == 4 * m  # rooms 0, 1 and one segment's two
+    dst = [sorted(transfer.room_pages(case, shape, i)[1]) for i in range(10)]
+    assert dst[2] == dst[4] == dst[6] == dst[8] and dst[3] == dst[5] == dst[7] == dst[9]
+    assert len({p for d in dst[:4] for p in d}) == 4 * m  # rooms 0-3: pages of their own
+    out = tmp_path / "transfer.json"
+    code = transfer.main([*TINY, "--rooms", "8", "--pool-rooms", "4", "--layers", "4", "--tp", "1:1", "--paths",
+                          "auto", "--pages", "random", "--groups", "one", "hybrid", "--interleave", "2",
+                          "--json", str(out)])
+    assert code == 0
+    one, hybrid = json.loads(out.read_text())["rows"]
+    assert (one["rooms"], hybrid["rooms"]) == (8, 8) and one["bad_bytes"] == hybrid["bad_bytes"] == 0
+    assert len(hybrid["vs_one_pairs"]) == 4 and all(p > 0 for p in hybrid["vs_one_pairs"])
+
+
 def test_rank_processes_freeze_the_gc_for_their_timed_rooms_and_thaw_it_when_they_stop() -> None:
     """A rank freezes what it holds before its timed rooms (no full collection stalls its loop
     mid-run) and unfreezes when it stops, so that the next case's collection frees this case's
