@@ -82,7 +82,8 @@ drain costs one room's latency per segment). A run of more rooms than a decode r
 hold (``--pool-rooms``: by default what a third of 48 GiB of pages per GPU allows, 120 rooms of
 128 MiB) is not cut short: each kind's segments then land in the pages of its previous segment,
 whose rooms are checked as it ends (outside its timing, before the next of its kind begins), so
-a long run gives many pairs and still checks every byte.
+a long run gives many pairs and still checks every byte. (The prefill ranks' CPU share then
+spans those checks too, while they wait: only the decode ranks' is over the segments alone.)
 
 It is a benchmark: the exit status is non-zero only when a room fails or a byte differs.
 """
