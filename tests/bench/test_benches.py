@@ -88,6 +88,19 @@ def test_bench_transfer_repeat_prints_the_median_run_of_each_cache_kind(tmp_path
     assert low <= hybrid["vs_one"] <= high and one["vs_one_interval"] == []
 
 
+def _interleaved(tmp_path: Path, *args: str) -> tuple[dict, dict]:
+    """An interleaved run (``--interleave 2``) of both cache kinds, four layers of TINY's shape,
+    random pages, with ``args``; it must exit 0. Its one-group and hybrid rows."""
+    from kvproto.bench import transfer
+
+    out = tmp_path / "transfer.json"
+    code = transfer.main([*TINY, "--layers", "4", "--paths", "auto", "--pages", "random", "--groups", "one",
+                          "hybrid", "--interleave", "2", *args, "--json", str(out)])
+    assert code == 0
+    one, hybrid = json.loads(out.read_text())["rows"]
+    return one, hybrid
+
+
 def test_bench_transfer_interleave_alternates_the_kinds_in_segments_and_pairs_them(tmp_path: Path) -> None:
     """--interleave 2: both kinds' endpoints run in the same rank processes, their rooms in
     segments of two taking turns (0 1 1 0 ...); every room of both is checked, each row's GB/s
@@ -98,12 +111,7 @@ def test_bench_transfer_interleave_alternates_the_kinds_in_segments_and_pairs_th
 
     assert transfer.segment_kinds(8) == [0, 1, 1, 0, 0, 1, 1, 0]
     assert transfer.segment_rooms(4, 2) == [(0, range(2, 4)), (1, range(2, 4)), (1, range(4, 6)), (0, range(4, 6))]
-    out = tmp_path / "transfer.json"
-    code = transfer.main([*TINY, "--rooms", "5", "--layers", "4", "--tp", "1:2", "--paths", "auto", "--pages",
-                          "random", "--groups", "one", "hybrid", "--interleave", "2", "--repeat", "2",
-                          "--json", str(out)])
-    assert code == 0
-    one, hybrid = json.loads(out.read_text())["rows"]
+    one, hybrid = _interleaved(tmp_path, "--rooms", "5", "--tp", "1:2", "--repeat", "2")
     assert (one["groups"], hybrid["groups"], one["rooms"], hybrid["rooms"]) == ("one", "hybrid", 4, 4)
     assert one["bad_bytes"] == hybrid["bad_bytes"] == 0 and "state" in hybrid["paths"]
     assert len(hybrid["vs_one_pairs"]) == 4 and all(p > 0 for p in hybrid["vs_one_pairs"])  # 2 pairs per run
@@ -129,12 +137,7 @@ def test_bench_transfer_interleave_longer_than_the_pool_reuses_pages_and_checks_
     dst = [sorted(transfer.room_pages(case, shape, i)[1]) for i in range(10)]
     assert dst[2] == dst[4] == dst[6] == dst[8] and dst[3] == dst[5] == dst[7] == dst[9]
     assert len({p for d in dst[:4] for p in d}) == 4 * m  # rooms 0-3: pages of their own
-    out = tmp_path / "transfer.json"
-    code = transfer.main([*TINY, "--rooms", "8", "--pool-rooms", "4", "--layers", "4", "--tp", "1:1", "--paths",
-                          "auto", "--pages", "random", "--groups", "one", "hybrid", "--interleave", "2",
-                          "--json", str(out)])
-    assert code == 0
-    one, hybrid = json.loads(out.read_text())["rows"]
+    one, hybrid = _interleaved(tmp_path, "--rooms", "8", "--pool-rooms", "4", "--tp", "1:1")
     assert (one["rooms"], hybrid["rooms"]) == (8, 8) and one["bad_bytes"] == hybrid["bad_bytes"] == 0
     assert len(hybrid["vs_one_pairs"]) == 4 and all(p > 0 for p in hybrid["vs_one_pairs"])
 
