@@ -94,6 +94,11 @@ class StatePart(NamedTuple):
 
 Part = PagedPart | StatePart
 
+new_part = tuple.__new__
+"""``new_part(PagedPart, (group, start, end, layers, src, dst))``: a part built without the named
+tuple's ``__new__`` (a Python-level call, where this is one C call): a hybrid write builds
+several per chunk and link."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PostGroups:

@@ -145,7 +145,8 @@ def check_chunk_pages(groups: Sequence[GroupSpec], held: Sequence[Sequence[int]]
         if len(held[g]) + len(pages) != need:
             return None, (f"{end_token} tokens need {need} pages of group {spec.name!r}, "
                           f"the room has {len(held[g]) + len(pages)}")
-        if same_pages(pages, spec.pool, first_new, first_pool) and held[g] == first_held:
+        if (pages is first_new and spec.pool >= first_pool or same_pages(pages, spec.pool, first_new, first_pool)) \
+                and held[g] == first_held:
             continue  # the first group's pages, checked: none outside this pool, none twice
         bad = page_outside(pages, spec.pool)
         if bad is not None:
@@ -181,7 +182,8 @@ def check_destinations(groups: Sequence[GroupSpec], sizes: Sequence[GroupSpec | 
         first = 0 if window is None or num_tokens <= window else (num_tokens - window) // block
         # one test for the common case (every page fits): the reasons are worked out only on a refusal
         if dest.slot != NO_SLOT or dest.first_page != first or len(pages) != -(-num_tokens // block) - first \
-                or prefix_tokens % block or not same_pages(pages, size.pool, first_pages, first_pool) and (
+                or prefix_tokens % block or not (pages is first_pages and size.pool >= first_pool
+                                                 or same_pages(pages, size.pool, first_pages, first_pool)) and (
                     page_outside(pages, size.pool) is not None or len(set(pages)) != len(pages)):
             return _paged_problem(spec, block, size.pool, dest, num_tokens, prefix_tokens)
     return None

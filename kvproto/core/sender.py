@@ -62,6 +62,7 @@ from kvproto.core.events import (
     PostWrite,
     StatePart,
     Timeouts,
+    new_part,
 )
 from kvproto.core.groups import (
     GroupSpec,
@@ -874,7 +875,7 @@ class SenderCore(CoreBase):
                             self._post(room, peer, PostWrite, start_token=start, end_token=end,
                                        src_pages=src, dst_pages=req.dst_pages, layers=span, ready=ready)
                         else:
-                            parts.append(PagedPart(0, start, end, span, src, req.dst_pages))
+                            parts.append(new_part(PagedPart, (0, start, end, span, src, req.dst_pages)))
                 elif peer.staged and chunk.last and chunk.completes:  # an empty last chunk: it gives the slots
                     self._stage_up_to(room, peer, end)
                 if self.groups:
@@ -924,14 +925,15 @@ class SenderCore(CoreBase):
                 continue  # none of the group's layers in this chunk
             dest = req.groups[g]
             if spec.state:  # (group, layers, src_slot, dst_slot): the part's group counts the first as 0
-                parts.append(StatePart(g + 1, span, room.state_slots[g], dest.slot))  # type: ignore[index]
+                parts.append(new_part(StatePart, (g + 1, span, room.state_slots[g], dest.slot)))  # type: ignore[index]
                 continue
             first = start if spec.window is None else max(start, spec.window_start(req.num_tokens))
             if first < end:  # (group, start_token, end_token, layers, src_pages, dst_pages)
                 held = room.group_pages[g]
-                parts.append(PagedPart(
+                parts.append(new_part(PagedPart, (
                     g + 1, first, end, span, src if src is not None and held == room.src_pages else tuple(held),
-                    req.dst_pages if dest.first_page == 0 and dest.pages == req.dst_pages else pages_from_zero(dest)))
+                    req.dst_pages if dest.first_page == 0 and (dest.pages is req.dst_pages or dest.pages == req.dst_pages)
+                    else pages_from_zero(dest))))
         return parts
 
     def _piece_states(self, room: SenderRoom, peer: _Peer, end_token: int) -> tuple[StatePart, ...]:

@@ -1076,7 +1076,8 @@ class _RowsRecipe:
             self.slot_tiles = triton_kernels.SlotTiles(strided.plan, slot[1].steps, len(strided.plan.tiles), zero)
 
     def launch(self, values: Sequence[Any]) -> _Launch:
-        if self.shared is not None:
+        recipe = self
+        if self.shared is not None:  # the launch that lists the pages once, if every part names them
             one, others = self.shared
             src, dst = values[self.lists[0][0]]
             for i in others:
@@ -1084,23 +1085,23 @@ class _RowsRecipe:
                 if pages[0] is not src or pages[1] is not dst:
                     break
             else:
-                return one.launch(values)
-        shape, start, end = self.shape, self.start, self.end
-        table = None if self.whole is None else _page_rows([values[i][side] for i, side, *_ in self.lists],
-                                                            *self.whole)
+                recipe = one
+        shape, lists, whole = recipe.shape, recipe.lists, recipe.whole
+        table = None if whole is None else _page_rows([values[i][side] for i, side, *_ in lists], *whole)
         if table is None:  # the lists one by one: a few pages, lists of their own lengths, or a refusal
-            pieces = [_page_list(values[i][side], side, first, count, page_bytes, room, start, end)
-                      for i, side, first, count, page_bytes, room in self.lists]
+            pieces = [_page_list(values[i][side], side, first, count, page_bytes, room, recipe.start, recipe.end)
+                      for i, side, first, count, page_bytes, room in lists]
             if any(type(piece) is np.ndarray for piece in pieces):
                 table = np.concatenate([np.asarray(piece, dtype=np.int64) for piece in pieces])
             else:  # a few pages per list: one conversion
                 table = np.array([p for piece in pieces for p in piece], dtype=np.int64)
-        if self.slot is None:
-            return _Launch(shape.bases, table, self._go, shape.rows.nbytes, 0)
-        at, plan = self.slot
+        if recipe.slot is None:
+            return _Launch(shape.bases, table, recipe._go, shape.rows.nbytes, 0)
+        at, plan = recipe.slot
         src_slot, dst_slot = values[at]
-        plan.check(src_slot, dst_slot)
-        return _Launch(shape.bases, table, self._go_fused, shape.rows.nbytes + plan.nbytes, plan.descriptors,
+        if not (0 <= src_slot < plan.src_slots and 0 <= dst_slot < plan.dst_slots):
+            plan.check(src_slot, dst_slot)  # raises, naming the slots
+        return _Launch(shape.bases, table, recipe._go_fused, shape.rows.nbytes + plan.nbytes, plan.descriptors,
                        (src_slot, dst_slot))
 
     def _go(self, table: Any) -> None:
