@@ -45,6 +45,18 @@ def test_check_destinations_takes_the_first_groups_pages_on_one_comparison(monke
     assert groups.check_destinations([PAGED], [PAGED], [dest(pages)], 40, 0, checked=(pages, 64)) is None
 
 
+def test_the_first_groups_very_list_is_taken_by_identity_whatever_its_type(monkeypatch):
+    """The first group's list object itself, given again for a group of a pool as large, passes
+    both checks on identity alone, before any comparison: even an array, which ``same_pages``
+    never compares. In a smaller pool the same object still takes the checks."""
+    no_pass(monkeypatch)
+    pages = np.array([5, 9, 1])
+    assert groups.check_chunk_pages([PAGED], [[]], [pages], 40, True, checked=([], pages, 64)) is None
+    assert groups.check_destinations([PAGED], [PAGED], [dest(pages)], 40, 0, checked=(pages, 64)) is None
+    with pytest.raises(AssertionError, match="checked again"):
+        groups.check_destinations([PAGED], [PAGED], [dest(pages)], 40, 0, checked=(pages, 65))
+
+
 def test_check_destinations_checks_the_first_groups_pages_in_a_smaller_pool():
     """The first group's pages in a group of a smaller pool still meet its range check."""
     small = GroupSpec("lin", state=False, pool=8, block_size=16)
