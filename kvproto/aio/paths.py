@@ -203,10 +203,10 @@ class GroupWrites:
     next write of that shape (every room of that length) hands the adapter only its pages and
     slot numbers, so a hybrid write costs what a one-group write does plus its lists' checks."""
 
-    _last: tuple[Any, Any, Any] = ((), (), ())
-    """The last parts posted on any link, with their shape's key and values: the core gives the
-    links of one room's TP ranks the very same parts (``SenderCore._alike``), taken apart once.
-    A tuple swapped whole; parts are immutable."""
+    _last: tuple[Any, Any] = ((), ())
+    """The last parts posted on any link, with their shape's key: the core gives the links of one
+    room's TP ranks the very same parts (``SenderCore._alike``), taken apart once. A tuple
+    swapped whole; parts are immutable."""
 
     def __init__(self, path: LinkPath, groups: Sequence[LinkPath | StatePath]) -> None:
         self.paths: tuple[LinkPath | StatePath, ...] = (path, *groups)
@@ -221,15 +221,16 @@ class GroupWrites:
             return post_parts(first.transport, first.peer, first.route, made, tag), kinds
         last = GroupWrites._last
         if last[0] is parts:  # the parts another link's write just took (``SenderCore._alike``)
-            key, values = last[1], last[2]
-        else:  # a part's shape, then what a write of that shape names (``events.PagedPart``)
-            key, values = tuple([p[:-2] for p in parts]), tuple([p[-2:] for p in parts])
-            GroupWrites._last = (parts, key, values)
+            key = last[1]
+        else:  # each part's shape (``events.PagedPart``: all but its last two fields)
+            key = tuple([p[:-2] for p in parts])
+            GroupWrites._last = (parts, key)
         shape = self._shapes.get(key)
         if shape is None:
             made, kinds = self._parts(parts)
             shape = self._shapes.keep(key, (self._prepare(first.peer, made), *_counts(made), kinds))
-        return Posted(shape[0].post(values, tag), shape[1], shape[2]), shape[3]
+        # what a write of that shape names: each part's last two fields, read off the parts themselves
+        return Posted(shape[0].post(parts, tag), shape[1], shape[2]), shape[3]
 
     def _parts(self, parts: Sequence[events.Part]) -> tuple[list[Part], tuple[str, ...]]:
         """The paths' shares of one write, and the paths' names."""

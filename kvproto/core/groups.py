@@ -146,7 +146,7 @@ def check_chunk_pages(groups: Sequence[GroupSpec], held: Sequence[Sequence[int]]
             return None, (f"{end_token} tokens need {need} pages of group {spec.name!r}, "
                           f"the room has {len(held[g]) + len(pages)}")
         if (pages is first_new and spec.pool >= first_pool or same_pages(pages, spec.pool, first_new, first_pool)) \
-                and held[g] == first_held:
+                and (held[g] is first_held or held[g] == first_held):
             continue  # the first group's pages, checked: none outside this pool, none twice
         bad = page_outside(pages, spec.pool)
         if bad is not None:

@@ -197,7 +197,9 @@ class SenderRoom(RoomBase):
     layer_next: int = 0
     """Layer-wise chunks: the next layer of the token range being streamed (0: none open)."""
     group_pages: list[list[int]] = field(default_factory=list)
-    """Pages of each paged group beyond the first, from token 0 (state groups: empty)."""
+    """Pages of each paged group beyond the first, from token 0 (state groups: empty). A group
+    given the first group's very list in every chunk so far holds ``src_pages`` itself, not a
+    copy: its checks and writes then take it by identity."""
     state_slots: tuple[int, ...] | None = None
     """This rank's slot of each state group (paged groups: NO_SLOT), given with the first last chunk."""
 
@@ -390,9 +392,16 @@ class SenderCore(CoreBase):
         completes = span is None or span[1] == self.num_layers
         if aux_slot is not None and not completes:
             raise LocalProtocolError("the aux slot goes with the chunk that gives the last layer")
-        room.src_pages.extend(pages)
-        for held, new in zip(room.group_pages, group_pages):
-            held.extend(new)
+        src, before = room.src_pages, len(room.src_pages)
+        src.extend(pages)
+        for g, new in enumerate(group_pages):
+            held = room.group_pages[g]
+            if new is pages and (held is src or not held and not before):
+                room.group_pages[g] = src  # the first group's very list, from token 0: held once (``group_pages``)
+            elif held is src:  # it parts ways with the first group's pages: a list of its own from here on
+                room.group_pages[g] = [*src[:before], *new]
+            else:
+                held.extend(new)
         room.state_slots = slots
         room.chunks.append(_Chunk(start, end_token, last, aux_slot, span, ready, completes))
         room.layer_next = 0 if completes else span[1]  # type: ignore[index]
@@ -930,10 +939,10 @@ class SenderCore(CoreBase):
             first = start if spec.window is None else max(start, spec.window_start(req.num_tokens))
             if first < end:  # (group, start_token, end_token, layers, src_pages, dst_pages)
                 held = room.group_pages[g]
-                parts.append(new_part(PagedPart, (
-                    g + 1, first, end, span, src if src is not None and held == room.src_pages else tuple(held),
-                    req.dst_pages if dest.first_page == 0 and (dest.pages is req.dst_pages or dest.pages == req.dst_pages)
-                    else pages_from_zero(dest))))
+                own = src if src is not None and (held is room.src_pages or held == room.src_pages) else tuple(held)
+                to = req.dst_pages if dest.first_page == 0 and (dest.pages is req.dst_pages or
+                                                                dest.pages == req.dst_pages) else pages_from_zero(dest)
+                parts.append(new_part(PagedPart, (g + 1, first, end, span, own, to)))
         return parts
 
     def _piece_states(self, room: SenderRoom, peer: _Peer, end_token: int) -> tuple[StatePart, ...]:

@@ -1079,17 +1079,18 @@ class _RowsRecipe:
         recipe = self
         if self.shared is not None:  # the launch that lists the pages once, if every part names them
             one, others = self.shared
-            src, dst = values[self.lists[0][0]]
+            named = values[self.lists[0][0]]
+            src, dst = named[-2], named[-1]
             for i in others:
                 pages = values[i]
-                if pages[0] is not src or pages[1] is not dst:
+                if pages[-2] is not src or pages[-1] is not dst:
                     break
             else:
                 recipe = one
         shape, lists, whole = recipe.shape, recipe.lists, recipe.whole
-        table = None if whole is None else _page_rows([values[i][side] for i, side, *_ in lists], *whole)
+        table = None if whole is None else _page_rows([values[i][side - 2] for i, side, *_ in lists], *whole)
         if table is None:  # the lists one by one: a few pages, lists of their own lengths, or a refusal
-            pieces = [_page_list(values[i][side], side, first, count, page_bytes, room, recipe.start, recipe.end)
+            pieces = [_page_list(values[i][side - 2], side, first, count, page_bytes, room, recipe.start, recipe.end)
                       for i, side, first, count, page_bytes, room in lists]
             if any(type(piece) is np.ndarray for piece in pieces):
                 table = np.concatenate([np.asarray(piece, dtype=np.int64) for piece in pieces])
@@ -1098,7 +1099,8 @@ class _RowsRecipe:
         if recipe.slot is None:
             return _Launch(shape.bases, table, recipe._go, shape.rows.nbytes, 0)
         at, plan = recipe.slot
-        src_slot, dst_slot = values[at]
+        named = values[at]
+        src_slot, dst_slot = named[-2], named[-1]
         if not (0 <= src_slot < plan.src_slots and 0 <= dst_slot < plan.dst_slots):
             plan.check(src_slot, dst_slot)  # raises, naming the slots
         return _Launch(shape.bases, table, recipe._go_fused, shape.rows.nbytes + plan.nbytes, plan.descriptors,
@@ -1147,7 +1149,8 @@ class _SlotRecipe:
         self.at, self.plan, self.bases, self.device = at, plan, bases, bases.table.device
 
     def launch(self, values: Sequence[Any]) -> _Launch:
-        src_slot, dst_slot = values[self.at]
+        named = values[self.at]
+        src_slot, dst_slot = named[-2], named[-1]
         plan, table = self.plan, self.bases.table
         plan.check(src_slot, dst_slot)
         return _Launch(self.bases, plan.strided.tiles(src_slot, dst_slot),
@@ -1166,14 +1169,16 @@ class _DescsRecipe:
         self.local_kind, self.remote_kind, self.device = local_kind, remote_kind, None
 
     def launch(self, values: Sequence[Any]) -> _Launch:
-        local, remote = values[self.at]
+        named = values[self.at]
+        local, remote = named[-2], named[-1]
         return self.adapter._descs_launch(self.mapped, local, self.local_kind, remote, self.remote_kind, "post_parts")
 
 
 class PreparedParts:
     """A write of several parts to one peer, planned (``CudaIpcTransport.prepare_parts``):
-    ``post(values, tag)`` posts it with ``values[i]`` the pages or slots of part ``i``
-    (``part_values``), checking only them. A link keeps one per shape of its writes (the
+    ``post(values, tag)`` posts it with the last two items of ``values[i]`` the pages or slots of
+    part ``i`` (``part_values``' pair, or any tuple ending with them, as the core's parts do),
+    checking only them. A link keeps one per shape of its writes (the
     ``PostGroups`` of a chunk: which groups, token range, layers), so a hybrid write costs its
     pages' checks and lists, its slot numbers' check and the launch, as a one-group write does.
     Planned again if the peer was removed and added since."""

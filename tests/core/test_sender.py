@@ -1882,6 +1882,37 @@ def test_sender_group_on_the_first_groups_pages_names_the_same_lists(same: bool)
     assert (group.src_pages is first.src_pages and group.dst_pages is first.dst_pages) == same
 
 
+def test_sender_group_holds_the_first_groups_list_until_a_chunk_names_pages_of_its_own():
+    """Chunks that give a group the first group's very list leave the room holding one list for
+    both (no copy); a chunk that names other pages for the group gives it a list of its own from
+    then on, the first group's pages untouched. Every write names each group's pages from token 0."""
+    from kvproto.core import GroupSpec, LinkGroup, PostGroups
+    from kvproto.wire import GroupDestination
+
+    core = make_core(groups=[GroupSpec("idx", state=False, pool=64, block_size=BLOCK)])
+    link = replace(make_link(), groups=(LinkGroup(True, 32, BLOCK),))
+    core.add_link(link)
+    core.open_room(1, T0)
+    dst = (3, 1, 2, 6)
+    core.on_message(link.key, replace(req(1, 64, pages=dst), groups=(
+        GroupDestination(first_page=0, pages=dst, slot=NO_SLOT),)), T0)
+    room = core.rooms[1]
+    written = []
+    for pages, group, end in (([9], None, 16), ([4], None, 32), ([7], [5], 48), ([8], None, 64)):
+        pages = list(pages)
+        core.submit_chunk(1, pages, end, T0, last=end == 64, group_pages=[pages if group is None else group])
+        (write,) = [x for x in core.pop_outputs() if isinstance(x, PostGroups)]
+        written.append([(p.group, p.start_token, p.end_token, tuple(p.src_pages)) for p in write.parts])
+        if end <= 32:
+            assert room.group_pages[0] is room.src_pages  # one list while the group names the first's
+    assert room.src_pages == [9, 4, 7, 8] and room.group_pages[0] == [9, 4, 5, 8]
+    assert room.group_pages[0] is not room.src_pages
+    assert written == [[(0, 0, 16, (9,)), (1, 0, 16, (9,))],
+                       [(0, 16, 32, (9, 4)), (1, 16, 32, (9, 4))],
+                       [(0, 32, 48, (9, 4, 7)), (1, 32, 48, (9, 4, 5))],
+                       [(0, 48, 64, (9, 4, 7, 8)), (1, 48, 64, (9, 4, 5, 8))]]
+
+
 def _two_rank_core(blocks1: int = 32, pool1: int = 32):
     """A hybrid core (an indexer-like paged group, a state group) with decode ranks 0 and 1 of one
     engine; rank 1's link registered ``blocks1`` pages and a paged group pool of ``pool1``."""
