@@ -1038,9 +1038,9 @@ class _SlotPlan:
 
 class _RowsRecipe:
     """A rows launch of a prepared write (``_rows_recipe``): ``launch(values)`` checks and lists
-    the pages of its parts (``values[i]``, ``i`` in ``which``: source and destination pages), the
-    write's table, and with a state slot (``slot``: its index in ``values`` and plan) checks its
-    two numbers and passes them to the kernel. Everything else a launch needs (the lists'
+    the pages of its parts (the last two items of ``values[i]``, ``i`` in ``which``: source and
+    destination pages), the write's table, and with a state slot (``slot``: its index in
+    ``values`` and plan) checks its two numbers and passes them to the kernel. Everything else a launch needs (the lists'
     layout, the region tables' halves, the slot's tiles) is taken apart here, once."""
 
     __slots__ = ("lists", "shape", "start", "end", "slot", "zero", "device", "tables", "slot_tiles", "whole",
@@ -1178,10 +1178,10 @@ class PreparedParts:
     """A write of several parts to one peer, planned (``CudaIpcTransport.prepare_parts``):
     ``post(values, tag)`` posts it with the last two items of ``values[i]`` the pages or slots of
     part ``i`` (``part_values``' pair, or any tuple ending with them, as the core's parts do),
-    checking only them. A link keeps one per shape of its writes (the
-    ``PostGroups`` of a chunk: which groups, token range, layers), so a hybrid write costs its
-    pages' checks and lists, its slot numbers' check and the launch, as a one-group write does.
-    Planned again if the peer was removed and added since."""
+    checking only them. A link keeps one per shape of its writes (the ``PostGroups`` of a chunk:
+    which groups, token range, layers), so a hybrid write costs its pages' checks and lists, its
+    slot numbers' check and the launch, as a one-group write does. Planned again if the peer was
+    removed and added since."""
 
     __slots__ = ("_adapter", "peer", "_mapped", "_parts", "_recipes", "_mixed")
 
