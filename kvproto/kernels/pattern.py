@@ -323,15 +323,12 @@ def launch_rows(plan: RowsPlan, src_table: torch.Tensor, dst_table: Any, src_pag
     are int64 page lists from token 0, where the kernel reads them; ``lists``, where regions of
     several groups share the launch, each region's offsets into them; ``slots``, a state slot's
     copy in the same launch (``triton_kernels.SlotTiles``: ``StridedRows.stepped`` tiles), from
-    slot ``src_slot`` into slot ``dst_slot``."""
+    slot ``src_slot`` into slot ``dst_slot``. ``stream``: a CUDA stream to launch on, current or not
+    (the current device must be its device); None: the current stream."""
     from kvproto.kernels import triton_kernels
 
-    if src_table.device.type == "cuda" and stream is not None:
-        with torch.cuda.stream(stream):
-            triton_kernels.copy_paged(plan, src_table, dst_table, src_pages, dst_pages, lists, slots, src_slot,
-                                      dst_slot)
-    else:
-        triton_kernels.copy_paged(plan, src_table, dst_table, src_pages, dst_pages, lists, slots, src_slot, dst_slot)
+    triton_kernels.copy_paged(plan, src_table, dst_table, src_pages, dst_pages, lists, slots, src_slot, dst_slot,
+                              stream if src_table.device.type == "cuda" else None)
 
 
 def forget_tables(tables: Sequence[Any]) -> None:
@@ -356,11 +353,8 @@ def launch(plan: PatternPlan, src_table: torch.Tensor, dst_table: torch.Tensor, 
            stream: Any = None) -> None:
     """Run ``plan`` with Triton: ``src_table``/``dst_table`` hold the regions' base addresses
     (int64, on the device that runs the kernel), ``tiles`` is ``plan.tiles`` there. On CPU
-    tensors the Triton interpreter runs it (tests; needs ``TRITON_INTERPRET=1``)."""
+    tensors the Triton interpreter runs it (tests; needs ``TRITON_INTERPRET=1``). ``stream``: as
+    ``launch_rows`` takes it."""
     from kvproto.kernels import triton_kernels
 
-    if src_table.device.type == "cuda" and stream is not None:
-        with torch.cuda.stream(stream):
-            triton_kernels.copy_pattern(plan, src_table, dst_table, tiles)
-    else:
-        triton_kernels.copy_pattern(plan, src_table, dst_table, tiles)
+    triton_kernels.copy_pattern(plan, src_table, dst_table, tiles, stream if src_table.device.type == "cuda" else None)

@@ -173,8 +173,10 @@ _compiled: dict[tuple[Any, ...], Any] = {}
 """Compiled kernels by ``_launch``'s key: what Triton specialises a launch on."""
 
 
-def _launch(kernel: Any, grid: tuple[int, int], args: tuple[Any, ...], constants: dict[str, Any]) -> Any:
-    """``kernel[grid](*args, **constants)`` on the current stream, at a fraction of its host cost;
+def _launch(kernel: Any, grid: tuple[int, int], args: tuple[Any, ...], constants: dict[str, Any],
+            stream: Any = None) -> Any:
+    """``kernel[grid](*args, **constants)`` on the current stream (or on ``stream``, a CUDA stream
+    that need not be current: ``kvproto.kernels.lane``), at a fraction of its host cost;
     returns what later launches of this specialisation call (``_direct``'s answer; False: the JIT).
 
     A JIT launch binds and specialises every argument and hashes its options before it finds the
@@ -188,29 +190,37 @@ def _launch(kernel: Any, grid: tuple[int, int], args: tuple[Any, ...], constants
     the JIT path every time. A launch made again and again with most arguments the same binds
     them once instead (``PagedLaunch``)."""
     if isinstance(kernel, InterpretedFunction) or _jit_only():
-        kernel[grid](*args, **constants)
+        _jit(kernel, grid, args, constants, stream)
         return False
     spec = [-0x80000000 <= a < 0x80000000 if a.__class__ is int else (a.dtype, not a.data_ptr() & 15) for a in args]
     device = torch.cuda.current_device()
     key = (id(kernel), device, *spec, *constants.items())
     known = _compiled.get(key)
     if known is None:
-        compiled = kernel[grid](*args, **constants)
+        compiled = _jit(kernel, grid, args, constants, stream)
         known = _compiled[key] = _direct(kernel, compiled, len(args), constants)
         return known
     if known is False:
-        kernel[grid](*args, **constants)
+        _jit(kernel, grid, args, constants, stream)
         return known
-    _call(known, grid, args, device)
+    _call(known, grid, args, device, stream)
     return known
 
 
-def _call(known: Any, grid: tuple[int, int], args: tuple[Any, ...], device: int) -> None:
-    """A compiled kernel's launcher called directly (``_direct``'s answer) on the current stream of
-    ``device`` (the current device)."""
+def _jit(kernel: Any, grid: tuple[int, int], args: tuple[Any, ...], constants: dict[str, Any], stream: Any) -> Any:
+    """The JIT's launch (on ``stream``, made current for it, where one is named)."""
+    if stream is None:
+        return kernel[grid](*args, **constants)
+    with torch.cuda.stream(stream):
+        return kernel[grid](*args, **constants)
+
+
+def _call(known: Any, grid: tuple[int, int], args: tuple[Any, ...], device: int, stream: Any = None) -> None:
+    """A compiled kernel's launcher called directly (``_direct``'s answer) on ``stream`` (a CUDA
+    stream), or on the current stream of ``device`` (the current device)."""
     run, function, metadata, tail = known
-    run(grid[0], grid[1], 1, torch._C._cuda_getCurrentRawStream(device), function, metadata, None, None, None,
-        *args, *tail)
+    run(grid[0], grid[1], 1, torch._C._cuda_getCurrentRawStream(device) if stream is None else stream.cuda_stream,
+        function, metadata, None, None, None, *args, *tail)
 
 
 def _direct(kernel: Any, compiled: Any, positional: int, constants: dict[str, Any]) -> Any:
@@ -717,16 +727,17 @@ def _word_tensor(word: int, device: torch.device) -> torch.Tensor:
     return torch.empty(1, dtype=_WORDS[word], device=device)
 
 
-def copy_pattern(plan: Any, src_table: torch.Tensor, dst_table: torch.Tensor, tiles: torch.Tensor) -> None:
-    """Launch one ``kvproto.kernels.pattern.PatternPlan`` on the current stream (grid: tiles x
-    regions); the tables and tiles live on the device that runs it (CPU: the interpreter)."""
+def copy_pattern(plan: Any, src_table: torch.Tensor, dst_table: torch.Tensor, tiles: torch.Tensor,
+                 stream: Any = None) -> None:
+    """Launch one ``kvproto.kernels.pattern.PatternPlan`` on the current stream or ``stream`` (grid:
+    tiles x regions); the tables and tiles live on the device that runs it (CPU: the interpreter)."""
     device = src_table.device
     interpret = device.type != "cuda"
     constants: dict[str, Any] = {"TILE_WORDS": plan.tile_words, "VEC": plan.vec, "ALIGN": plan.word * plan.vec}
     if not interpret:
         constants["num_warps"] = NUM_WARPS if plan.tile_words * plan.word >= 8192 else 4
     _launch(_pattern_kernel(interpret), (len(plan.tiles), plan.regions),
-            (src_table, dst_table, tiles, _word_tensor(plan.word, device)), constants)
+            (src_table, dst_table, tiles, _word_tensor(plan.word, device)), constants, stream)
 
 
 # --- paged-to-paged rows (the kernel path's conversions: ``kvproto.kernels.pattern.plan_rows``) --------
@@ -799,16 +810,17 @@ def _paged_kernel(interpret: bool) -> Any:
 
 
 def copy_paged(plan: Any, src_table: torch.Tensor, dst_table: Any, src_pages: Any, dst_pages: Any,
-               lists: Any = None, slots: SlotTiles | None = None, src_slot: int = 0, dst_slot: int = 0) -> None:
-    """Launch one ``kvproto.kernels.pattern.RowsPlan`` on the current stream (grid: row tiles x
-    regions); tables and page lists are where the kernel reads them (CPU: the interpreter).
+               lists: Any = None, slots: SlotTiles | None = None, src_slot: int = 0, dst_slot: int = 0,
+               stream: Any = None) -> None:
+    """Launch one ``kvproto.kernels.pattern.RowsPlan`` on the current stream or ``stream`` (grid: row
+    tiles x regions); tables and page lists are where the kernel reads them (CPU: the interpreter).
     ``lists``: where regions of several groups share a launch, int64 offsets into the page lists,
     ``regions`` for the source lists then ``regions`` for the destination lists. ``slots``: a
     state slot's copy in the same launch (``SlotTiles``): the grid's first rows copy its tiles over
     one region of base 0, each moved by the write's two slot numbers (``src_slot``, ``dst_slot``).
     The launch is bound once per plan, tables, lists and tiles (``PagedLaunch.of``); a write gives
     its pages and slots."""
-    PagedLaunch.of(plan, src_table, dst_table, lists, slots)(src_pages, dst_pages, src_slot, dst_slot)
+    PagedLaunch.of(plan, src_table, dst_table, lists, slots)(src_pages, dst_pages, src_slot, dst_slot, stream)
 
 
 class PagedLaunch:
@@ -882,22 +894,24 @@ class PagedLaunch:
             del cls._bound[key]
         return len(stale)
 
-    def __call__(self, src_pages: Any, dst_pages: Any, src_slot: int = 0, dst_slot: int = 0) -> None:
-        """Launch for these page lists (int64 from token 0, where the kernel reads them) and slots."""
+    def __call__(self, src_pages: Any, dst_pages: Any, src_slot: int = 0, dst_slot: int = 0,
+                 stream: Any = None) -> None:
+        """Launch for these page lists (int64 from token 0, where the kernel reads them) and slots,
+        on the current stream or ``stream``."""
         head, mid = self.args
         args = (*head, src_pages, dst_pages, src_pages if self.lists is None else self.lists, *mid, src_slot,
                 dst_slot)
         kernel = self.kernel
         if isinstance(kernel, InterpretedFunction) or _jit_only():
-            kernel[self.grid](*args, **self.constants)
+            _jit(kernel, self.grid, args, self.constants, stream)
             return
         device = torch.cuda.current_device()
         spec = (device, src_pages.dtype, not src_pages.data_ptr() & 15, dst_pages.dtype, not dst_pages.data_ptr() & 15,
                 src_slot < 0x80000000 and dst_slot < 0x80000000)
         known = self._known.get(spec)
         if known is None:  # the first launch of this specialisation here: the JIT's (or ``_launch``'s kept)
-            self._known[spec] = _launch(kernel, self.grid, args, self.constants)
+            self._known[spec] = _launch(kernel, self.grid, args, self.constants, stream)
         elif known is False:
-            kernel[self.grid](*args, **self.constants)
+            _jit(kernel, self.grid, args, self.constants, stream)
         else:
-            _call(known, self.grid, args, device)
+            _call(known, self.grid, args, device, stream)

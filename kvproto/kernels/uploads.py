@@ -70,14 +70,17 @@ class Uploads:
         self._mirror: Any = None
         """The ring's copy on the device, where the kernels read it."""
         self._words: np.ndarray | None = None
+        self._addresses = (0, 0)
+        """The mirror's and the ring's addresses (a lane copies between them)."""
         self._head = 0
         self._live: deque[list[Any]] = deque()
         """[start, end, event] of every slot in use, oldest first; event None: its kernel is not
         launched yet (a write of several kernels holds several slots before its one event)."""
 
-    def put(self, table: np.ndarray, device: Any) -> tuple[Any, Any]:
+    def put(self, table: np.ndarray, device: Any, lane: Any = None) -> tuple[Any, Any]:
         """``table`` where a kernel on ``device`` reads it (call on the stream of that kernel's
-        launch); returns (tensor-like, slot)."""
+        launch, or name it: ``lane``, a ``kvproto.kernels.lane.Lane`` that drives the driver, whose
+        stream then copies it); returns (tensor-like, slot)."""
         n = table.size
         if self._host is None:
             self._host = torch.empty(self.ENTRIES, dtype=torch.int64, pin_memory=True)
@@ -85,16 +88,24 @@ class Uploads:
         start = self._reserve(n + (n & 1))  # slots start 16-byte aligned
         if start is None:
             flat = torch.from_numpy(np.ascontiguousarray(table, dtype=np.int64).reshape(-1))
+            if lane is not None:
+                with torch.cuda.stream(lane.stream):
+                    return flat.pin_memory().to(device, non_blocking=True), None
             return flat.pin_memory().to(device, non_blocking=True), None
         assert self._words is not None
         self._words[start:start + n] = table.reshape(-1)
         if self._mirror is None:
             self._mirror = torch.empty(self.ENTRIES, dtype=torch.int64, device=device)
-        # on the current stream, before the launch that reads it; the slot's event covers both
-        self._mirror[start:start + n].copy_(self._host[start:start + n], non_blocking=True)
+            self._addresses = self._mirror.data_ptr(), self._host.data_ptr()
+        # on the launch's stream, before the launch that reads it; the slot's event covers both
+        if lane is not None:
+            mirror, host = self._addresses
+            lane.upload(mirror + 8 * start, host + 8 * start, 8 * n)
+        else:
+            self._mirror[start:start + n].copy_(self._host[start:start + n], non_blocking=True)
         slot = [start, start + n + (n & 1), None]
         self._live.append(slot)  # held from now: the next put of the same write must not reuse it
-        return Pointer(self._mirror.data_ptr() + 8 * start, n, device), slot
+        return Pointer(self._addresses[0] + 8 * start, n, device), slot
 
     def used(self, slot: Any, event: Any) -> None:
         """The kernel reading ``slot`` is launched: the slot is free once ``event`` has completed."""

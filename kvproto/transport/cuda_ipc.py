@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import contextlib
 import itertools
 import json
 import logging
@@ -83,6 +84,7 @@ from kvproto.geometry import PairPlan
 from kvproto.transport.cuda import Pointer, Uploads, driver
 from kvproto.transport.local import TagChannel, host_id
 from kvproto.kernels import pattern as kernels
+from kvproto.kernels.lane import Lane
 from kvproto.kernels.pattern import alignment as kernels_alignment
 from kvproto.kernels.pattern import plan_rows
 
@@ -153,8 +155,9 @@ class _Dual:
 @dataclass(eq=False, slots=True)
 class _Launch:
     """One kernel of a write, checked and planned: ``table`` is the small int64 table it reads
-    (tiles, or both page lists), put where the kernel reads it at launch; ``go(table)`` launches
-    it on the current stream (on CPU memory: runs it at once, in the interpreter)."""
+    (tiles, or both page lists), put where the kernel reads it at launch; ``go(table, *slots,
+    stream=None)`` launches it on the current stream or on ``stream`` (a CUDA stream that need not
+    be current; on CPU memory: runs it at once, in the interpreter)."""
 
     bases: _Bases
     table: np.ndarray
@@ -222,7 +225,8 @@ class CudaIpcTransport:
         self._routes: dict[str, Route] = {}
         self._xfers: set[KernelXfer] = set()
         self._lists: set[Any] = set()
-        self._stream: Any = None
+        self._lane: Any = None
+        """This agent's stream (``kvproto.kernels.lane.Lane``): its writes' kernels, uploads, events."""
         self._bases_cache: dict[tuple[Any, ...], _Bases] = {}
         self._seen_bases: dict[tuple[int, int], tuple[Any, Any, _Bases, MemKind]] = {}
         """Checked bases by the identity of the two arrays a link passes (a hybrid link: one pair
@@ -718,13 +722,17 @@ class CudaIpcTransport:
     def _pattern_launch(pattern: np.ndarray, bases: _Bases, nbytes: int, descriptors: int) -> _Launch:
         plan = kernels.plan_pattern(pattern, regions=bases.regions, base_align=bases.align)
         src_table, dst_table = bases.table[:bases.regions], bases.table[bases.regions:]
-        return _Launch(bases, plan.tiles, lambda tiles: kernels.launch(plan, src_table, dst_table, tiles), nbytes,
-                       descriptors)
+        return _Launch(bases, plan.tiles,
+                       lambda tiles, stream=None: kernels.launch(plan, src_table, dst_table, tiles, stream=stream),
+                       nbytes, descriptors)
 
     def _run(self, mapped: _Peer, launches: Sequence[_Launch], tag: bytes) -> KernelXfer:
         """Launch every kernel of one write on this agent's stream (after the work queued on the
         caller's current stream; on CPU memory: at once, in the interpreter), then the one event
-        that ``poll`` waits for before it sends the tag."""
+        that ``poll`` waits for before it sends the tag. On the GPU the stream is a ``Lane``: its
+        wait, the tables' uploads, the launches and the event are driver calls on raw handles
+        (``kvproto.kernels.lane``); where the lane has no driver binding, or the caller's current
+        device is another, the same calls go through torch with the lane's stream made current."""
         import torch
 
         nbytes = sum(launch.nbytes for launch in launches)
@@ -734,17 +742,24 @@ class CudaIpcTransport:
             for launch in launches:
                 launch.go(torch.from_numpy(launch.table), *launch.slots)
             return self._record(mapped, tag, _Done(), (), nbytes, descriptors)
-        stream = self._own_stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
+        lane = self._own_lane(device)
+        lane.follow()
         keep, slots = [], []
-        with torch.cuda.stream(stream):
+        if lane.raw and torch.cuda.current_device() == lane.index:
+            stream = lane.stream
             for launch in launches:
-                table, slot = self._uploads.put(launch.table, device)
-                launch.go(table, *launch.slots)
+                table, slot = self._uploads.put(launch.table, device, lane)
+                launch.go(table, *launch.slots, stream=stream)
                 keep.append(table)
                 slots.append(slot)
-            event = torch.cuda.Event()
-            event.record(stream)
+        else:
+            with torch.cuda.stream(lane.stream):
+                for launch in launches:
+                    table, slot = self._uploads.put(launch.table, device)
+                    launch.go(table, *launch.slots)
+                    keep.append(table)
+                    slots.append(slot)
+        event = lane.record()
         for slot in slots:
             self._uploads.used(slot, event)
         return self._record(mapped, tag, event, tuple(keep), nbytes, descriptors)
@@ -809,15 +824,13 @@ class CudaIpcTransport:
         if kind is MemKind.DRAM:
             return host
         device = torch.device("cuda", self._device_ordinal())
-        with torch.cuda.stream(self._own_stream(device)):
+        with torch.cuda.stream(self._own_lane(device).stream):
             return host.pin_memory().to(device, non_blocking=True)
 
-    def _own_stream(self, device: Any) -> Any:
-        import torch
-
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=device)
-        return self._stream
+    def _own_lane(self, device: Any) -> Lane:
+        if self._lane is None:
+            self._lane = Lane(device)
+        return self._lane
 
     def poll(self, xfer: Any) -> XferState:
         self._check_open()
@@ -846,6 +859,8 @@ class CudaIpcTransport:
             xfer = running.popleft()
             xfer.keep = ()
             xfer.finished = True
+            if self._lane is not None:
+                self._lane.recycle(xfer.event)
             if xfer.state is not XferState.PENDING:
                 continue  # its peer was removed meanwhile
             if not xfer.tag:
@@ -1106,19 +1121,19 @@ class _RowsRecipe:
         return _Launch(shape.bases, table, recipe._go_fused, shape.rows.nbytes + plan.nbytes, plan.descriptors,
                        (src_slot, dst_slot))
 
-    def _go(self, table: Any) -> None:
+    def _go(self, table: Any, stream: Any = None) -> None:
         shape = self.shape
         src, dst = _split(table, shape.split)
-        kernels.launch_rows(shape.rows, *self.tables, src, dst, lists=shape.lists)
+        kernels.launch_rows(shape.rows, *self.tables, src, dst, lists=shape.lists, stream=stream)
 
-    def _go_fused(self, table: Any, src_slot: int, dst_slot: int) -> None:
+    def _go_fused(self, table: Any, src_slot: int, dst_slot: int, stream: Any = None) -> None:
         global _FUSE_SLOTS
         shape = self.shape
         src, dst = _split(table, shape.split)
         if _FUSE_SLOTS:
             try:
                 kernels.launch_rows(shape.rows, *self.tables, src, dst, lists=shape.lists, slots=self.slot_tiles,
-                                    src_slot=src_slot, dst_slot=dst_slot)
+                                    src_slot=src_slot, dst_slot=dst_slot, stream=stream)
                 return
             except Exception as exc:  # noqa: BLE001 - the kernel variant failed to build: nothing was launched
                 _FUSE_SLOTS = False
@@ -1128,9 +1143,10 @@ class _RowsRecipe:
 
         assert self.slot is not None
         zero, strided = self.zero, self.slot[1].strided
-        kernels.launch_rows(shape.rows, *self.tables, src, dst, lists=shape.lists)
-        tiles = torch.from_numpy(strided.tiles(src_slot, dst_slot)).to(zero.device)
-        kernels.launch(strided.plan, zero[:1], zero[1:], tiles)
+        with contextlib.nullcontext() if stream is None else torch.cuda.stream(stream):
+            kernels.launch_rows(shape.rows, *self.tables, src, dst, lists=shape.lists)
+            tiles = torch.from_numpy(strided.tiles(src_slot, dst_slot)).to(zero.device)
+            kernels.launch(strided.plan, zero[:1], zero[1:], tiles)
 
 
 def _split(table: Any, split: int) -> tuple[Any, Any]:
@@ -1154,8 +1170,8 @@ class _SlotRecipe:
         plan, table = self.plan, self.bases.table
         plan.check(src_slot, dst_slot)
         return _Launch(self.bases, plan.strided.tiles(src_slot, dst_slot),
-                       lambda t: kernels.launch(plan.strided.plan, table[:1], table[1:], t), plan.nbytes,
-                       plan.descriptors)
+                       lambda t, stream=None: kernels.launch(plan.strided.plan, table[:1], table[1:], t, stream=stream),
+                       plan.nbytes, plan.descriptors)
 
 
 class _DescsRecipe:

@@ -509,38 +509,33 @@ class _Fast:
                 while k + 1 < optional and _is_int(fields[k + 1][1]):
                     k += 1
                     run.append(k)
-                ints = struct.Struct("<" + "".join(_INT_CODE[fields[j][1]] for j in run))
-                env[f"S{run[0]}"] = ints
-                got = ", ".join(f"f{j}" for j in run)
-                read += [f"        if pos + {ints.size} > end: return None",
-                         f"        {got}, = S{run[0]}.unpack_from(buf, pos)", f"        pos += {ints.size}"]
+                read += cls._int_reads(env, fields, run, "f", f"S{run[0]}", "        ")
                 values = ", ".join(f"body.{fields[j][0]}" for j in run)
                 write += [f"        v = ({values},)", "        for x in v:",
                           "            if not isinstance(x, int): return False",
                           f"        out += S{run[0]}.pack(*v)"]
             elif kind == "u32[]":
-                read += ["        if pos + 4 > end: return None", "        n, = U32.unpack_from(buf, pos)",
-                         "        stop = pos + 4 + 4 * n", "        if stop > end: return None",
-                         f"        f{k} = U32S(buf, pos + 4, stop)", "        pos = stop"]
+                read += cls._u32s_reads(f"f{k}", "        ")
                 write += [f"        v = body.{name}", "        if v.__class__ is not tuple and v.__class__ is not list:",
                           "            return False", "        out += U32S_OUT(v)"]
             else:  # a list of records
                 read += ["        if pos + 4 > end: return None", "        n, = U32.unpack_from(buf, pos)",
                          "        pos += 4", "        if n > end - pos: return None", "        items = []",
-                         "        for _ in range(n):", f"            got = R{k}(buf, pos, end, NO_HEAD)",
-                         "            if got is None: return None", "            items.append(got[0])",
-                         "            pos = got[1]", f"        f{k} = tuple(items)"]
+                         "        for _ in range(n):"]
+                inline = cls._record_reads(kind[0], env, f"R{k}_")
+                if inline is None:
+                    read += [f"            got = R{k}(buf, pos, end, NO_HEAD)", "            if got is None: return None",
+                             "            items.append(got[0])", "            pos = got[1]"]
+                else:  # the record's fields read here, in the loop: no call per record
+                    read += inline + ["            items.append(o)"]
+                read += [f"        f{k} = tuple(items)"]
                 write += [f"        v = body.{name}", "        if v.__class__ is not tuple and v.__class__ is not list:",
                           "            return False", "        out += U32.pack(len(v))", "        for x in v:",
                           f"            if x.__class__ is not T{k} or not W{k}(x, out): return False"]
             k += 1
         given = ", ".join(f"{n}=f{j}" for j, (n, _) in enumerate(fields))
         if cls._settable(body):  # a record (no header fields): built without its __init__
-            env["NEW"] = object.__new__
-            read += ["        o = NEW(C)"]
-            for j, (n, _) in enumerate(fields):
-                env[f"SET{j}"] = getattr(body, n).__set__
-                read += [f"        SET{j}(o, f{j})"]
+            read += cls._new_reads(body, env, "", "f", "        ")
             read += ["        return o, pos"]
         else:
             read += [f"        return C({given}{', ' if given else ''}**head), pos"]
@@ -551,6 +546,56 @@ class _Fast:
         source = "\n".join(read) + "\n\n\n" + "\n".join(write) + "\n"
         exec(compile(source, f"<kvproto.wire codec for {body.__name__}>", "exec"), env)  # noqa: S102 - our own text
         return cls(env["read"], env["write"], source)
+
+    @staticmethod
+    def _int_reads(env: dict[str, Any], fields: Any, run: list[int], var: str, struct_name: str,
+                   ind: str) -> list[str]:
+        """Lines that read the integer fields ``run`` (one ``struct``) into ``{var}{j}``."""
+        ints = struct.Struct("<" + "".join(_INT_CODE[fields[j][1]] for j in run))
+        env[struct_name] = ints
+        got = ", ".join(f"{var}{j}" for j in run)
+        return [f"{ind}if pos + {ints.size} > end: return None", f"{ind}{got}, = {struct_name}.unpack_from(buf, pos)",
+                f"{ind}pos += {ints.size}"]
+
+    @staticmethod
+    def _u32s_reads(target: str, ind: str) -> list[str]:
+        """Lines that read a ``u32[]`` into ``target``."""
+        return [f"{ind}if pos + 4 > end: return None", f"{ind}n, = U32.unpack_from(buf, pos)",
+                f"{ind}stop = pos + 4 + 4 * n", f"{ind}if stop > end: return None",
+                f"{ind}{target} = U32S(buf, pos + 4, stop)", f"{ind}pos = stop"]
+
+    @staticmethod
+    def _new_reads(body: type, env: dict[str, Any], key: str, var: str, ind: str) -> list[str]:
+        """Lines that make ``o``, a ``body`` whose slots take ``{var}{j}`` (``_settable``)."""
+        env["NEW"] = object.__new__
+        env[f"C{key}"] = body
+        lines = [f"{ind}o = NEW(C{key})"]
+        for j, (n, _) in enumerate(body.FIELDS):
+            env[f"SET{key}{j}"] = getattr(body, n).__set__
+            lines.append(f"{ind}SET{key}{j}(o, {var}{j})")
+        return lines
+
+    @classmethod
+    def _record_reads(cls, sub: type, env: dict[str, Any], key: str) -> list[str] | None:
+        """Lines, inside the loop over a list of ``sub`` records, that read one into ``o``: for a
+        record of integers and ``u32[]`` only, every field required, built as ``_settable`` says;
+        None for any other (its own reader is called)."""
+        fields = sub.FIELDS
+        if sub.OPTIONAL_FROM is not None or not cls._settable(sub) or not all(
+                _is_int(kind) or kind == "u32[]" for _, kind in fields):
+            return None
+        ind, lines, k = "            ", [], 0
+        while k < len(fields):
+            if fields[k][1] == "u32[]":
+                lines += cls._u32s_reads(f"{key}{k}", ind)
+            else:
+                run = [k]
+                while k + 1 < len(fields) and _is_int(fields[k + 1][1]):
+                    k += 1
+                    run.append(k)
+                lines += cls._int_reads(env, fields, run, key, f"S{key}{run[0]}", ind)
+            k += 1
+        return lines + cls._new_reads(sub, env, key, key, ind)
 
     @staticmethod
     def _settable(body: type) -> bool:
