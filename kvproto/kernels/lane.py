@@ -77,6 +77,8 @@ class Lane:
         self._join: Any = None
         self._free: list[LaneEvent] = []
         """Events whose writes are over, to be recorded again (``recycle``)."""
+        self._made: list[Any] = []
+        """Every event handle created, destroyed by ``close``."""
         if self._cu is not None:
             self._join = self._event()
 
@@ -122,9 +124,20 @@ class Lane:
         if event.__class__ is LaneEvent and len(self._free) < 256:
             self._free.append(event)
 
+    def close(self) -> None:
+        """Wait for the lane's work, then destroy its events (none may be used after this)."""
+        self.stream.synchronize()
+        if self._cu is not None:
+            for handle in self._made:
+                self._cu.cuEventDestroy(handle)
+        self._made.clear()
+        self._free.clear()
+
     def _event(self) -> Any:
         cu = self._cu
-        return self._check("cuEventCreate", cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+        handle = self._check("cuEventCreate", cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+        self._made.append(handle)
+        return handle
 
     @staticmethod
     def _check(what: str, result: Any) -> Any:

@@ -962,6 +962,8 @@ class CudaIpcTransport:
             kernels.forget_tables([b.table for b in self._bases_cache.values()])  # (the base-0 pairs)
             self._xfers.clear()
             self._lists.clear()
+            if self._lane is not None:
+                self._lane.close()
         finally:
             self._tags.close()
             self._fallback.close()

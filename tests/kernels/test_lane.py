@@ -72,3 +72,5 @@ def test_a_recycled_event_marks_the_newer_point() -> None:
     assert second is first
     second.synchronize()
     assert second.query() and int(big[0]) == 20
+    lane.close()  # waits for the stream, destroys every event it made
+    assert not lane._made and not lane._free
