@@ -8,8 +8,9 @@ are gathered before their one bulk WRITE. It lives in device memory (GPU staging
 host memory (host staging: for memory the transport cannot register, or where PCIe beats the
 fabric); CPU caches use plain host memory.
 
-Copies are asynchronous on CUDA: a gather or scatter is enqueued on a side stream that first
-waits for the current stream, an event is recorded after it, and ``Copies.poll()`` (called
+Copies are asynchronous on CUDA: a gather or scatter is enqueued on a side stream (a
+``kvproto.kernels.lane.Lane``, as the kernel path's) that first waits for the current stream, an
+event is recorded after it, and ``Copies.poll()`` (called
 by the endpoint's progress task) runs the continuation once ``event.query()`` is true. Nothing
 waits on the device and the event loop never blocks. On the CPU the copy runs at once and the
 continuation is called from ``poll`` as well, so both look the same to the endpoint.
@@ -55,6 +56,7 @@ import numpy as np
 
 from kvproto.aio import trace
 from kvproto.aio.memory import KVCache, StateCache
+from kvproto.kernels.lane import Lane
 from kvproto.kernels.uploads import Pointer, Uploads
 from kvproto.core.staging import ALIGN as STAGING_ALIGN, StagingRing
 from kvproto.geometry import plan_pair
@@ -124,7 +126,10 @@ class Copies:
 
     def __init__(self, device: torch.device, uploads: Uploads | None = None) -> None:
         self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device=device) if self.cuda else None
+        self.lane = Lane(device) if self.cuda else None
+        """The copies' stream (``kvproto.kernels.lane``): its wait for the caller's stream and its
+        events are driver calls; the copies themselves run with its stream current."""
+        self.stream = self.lane.stream if self.lane is not None else None
         self.uploads = uploads
         """Where the copies' launches find their tables: each copy's slots are sealed with its event."""
         self._pending: deque[tuple[Any, Callable[[], None]]] = deque()
@@ -135,8 +140,8 @@ class Copies:
             copy(None)
             self._pending.append((None, then))
             return
-        assert self.stream is not None
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        assert self.stream is not None and self.lane is not None
+        self.lane.follow()
         with torch.cuda.stream(self.stream):
             began = None
             if trace.ENABLED:
@@ -145,8 +150,11 @@ class Copies:
             try:
                 copy(self.stream)
             finally:  # the tables put for it are free once what was launched has run
-                event = torch.cuda.Event(enable_timing=began is not None)
-                event.record(self.stream)
+                if began is not None:
+                    event = torch.cuda.Event(enable_timing=True)
+                    event.record(self.stream)
+                else:
+                    event = self.lane.record()
                 if self.uploads is not None:
                     self.uploads.seal(event)
         if began is not None:
@@ -169,6 +177,8 @@ class Copies:
             if event is not None and not event.query():
                 break
             self._pending.popleft()
+            if self.lane is not None:
+                self.lane.recycle(event)
             then()
             ran += 1
         return ran
