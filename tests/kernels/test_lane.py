@@ -70,6 +70,8 @@ def test_a_recycled_event_marks_the_newer_point() -> None:
             big.add_(1)
     second = lane.record()
     assert second is first
+    assert L._QUERY is not None, "libcuda's cuEventQuery did not load"
+    assert not second.query(), "the event reads complete while 20 passes over 512 MiB are queued"
     second.synchronize()
     assert second.query() and int(big[0]) == 20
     lane.close()  # waits for the stream, destroys every event it made
