@@ -2,13 +2,15 @@
 
 Theory of operation
 -------------------
-A write on the kernel path costs the GPU microseconds (a 64 MiB write of scattered pages takes an
-H100 about 50 us) and the host a fixed set of stream calls: wait for the work already queued on
-the caller's stream, upload the write's small table, launch, record the event that says it is
-over. Through torch's Python API (``torch.cuda.stream(s)`` around the launch, ``wait_stream``,
-``torch.cuda.Event().record``, a tensor slice's ``copy_``) those calls took 56 us on an H100
-host in a loop of their own, and about twice that inside a serving loop: more than the copy
-itself, and a third of a prefill rank's time per room on the kernel path. A ``Lane`` makes the
+A write on the kernel path costs the GPU microseconds (at the 1.5 TB/s a device copy reaches on
+an H100, 64 MiB take about 45 us) and the host a fixed set of stream calls: wait for the work
+already queued on the caller's stream, upload the write's small table, launch, record the event
+that says it is over. Through torch's Python API (``torch.cuda.stream(s)`` around the launch,
+``wait_stream``, ``torch.cuda.Event().record``, a tensor slice's ``copy_``) those calls took
+56 us on an H100 host in a loop of their own, and two to three times that inside the transfer
+bench's prefill ranks: more than the copy itself, and a third of a prefill rank's time per room
+on the kernel path. The staged path's gathers and scatters take their stream from here too
+(``kvproto.aio.staging.Copies``). A ``Lane`` makes the
 same calls on the driver with raw handles (``cuda.bindings.driver``: ``cuEventRecord``,
 ``cuStreamWaitEvent``, ``cuMemcpyHtoDAsync``; 1-4 us each there), and a launch names the lane's
 stream to Triton's launcher directly (``triton_kernels._call``) instead of making it torch's
