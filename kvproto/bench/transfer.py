@@ -58,9 +58,9 @@ pace is the prefill ranks' host time per room: on an H100, 25 us more per write 
 rooms alone raised ``vs one`` at 128 MiB by about 0.05 (about 0.002 a microsecond), while 25 us
 more per decode room (``open_room``) moved nothing. The kernel path's stream calls per write
 (``kvproto.kernels.lane``) took a write's adapter call there from about 190 us to 65-90 us for
-both kinds alike, which moved both kinds' GB/s up by 31-45 % and left the hybrid's own extra
-work (its request's groups, checks and parts: about 50 us a room on each prefill rank) a larger
-share of what remains.
+both kinds alike, which moved both kinds' GB/s up by 12-46 % (two A/B runs) and left the
+hybrid's own extra work (its request's groups, checks and parts: about 50 us a room on each
+prefill rank) a larger share of what remains.
 
 A case of a few hundred small rooms lasts well under a second, so two runs of it differ by more
 than the effect being compared. ``--repeat N`` runs each case N times, the cache kinds taking
