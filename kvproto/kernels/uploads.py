@@ -22,6 +22,7 @@ the ring, or a ring full of launches in flight, goes to the device as a tensor o
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from typing import Any
 
@@ -88,10 +89,8 @@ class Uploads:
         start = self._reserve(n + (n & 1))  # slots start 16-byte aligned
         if start is None:
             flat = torch.from_numpy(np.ascontiguousarray(table, dtype=np.int64).reshape(-1))
-            if lane is not None:
-                with torch.cuda.stream(lane.stream):
-                    return flat.pin_memory().to(device, non_blocking=True), None
-            return flat.pin_memory().to(device, non_blocking=True), None
+            with contextlib.nullcontext() if lane is None else torch.cuda.stream(lane.stream):
+                return flat.pin_memory().to(device, non_blocking=True), None
         assert self._words is not None
         self._words[start:start + n] = table.reshape(-1)
         if self._mirror is None:

@@ -748,20 +748,14 @@ class CudaIpcTransport:
         lane = self._own_lane(device)
         lane.follow()
         keep, slots = [], []
-        if lane.raw and torch.cuda.current_device() == lane.index:
-            stream = lane.stream
+        raw = lane.raw and torch.cuda.current_device() == lane.index
+        stream = lane.stream if raw else None  # raw: named to each launch; else made current
+        with contextlib.nullcontext() if raw else torch.cuda.stream(lane.stream):
             for launch in launches:
-                table, slot = self._uploads.put(launch.table, device, lane)
+                table, slot = self._uploads.put(launch.table, device, lane if raw else None)
                 launch.go(table, *launch.slots, stream=stream)
                 keep.append(table)
                 slots.append(slot)
-        else:
-            with torch.cuda.stream(lane.stream):
-                for launch in launches:
-                    table, slot = self._uploads.put(launch.table, device)
-                    launch.go(table, *launch.slots)
-                    keep.append(table)
-                    slots.append(slot)
         event = lane.record()
         for slot in slots:
             self._uploads.used(slot, event)
