@@ -509,15 +509,19 @@ class _Fast:
                 while k + 1 < optional and _is_int(fields[k + 1][1]):
                     k += 1
                     run.append(k)
-                read += cls._int_reads(env, fields, run, "f", f"S{run[0]}", "        ")
+                counted = k + 1 < optional and fields[k + 1][1] == "u32[]"
+                read += cls._int_reads(env, fields, run, "f", f"S{run[0]}", "        ", counted)
                 values = ", ".join(f"body.{fields[j][0]}" for j in run)
                 write += [f"        v = ({values},)", "        for x in v:",
                           "            if not isinstance(x, int): return False",
                           f"        out += S{run[0]}.pack(*v)"]
+                if counted:  # the list whose count that struct read
+                    k += 1
+                    read += cls._u32s_reads(f"f{k}", "        ", counted=True)
+                    write += cls._u32s_writes(fields[k][0])
             elif kind == "u32[]":
                 read += cls._u32s_reads(f"f{k}", "        ")
-                write += [f"        v = body.{name}", "        if v.__class__ is not tuple and v.__class__ is not list:",
-                          "            return False", "        out += U32S_OUT(v)"]
+                write += cls._u32s_writes(name)
             else:  # a list of records
                 read += ["        if pos + 4 > end: return None", "        n, = U32.unpack_from(buf, pos)",
                          "        pos += 4", "        if n > end - pos: return None", "        items = []",
@@ -549,20 +553,34 @@ class _Fast:
 
     @staticmethod
     def _int_reads(env: dict[str, Any], fields: Any, run: list[int], var: str, struct_name: str,
-                   ind: str) -> list[str]:
-        """Lines that read the integer fields ``run`` (one ``struct``) into ``{var}{j}``."""
-        ints = struct.Struct("<" + "".join(_INT_CODE[fields[j][1]] for j in run))
-        env[struct_name] = ints
-        got = ", ".join(f"{var}{j}" for j in run)
+                   ind: str, counted: bool = False) -> list[str]:
+        """Lines that read the integer fields ``run`` (one ``struct``) into ``{var}{j}``; with
+        ``counted``, the count of the ``u32[]`` that follows them too, into ``n`` (one call where
+        there were two: a record of a slot and a page list is read with two)."""
+        codes = "".join(_INT_CODE[fields[j][1]] for j in run)
+        env[struct_name] = struct.Struct("<" + codes)  # (the writer packs the run with it)
+        if counted:
+            struct_name += "N"
+            env[struct_name] = struct.Struct("<" + codes + "I")
+        ints = env[struct_name]
+        got = ", ".join([f"{var}{j}" for j in run] + (["n"] if counted else []))
         return [f"{ind}if pos + {ints.size} > end: return None", f"{ind}{got}, = {struct_name}.unpack_from(buf, pos)",
                 f"{ind}pos += {ints.size}"]
 
     @staticmethod
-    def _u32s_reads(target: str, ind: str) -> list[str]:
-        """Lines that read a ``u32[]`` into ``target``."""
-        return [f"{ind}if pos + 4 > end: return None", f"{ind}n, = U32.unpack_from(buf, pos)",
-                f"{ind}stop = pos + 4 + 4 * n", f"{ind}if stop > end: return None",
-                f"{ind}{target} = U32S(buf, pos + 4, stop)", f"{ind}pos = stop"]
+    def _u32s_reads(target: str, ind: str, counted: bool = False) -> list[str]:
+        """Lines that read a ``u32[]`` into ``target`` (``counted``: its count already read into
+        ``n``, ``pos`` past it); an empty one (a state group's pages) is ``()`` without a call."""
+        count = [] if counted else [f"{ind}if pos + 4 > end: return None", f"{ind}n, = U32.unpack_from(buf, pos)",
+                                    f"{ind}pos += 4"]
+        return count + [f"{ind}stop = pos + 4 * n", f"{ind}if stop > end: return None",
+                        f"{ind}{target} = U32S(buf, pos, stop) if n else ()", f"{ind}pos = stop"]
+
+    @staticmethod
+    def _u32s_writes(name: str) -> list[str]:
+        """Lines that write the ``u32[]`` field ``name``."""
+        return [f"        v = body.{name}", "        if v.__class__ is not tuple and v.__class__ is not list:",
+                "            return False", "        out += U32S_OUT(v)"]
 
     @staticmethod
     def _new_reads(body: type, env: dict[str, Any], key: str, var: str, ind: str) -> list[str]:
@@ -593,7 +611,11 @@ class _Fast:
                 while k + 1 < len(fields) and _is_int(fields[k + 1][1]):
                     k += 1
                     run.append(k)
-                lines += cls._int_reads(env, fields, run, key, f"S{key}{run[0]}", ind)
+                counted = k + 1 < len(fields) and fields[k + 1][1] == "u32[]"
+                lines += cls._int_reads(env, fields, run, key, f"S{key}{run[0]}", ind, counted)
+                if counted:
+                    k += 1
+                    lines += cls._u32s_reads(f"{key}{k}", ind, counted=True)
             k += 1
         return lines + cls._new_reads(sub, env, key, key, ind)
 
