@@ -143,12 +143,16 @@ class KVCache:
     a later group's follow the groups before it)."""
     groups: tuple[KVCache | StateCache, ...] = ()
     """The cache's groups beyond this first one (``with_groups``)."""
+    group_kinds: tuple[tuple[str, bool], ...] = field(init=False, default=(), compare=False, repr=False)
+    """Each group's (name, whether it is a state group), in order: what ``group_args`` reads for
+    every chunk and room, made once."""
 
     def __post_init__(self) -> None:
         if len(self.region_addresses) != self.geometry.num_regions:
             raise ValueError(
                 f"{len(self.region_addresses)} region addresses for {self.geometry.num_regions} regions"
             )
+        object.__setattr__(self, "group_kinds", tuple((g.name, isinstance(g, StateCache)) for g in self.groups))
 
     # --- groups -------------------------------------------------------------------------------
     def with_groups(self, *groups: KVCache | StateCache) -> KVCache:
@@ -217,31 +221,35 @@ class KVCache:
         return tuple(specs)
 
     def group_args(self, group_pages: Mapping[str, Sequence[int]] | None, state_slots: Mapping[str, int] | None,
-                   *, need_slots: bool = False) -> tuple[list[list[int]], list[int] | None]:
+                   *, need_slots: bool = False, first: tuple[Any, list[int]] | None = None
+                   ) -> tuple[list[Sequence[int]], list[int] | None]:
         """A room's per-group arguments by group name, as the cores take them (in group order): the
-        pages of each paged group and, if given (or ``need_slots``), the slot of each state group."""
+        pages of each paged group and, if given (or ``need_slots``), the slot of each state group.
+        ``first``: (the first group's pages as given, the list the core takes for them): a group
+        given that very object gets that list, so the core knows by identity that they are one."""
         given_pages, given_slots = group_pages or {}, state_slots or {}
-        pages: list[list[int]] = []
+        pages: list[Sequence[int]] = []
         slots: list[int] = []
         named, missing = 0, None
-        for extra in self.groups:  # one pass: this runs for every chunk and room of a hybrid cache
-            name = extra.name
+        given, taken = first or (None, None)
+        for name, state in self.group_kinds:  # one pass: this runs for every chunk and room of a hybrid cache
             listed = given_pages.get(name)
-            if listed is not None:
+            if listed is None:
+                pages.append(())
+            else:  # as the first group's pages: checked (and copied) by the core, a list or tuple as given
                 named += 1
-            # as the first group's pages: checked (and copied) by the core, a list or tuple as given
-            pages.append(() if listed is None else listed if listed.__class__ is list or listed.__class__ is tuple
-                         else list(listed))
+                pages.append(taken if listed is given else listed if listed.__class__ is list or
+                             listed.__class__ is tuple else list(listed))
             slot = given_slots.get(name)
             if slot is not None:
                 named += 1
                 slots.append(int(slot))
             else:
                 slots.append(NO_SLOT)
-                if missing is None and isinstance(extra, StateCache):
+                if missing is None and state:
                     missing = name
         if named != len(given_pages) + len(given_slots):
-            names = [g.name for g in self.groups]
+            names = [name for name, _ in self.group_kinds]
             unknown = sorted((set(given_pages) | set(given_slots)) - set(names))
             raise LocalProtocolError(f"the cache has no group {unknown[0]!r} beyond its first "
                                      f"(it has {', '.join(map(repr, names)) or 'none'})")

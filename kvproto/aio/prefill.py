@@ -212,10 +212,9 @@ class PrefillEndpoint(EndpointBase):
                       layers: tuple[int, int] | None = None, ready: Any = None,
                       group_pages: Any = None, state_slots: Any = None) -> None:
         self._check_open()
-        pages_by_group, slots = self.kv.group_args(group_pages, state_slots)
         first = list(pages)
-        if pages_by_group:  # a group given the first group's very list: the core takes it by identity
-            pages_by_group = [first if listed is pages else listed for listed in pages_by_group]
+        # a group given the first group's very list gets ``first``: the core takes it by identity
+        pages_by_group, slots = self.kv.group_args(group_pages, state_slots, first=(pages, first))
         try:
             self.core.submit_chunk(room_id, first, end_token, self._now(), last=last, aux_slot=aux_slot,
                                    layers=layers, ready=ready, group_pages=pages_by_group, state_slots=slots)
