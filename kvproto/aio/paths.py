@@ -34,6 +34,7 @@ decides anything about rooms; errors surface as ``TransportError`` to the caller
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -194,6 +195,16 @@ def _preparer(transport: Transport, route: Route | None) -> Any:
     return getattr(transport, "prepare_parts", None) if route is not None and route.pattern else None
 
 
+_LAST_PARTS: list[tuple[Any, Any]] = [((), ())]
+"""The last parts posted on any link, with their shape's key: the core gives the links of one
+room's TP ranks the very same parts (``SenderCore._alike``), taken apart once. A pair swapped
+whole (parts are immutable), kept in a list, not on the class: writing a class attribute for
+every write would make Python forget what it had looked up on the class."""
+
+_SHAPE = operator.itemgetter(slice(None, -2))
+"""A part's shape: all its fields but the last two (``events.PagedPart``)."""
+
+
 class GroupWrites:
     """One link's writes of several groups (``PostGroups``), each as one transport write.
 
@@ -202,11 +213,6 @@ class GroupWrites:
     *shape* (which groups, token range and layers each part has) is planned once and kept: the
     next write of that shape (every room of that length) hands the adapter only its pages and
     slot numbers, so a hybrid write costs what a one-group write does plus its lists' checks."""
-
-    _last: tuple[Any, Any] = ((), ())
-    """The last parts posted on any link, with their shape's key: the core gives the links of one
-    room's TP ranks the very same parts (``SenderCore._alike``), taken apart once. A tuple
-    swapped whole; parts are immutable."""
 
     def __init__(self, path: LinkPath, groups: Sequence[LinkPath | StatePath]) -> None:
         self.paths: tuple[LinkPath | StatePath, ...] = (path, *groups)
@@ -219,12 +225,12 @@ class GroupWrites:
         if self._prepare is None:
             made, kinds = self._parts(parts)
             return post_parts(first.transport, first.peer, first.route, made, tag), kinds
-        last = GroupWrites._last
+        last = _LAST_PARTS[0]
         if last[0] is parts:  # the parts another link's write just took (``SenderCore._alike``)
             key = last[1]
         else:  # each part's shape (``events.PagedPart``: all but its last two fields)
-            key = tuple([p[:-2] for p in parts])
-            GroupWrites._last = (parts, key)
+            key = tuple(map(_SHAPE, parts))
+            _LAST_PARTS[0] = (parts, key)
         shape = self._shapes.get(key)
         if shape is None:
             made, kinds = self._parts(parts)
