@@ -236,6 +236,8 @@ class SenderCore(CoreBase):
         self.groups = tuple(groups)
         self._states = tuple(g for g, spec in enumerate(self.groups) if spec.state)
         """The state groups (by index into ``groups``): what a room's last chunk gives a slot of."""
+        self._group_rows = tuple((g, spec.state, spec.window, spec.layers) for g, spec in enumerate(self.groups))
+        """Per group beyond the first: what ``_group_parts`` reads of it for every write."""
         self.layers = tuple(range(num_layers) if layers is None else layers)
         self.num_blocks = num_blocks
         self.aux_slots = aux_slots
@@ -925,23 +927,24 @@ class SenderCore(CoreBase):
         parts: list[Part] = []
         req = peer.request
         states = chunk.last and room.state_slots is not None and not (peer.staged and peer.link.stage_tail > 0)
-        layers = chunk.layers
-        for g, (spec, lg) in enumerate(zip(self.groups, peer.link.groups)):
-            if not lg.writes or (not states if spec.state else lg.staged and peer.staged):
+        layers, staged, dests = chunk.layers, peer.staged, req.groups
+        for (g, state, window, own_layers), lg in zip(self._group_rows, peer.link.groups):
+            if not lg.writes or (not states if state else lg.staged and staged):
                 continue  # (a paged group the link's staged pieces carry)
-            span = None if layers is None else local_span(spec.layers, layers)
+            span = None if layers is None else local_span(own_layers, layers)
             if span is not None and span[0] == span[1]:
                 continue  # none of the group's layers in this chunk
-            dest = req.groups[g]
-            if spec.state:  # (group, layers, src_slot, dst_slot): the part's group counts the first as 0
+            dest = dests[g]
+            if state:  # (group, layers, src_slot, dst_slot): the part's group counts the first as 0
                 parts.append(new_part(StatePart, (g + 1, span, room.state_slots[g], dest.slot)))  # type: ignore[index]
                 continue
-            first = start if spec.window is None else max(start, spec.window_start(req.num_tokens))
+            first = start if window is None else max(start, max(0, req.num_tokens - window))
             if first < end:  # (group, start_token, end_token, layers, src_pages, dst_pages)
                 held = room.group_pages[g]
                 own = src if src is not None and (held is room.src_pages or held == room.src_pages) else tuple(held)
-                to = req.dst_pages if dest.first_page == 0 and (dest.pages is req.dst_pages or
-                                                                dest.pages == req.dst_pages) else pages_from_zero(dest)
+                pages = dest.pages
+                to = req.dst_pages if dest.first_page == 0 and (pages is req.dst_pages or
+                                                                pages == req.dst_pages) else pages_from_zero(dest)
                 parts.append(new_part(PagedPart, (g + 1, first, end, span, own, to)))
         return parts
 
