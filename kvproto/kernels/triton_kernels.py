@@ -722,6 +722,12 @@ def _pattern_kernel(interpret: bool) -> Any:
 
 
 @functools.cache
+def _address(arg: Any) -> Any:
+    """A launch argument as the compiled kernel's launcher may take it: an array as its address
+    (``data_ptr``), anything else as it is."""
+    return arg.data_ptr() if hasattr(arg, "data_ptr") else arg
+
+
 def _word_tensor(word: int, device: torch.device) -> torch.Tensor:
     """A tensor of ``word``-byte elements on ``device``: a kernel's word type (never read)."""
     return torch.empty(1, dtype=_WORDS[word], device=device)
@@ -835,7 +841,7 @@ class PagedLaunch:
     are held, so an id is never reused while its binding is kept), at most ``KEPT``, oldest out."""
 
     KEPT = 256
-    __slots__ = ("kernel", "grid", "constants", "args", "lists", "_known")
+    __slots__ = ("kernel", "grid", "constants", "args", "lists", "addresses", "_known")
     _bound: OrderedDict[tuple[int, ...], tuple[tuple[Any, ...], PagedLaunch]] = OrderedDict()
 
     def __init__(self, plan: Any, src_table: torch.Tensor, dst_table: Any, lists: Any = None,
@@ -863,6 +869,14 @@ class PagedLaunch:
         self.lists = lists
         self.args = ((src_table, dst_table), (plan.start, plan.num_rows, plan.regions, word, *slot_args))
         """The arguments before the page lists, and those between them and the two slot numbers."""
+        head, mid = self.args
+        self.addresses = (tuple(map(_address, head)), tuple(map(_address, mid)),
+                          None if lists is None else _address(lists))
+        """``args`` with every array as its address (and the lists' address), for the compiled
+        kernel's launcher: given an object, it calls its ``data_ptr`` and then asks the driver
+        what memory the address is (``cuPointerGetAttribute``), once per array argument and
+        launch; an int it takes as it is. The arrays are held by ``args`` and were checked by the
+        first launch of each specialisation, which takes ``args`` themselves."""
         self._known: dict[tuple[Any, ...], Any] = {}
         """``_launch``'s answer per specialisation of the page lists (and device)."""
 
@@ -898,20 +912,27 @@ class PagedLaunch:
                  stream: Any = None) -> None:
         """Launch for these page lists (int64 from token 0, where the kernel reads them) and slots,
         on the current stream or ``stream``."""
-        head, mid = self.args
-        args = (*head, src_pages, dst_pages, src_pages if self.lists is None else self.lists, *mid, src_slot,
-                dst_slot)
         kernel = self.kernel
         if isinstance(kernel, InterpretedFunction) or _jit_only():
-            _jit(kernel, self.grid, args, self.constants, stream)
+            _jit(kernel, self.grid, self._args(src_pages, dst_pages, src_slot, dst_slot), self.constants, stream)
             return
         device = torch.cuda.current_device()
-        spec = (device, src_pages.dtype, not src_pages.data_ptr() & 15, dst_pages.dtype, not dst_pages.data_ptr() & 15,
+        src, dst = src_pages.data_ptr(), dst_pages.data_ptr()
+        spec = (device, src_pages.dtype, not src & 15, dst_pages.dtype, not dst & 15,
                 src_slot < 0x80000000 and dst_slot < 0x80000000)
         known = self._known.get(spec)
         if known is None:  # the first launch of this specialisation here: the JIT's (or ``_launch``'s kept)
+            args = self._args(src_pages, dst_pages, src_slot, dst_slot)
             self._known[spec] = _launch(kernel, self.grid, args, self.constants, stream)
         elif known is False:
-            _jit(kernel, self.grid, args, self.constants, stream)
-        else:
-            _call(known, self.grid, args, device, stream)
+            _jit(kernel, self.grid, self._args(src_pages, dst_pages, src_slot, dst_slot), self.constants, stream)
+        else:  # the launcher takes addresses (``addresses``): the page lists are ours, on the device
+            head_at, mid_at, lists_at = self.addresses
+            _call(known, self.grid, (*head_at, src, dst, src if lists_at is None else lists_at, *mid_at, src_slot,
+                                     dst_slot), device, stream)
+
+    def _args(self, src_pages: Any, dst_pages: Any, src_slot: int, dst_slot: int) -> tuple[Any, ...]:
+        """The launch's arguments as objects (the JIT's, and the first launch of a specialisation)."""
+        head, mid = self.args
+        return (*head, src_pages, dst_pages, src_pages if self.lists is None else self.lists, *mid, src_slot,
+                dst_slot)
