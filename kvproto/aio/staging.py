@@ -440,7 +440,8 @@ class CacheKernels:
 
     def forget(self, room_id: int) -> None:
         for _kv, _regions, tables in self.groups.values():
-            tables.forget(room_id)
+            if tables._tables:  # (every room ends here; on the kernel path no table was kept)
+                tables._tables.pop(room_id, None)
         self.joint.forget(room_id)
 
     def __len__(self) -> int:

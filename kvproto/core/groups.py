@@ -171,7 +171,9 @@ def check_destinations(groups: Sequence[GroupSpec], sizes: Sequence[GroupSpec | 
         return ErrorCode.PEER_PROTOCOL_ERROR, (
             f"the room names {len(dests)} destinations for the {len(groups)} groups beyond the first "
             f"({', '.join(repr(s.name) for s in groups) or 'none'})")
-    for spec, size, dest in zip(groups, sizes, dests, strict=True):
+    if len(sizes) != len(groups):  # a caller's error, never a peer's: the link registered every group
+        raise ValueError(f"{len(sizes)} sizes for {len(groups)} groups")
+    for spec, size, dest in zip(groups, sizes, dests):  # (lengths checked: zip's strict=True costs a keyword call)
         if spec.state:
             if dest.pages or dest.first_page:
                 return ErrorCode.PEER_PROTOCOL_ERROR, f"state group {spec.name!r} takes a slot, not pages"

@@ -423,15 +423,13 @@ class SenderCore(CoreBase):
                                          f"whose last flag is set")
             if len(slots) != len(self.groups):
                 raise LocalProtocolError(f"{len(slots)} state slots for {len(self.groups)} groups beyond the first")
-            taken = []  # each state group's slot, checked; NO_SLOT for a paged group
-            for spec, slot in zip(self.groups, slots):
-                if not spec.state:
-                    taken.append(NO_SLOT)
-                elif 0 <= slot < spec.pool:
-                    taken.append(slot)
-                else:
+            taken = [NO_SLOT] * len(slots)  # each state group's slot, checked; NO_SLOT for a paged group
+            for g in self._states:
+                slot, spec = slots[g], self.groups[g]
+                if not 0 <= slot < spec.pool:
                     raise LocalProtocolError(f"slot {slot} of group {spec.name!r} outside [0, {spec.pool})",
                                              ErrorCode.INDEX_OUT_OF_RANGE)
+                taken[g] = slot
             return tuple(taken)
         if last and self._states and room.state_slots is None:
             raise LocalProtocolError(f"room {room.room_id}: the first chunk whose last flag is set gives the slot of "
@@ -564,7 +562,7 @@ class SenderCore(CoreBase):
             return ErrorCode.PEER_PROTOCOL_ERROR, "transfer request without a generation"
         if (self.groups or msg.groups) and not groups_checked:
             return check_destinations(self.groups, link.groups, msg.groups, msg.num_tokens, msg.prefix_tokens,
-                                      checked=(msg.dst_pages, link.num_blocks))
+                                      (msg.dst_pages, link.num_blocks))
         return None
 
     @staticmethod
@@ -890,7 +888,7 @@ class SenderCore(CoreBase):
                 elif peer.staged and chunk.last and chunk.completes:  # an empty last chunk: it gives the slots
                     self._stage_up_to(room, peer, end)
                 if self.groups:
-                    parts += self._group_parts(room, peer, chunk, start, end, src)
+                    self._group_parts(parts, room, peer, chunk, start, end, src)
                 posted = tuple(parts)
                 if self.groups and peer.staged is not True:
                     made = (peer, posted)
@@ -914,17 +912,16 @@ class SenderCore(CoreBase):
             b.num_tokens == a.num_tokens and b.prefix_tokens == a.prefix_tokens and \
             peer.link.writer == made.link.writer and peer.link.groups == made.link.groups
 
-    def _group_parts(self, room: SenderRoom, peer: _Peer, chunk: _Chunk, start: int, end: int,
-                     src: tuple[int, ...] | None) -> list[Part]:
-        """The parts of groups beyond the first that a chunk's write to ``peer`` carries: each
-        paged group's tokens (clipped to its window; none where the link's staged pieces carry the
+    def _group_parts(self, parts: list[Part], room: SenderRoom, peer: _Peer, chunk: _Chunk, start: int, end: int,
+                     src: tuple[int, ...] | None) -> None:
+        """Add to ``parts`` the parts of groups beyond the first that a chunk's write to ``peer``
+        carries: each paged group's tokens (clipped to its window; none where the link's staged pieces carry the
         group) and, with the last token range, each state slot, unless the piece that ends the
         request's tokens is still to be granted on a staged link: the slots then ride in it.
         A group whose pages are the first group's (``src``, that group's part's, if the write has
         one; the request's ``dst_pages``) names the same objects, so that a transport can tell by
         identity that the lists are one (``kvproto.transport.cuda_ipc`` then lists them once in its
         launch)."""
-        parts: list[Part] = []
         req = peer.request
         states = chunk.last and room.state_slots is not None and not (peer.staged and peer.link.stage_tail > 0)
         layers, staged, dests = chunk.layers, peer.staged, req.groups
@@ -946,7 +943,6 @@ class SenderCore(CoreBase):
                 to = req.dst_pages if dest.first_page == 0 and (pages is req.dst_pages or
                                                                 pages == req.dst_pages) else pages_from_zero(dest)
                 parts.append(new_part(PagedPart, (g + 1, first, end, span, own, to)))
-        return parts
 
     def _piece_states(self, room: SenderRoom, peer: _Peer, end_token: int) -> tuple[StatePart, ...]:
         """The state slots gathered into a staged piece's state block: every state group the link
