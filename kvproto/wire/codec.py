@@ -40,8 +40,12 @@ For those, ``_Fast`` goes further: it writes out, once per class, one Python fun
 way ``dataclasses`` writes ``__init__``. A fast function never raises and never guesses: on any
 input it does not take as valid (a short body, a value out of range, a wrong type) it gives up and
 the steps above run from the same offset, so every error is the steps' own; where it succeeds, it
-produces what the steps would (``tests/wire/test_codec.py`` checks both on the same inputs).
-``_Fast.code(cls)`` shows the code written for ``cls``.
+produces what the steps would (``tests/wire/test_codec.py`` checks both on the same inputs, and
+that the writer takes every valid body itself: giving up is always safe, so nothing else would
+show a writer that always gives up). A reader takes a run of integers together with the count of
+the ``u32[]`` after it in one ``struct`` call (a group's ``first_page`` and its page count), and an
+empty ``u32[]`` (a state group's pages) without a call. ``_Fast.code(cls)`` shows the code written
+for ``cls``.
 
 A ``u32[]`` decodes to a tuple of ints, and the last one decoded is kept with its bytes
 (``_u32s``): a list whose bytes equal it (a group that names the first group's pages, in the
