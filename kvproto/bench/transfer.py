@@ -53,14 +53,18 @@ requests are decoded, checked and described once per room (``kvproto.core.sender
 room*). What a hybrid room still costs the host beyond a one-group room is per group and write:
 the second list's encoding, the state group's destination and slot checks, the write's parts,
 and where the host sets the pace (rooms of tens of pages on the kernel path) that shows in
-``vs one``; the GPU's copy costs the same for both kinds. At TP 2 -> 1 on the kernel path the
-pace is the prefill ranks' host time per room: on an H100, 25 us more per write of the one-group
-rooms alone raised ``vs one`` at 128 MiB by about 0.05 (about 0.002 a microsecond), while 25 us
-more per decode room (``open_room``) moved nothing. The kernel path's stream calls per write
-(``kvproto.kernels.lane``) took a write's adapter call there from about 190 us to 65-90 us for
-both kinds alike, which moved both kinds' GB/s up by 12-46 % (two A/B runs) and left the
-hybrid's own extra work (its request's groups, checks and parts: about 50 us a room on each
-prefill rank) a larger share of what remains.
+``vs one``; the GPU's copy costs the same for both kinds (on an H100 at 128 MiB and TP 1 -> 1:
+93.1 us a room's kernel for one group, 93.6 us for the hybrid, in a profile of both). On the
+kernel path the pace is the prefill ranks' host time per room: on an H100, 25 us more per write
+of the one-group rooms alone raised ``vs one`` at 128 MiB by about 0.05 at TP 2 -> 1 and by
+0.06-0.11 at 1 -> 1, while 25 us more per decode room (``open_room``) moved nothing at either.
+The kernel path's stream calls per write (``kvproto.kernels.lane``) took a write's adapter call
+there from about 190 us to 65-90 us for both kinds alike, which moved both kinds' GB/s up by
+12-46 % (two A/B runs) and left the hybrid's own extra work (its request's groups, checks and
+parts) a larger share of what remains: at TP 1 -> 1, per-call medians of the prefill rank's
+frame, submit and write handlers put it at 39 us a room, 29 us after the codec's record reads,
+the checks and the write's parts were trimmed (means, which count the slow calls too: 46 and
+39 us).
 
 A case of a few hundred small rooms lasts well under a second, so two runs of it differ by more
 than the effect being compared. ``--repeat N`` runs each case N times, the cache kinds taking
