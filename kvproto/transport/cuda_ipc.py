@@ -1058,7 +1058,7 @@ class _RowsRecipe:
     layout, the region tables' halves, the slot's tiles) is taken apart here, once."""
 
     __slots__ = ("lists", "shape", "start", "end", "slot", "zero", "device", "tables", "slot_tiles", "whole",
-                 "shared")
+                 "shared", "cuda", "bound")
 
     def __init__(self, which: tuple[int, ...], shape: _RowsShape, start: int, end: int,
                  slot: tuple[int, _SlotPlan] | None, zero: Any) -> None:
@@ -1080,7 +1080,12 @@ class _RowsRecipe:
             self.whole = count, [room // page_bytes for *_, page_bytes, room in self.lists]
         bases = shape.bases
         self.device = bases.table.device
+        self.cuda = self.device.type == "cuda"
         self.tables = bases.table[:bases.regions], bases.table[bases.regions:]
+        self.bound: Any = None
+        """On the GPU, this launch's ``triton_kernels.PagedLaunch`` (plan, tables, lists and slot
+        tiles bound), taken at its first write: later writes call it with their pages and slots,
+        not ``launch_rows``, ``copy_paged`` and the binding's lookup again."""
         self.slot_tiles: Any = None
         """With a slot: the ``SlotTiles`` of this launch's slot plan (a write names its two slots)."""
         if slot is not None:
@@ -1120,10 +1125,20 @@ class _RowsRecipe:
         return _Launch(shape.bases, table, recipe._go_fused, shape.rows.nbytes + plan.nbytes, plan.descriptors,
                        (src_slot, dst_slot))
 
+    def _bind(self, slots: Any) -> Any:
+        """``bound``, made (the GPU's launch of this recipe, with ``slots`` or none)."""
+        from kvproto.kernels import triton_kernels
+
+        self.bound = triton_kernels.PagedLaunch.of(self.shape.rows, *self.tables, self.shape.lists, slots)
+        return self.bound
+
     def _go(self, table: Any, stream: Any = None) -> None:
         shape = self.shape
         src, dst = _split(table, shape.split)
-        kernels.launch_rows(shape.rows, *self.tables, src, dst, lists=shape.lists, stream=stream)
+        if self.cuda:
+            (self.bound or self._bind(None))(src, dst, 0, 0, stream)
+        else:
+            kernels.launch_rows(shape.rows, *self.tables, src, dst, lists=shape.lists, stream=stream)
 
     def _go_fused(self, table: Any, src_slot: int, dst_slot: int, stream: Any = None) -> None:
         global _FUSE_SLOTS
@@ -1131,8 +1146,11 @@ class _RowsRecipe:
         src, dst = _split(table, shape.split)
         if _FUSE_SLOTS:
             try:
-                kernels.launch_rows(shape.rows, *self.tables, src, dst, lists=shape.lists, slots=self.slot_tiles,
-                                    src_slot=src_slot, dst_slot=dst_slot, stream=stream)
+                if self.cuda:
+                    (self.bound or self._bind(self.slot_tiles))(src, dst, src_slot, dst_slot, stream)
+                else:
+                    kernels.launch_rows(shape.rows, *self.tables, src, dst, lists=shape.lists, slots=self.slot_tiles,
+                                        src_slot=src_slot, dst_slot=dst_slot, stream=stream)
                 return
             except Exception as exc:  # noqa: BLE001 - the kernel variant failed to build: nothing was launched
                 _FUSE_SLOTS = False
