@@ -256,9 +256,6 @@ class PageTables:
                 self._tables[room_id] = (tuple(pages), values)
         return _upload(values, self.kv, self.uploads)
 
-    def forget(self, room_id: int) -> None:
-        self._tables.pop(room_id, None)
-
     def __len__(self) -> int:
         return len(self._tables)
 
@@ -440,7 +437,7 @@ class CacheKernels:
 
     def forget(self, room_id: int) -> None:
         for _kv, _regions, tables in self.groups.values():
-            if tables._tables:  # (every room ends here; on the kernel path no table was kept)
+            if tables._tables:  # a room's tables, by room (on the kernel path none is kept): no call per group
                 tables._tables.pop(room_id, None)
         self.joint.forget(room_id)
 

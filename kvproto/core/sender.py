@@ -915,9 +915,10 @@ class SenderCore(CoreBase):
     def _group_parts(self, parts: list[Part], room: SenderRoom, peer: _Peer, chunk: _Chunk, start: int, end: int,
                      src: tuple[int, ...] | None) -> None:
         """Add to ``parts`` the parts of groups beyond the first that a chunk's write to ``peer``
-        carries: each paged group's tokens (clipped to its window; none where the link's staged pieces carry the
-        group) and, with the last token range, each state slot, unless the piece that ends the
-        request's tokens is still to be granted on a staged link: the slots then ride in it.
+        carries: each paged group's tokens (clipped to its window; none where the link's staged
+        pieces carry the group) and, with the last token range, each state slot, unless the piece
+        that ends the request's tokens is still to be granted on a staged link: the slots then ride
+        in it.
         A group whose pages are the first group's (``src``, that group's part's, if the write has
         one; the request's ``dst_pages``) names the same objects, so that a transport can tell by
         identity that the lists are one (``kvproto.transport.cuda_ipc`` then lists them once in its
