@@ -721,13 +721,13 @@ def _pattern_kernel(interpret: bool) -> Any:
     return JITFunction(_copy_pattern)
 
 
-@functools.cache
 def _address(arg: Any) -> Any:
     """A launch argument as the compiled kernel's launcher may take it: an array as its address
     (``data_ptr``), anything else as it is."""
     return arg.data_ptr() if hasattr(arg, "data_ptr") else arg
 
 
+@functools.cache
 def _word_tensor(word: int, device: torch.device) -> torch.Tensor:
     """A tensor of ``word``-byte elements on ``device``: a kernel's word type (never read)."""
     return torch.empty(1, dtype=_WORDS[word], device=device)
