@@ -15,7 +15,26 @@ rooms each rank process moves every object it holds out of the cyclic garbage co
 (``gc.freeze``, as serving engines do once their model is loaded) and takes them back when its
 endpoint stops: a process with torch loaded holds ~200,000 objects, and a full collection of them
 stopped a rank's loop for 90-240 ms, once or twice per case, on the GPU hosts measured (a room's
-p99 of 140 ms beside a p50 of 16 ms); frozen, a full collection takes ~1 ms. A *case* is one (prefill TP → decode TP, room size, page order, path, rooms in
+p99 of 140 ms beside a p50 of 16 ms); frozen, a full collection takes ~1 ms.
+
+For the same rooms the rank processes also collect their youngest objects only every 100,000
+allocations (``--gc-threshold``; CPython's own threshold is 700), as tuned serving processes set
+it after start-up, and put CPython's thresholds back when they stop. A young collection is not
+paid by the rooms in proportion to what they allocate: it runs when the count of allocations
+not yet freed crosses the threshold, and in an interleaved run (below) each segment starts from
+a drained pipeline and climbs to its peak of rooms in flight. On an H100 at 128 MiB (1200 rooms
+of each kind, 40 segments each) that peak crossed 700 in most hybrid segments and in few
+one-group ones, because a hybrid room holds a few more objects in flight: inside hybrid segments
+the prefill rank made 27 young collections (18.6 ms in all) at TP 1 -> 1 against 1 inside
+one-group segments, 40 against 14 at 1 -> 2, and each prefill rank 26-27 against 1 at 2 -> 1.
+That put ``vs one`` at 0.87-0.89 at TP 1 -> 1 and 0.88-0.89 at 2 -> 1 with CPython's threshold,
+and 0.92-0.95 at both with 100,000, in alternating runs on one machine (the one-group rooms
+gained too: 217-251 against 277-282 GB/s at 1 -> 1); with 100,000 no young collection ran inside
+a segment. The rank processes make no reference cycles per room (no
+garbage found per room with ``gc.DEBUG_SAVEALL``), so what the collector would have freed is
+freed by reference counts anyway.
+
+A *case* is one (prefill TP → decode TP, room size, page order, path, rooms in
 flight); for each the parent starts fresh endpoints, so the first room also pays for the new
 link (bootstrap, descriptor lists, kernels), and reports:
 
@@ -116,6 +135,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 MIB = 1 << 20
+GC_THRESHOLD = 100_000
+"""The collector's first threshold during a case's rooms, by default (``quiet_gc``)."""
 STATE_ROWS = 16
 """Rows (split over TP) of a hybrid cache's state tensor per layer: 16 x 128 bf16 = 4 KiB."""
 
@@ -158,6 +179,9 @@ class Case:
     """Flip one byte of the last room on decode rank 0 before the check (proves the check can fail)."""
     hybrid: bool = False
     """The cache as three groups (module docstring)."""
+    gc_threshold: int = GC_THRESHOLD
+    """The cyclic collector's first threshold in the rank processes during the case's rooms
+    (``quiet_gc``; CPython's own is 700)."""
     reuse: int = 0
     """Rooms 2, 3, ... land in the pages of room ``2 + (i - 2) % reuse`` (0: every room in pages of
     its own). An interleaved run longer than the decode pool holds reuses them a segment apart:
@@ -375,12 +399,13 @@ class _Rank:
         self.big = self.state = self.terms = None  # the next case's caches must fit beside nothing
         self.sources = []
         gc.unfreeze()  # what ``quiet_gc`` froze: this case's cycles must be collectable again
+        gc.set_threshold(*_GC_DEFAULT)
         gc.collect()
         if self.device.type == "cuda":
             self.torch.cuda.empty_cache()
 
     async def rooms(self, case: Case, bootstrap: str) -> dict[str, Any]:
-        quiet_gc()
+        quiet_gc(case.gc_threshold)
         if self.role == "prefill":
             return (await send_rooms([(self, case, i) for i in range(case.rooms + 2)], case.in_flight))[0]
         schedule = [room_pages(case, self.shape, i) for i in range(case.rooms + 2)]
@@ -616,13 +641,19 @@ async def send_rooms(order: list[tuple[_Rank, Case, int]], in_flight: int) -> li
             for rank in ranks]
 
 
-def quiet_gc() -> None:
-    """Before a rank's timed rooms: collect once, then keep everything this process holds (torch,
-    the caches, the endpoints) out of later collections (``gc.freeze``), as serving engines do
-    after loading their model, so that no full collection stalls the loop mid-run (module
-    docstring). ``_Rank.stop`` unfreezes."""
+def quiet_gc(threshold: int = GC_THRESHOLD) -> None:
+    """Before a rank's timed rooms: collect once, keep everything this process holds (torch, the
+    caches, the endpoints) out of later collections (``gc.freeze``), and start a collection of the
+    youngest objects only after ``threshold`` allocations instead of CPython's 700, as tuned
+    serving processes do after loading their model (module docstring). ``_Rank.stop`` undoes all
+    three."""
     gc.collect()
     gc.freeze()
+    gc.set_threshold(threshold, *_GC_DEFAULT[1:])
+
+
+_GC_DEFAULT = gc.get_threshold()
+"""The collector's thresholds as this process started (``_Rank.stop`` puts them back)."""
 
 
 def segment_kinds(segments: int) -> list[int]:
@@ -650,7 +681,7 @@ async def alternate(ranks: list[_Rank], cases: list[Case], addresses: list[str],
     as it ends, untimed). Per kind: what ``_Rank.rooms`` returns, and ``segments`` ((start, end)
     of each of its segments)."""
     plan = segment_rooms(cases[0].rooms, segment)
-    quiet_gc()
+    quiet_gc(cases[0].gc_threshold)
     if ranks[0].role == "prefill":
         order = [(ranks[k], cases[k], i) for k in (0, 1) for i in (0, 1)]
         order += [(ranks[k], cases[k], i) for k, rooms in plan for i in rooms]
@@ -1061,6 +1092,9 @@ def main(argv: list[str] | None = None) -> int:
                          "pages per GPU, 1 GiB in host memory, allow; a third of that interleaved). More rooms "
                          "than that: fewer rooms, or with --interleave each turn reuses the pages of the "
                          "kind's previous turn, checked as that turn ends")
+    ap.add_argument("--gc-threshold", type=int, default=GC_THRESHOLD, metavar="N",
+                    help=f"the rank processes' first collector threshold during a case's rooms (default "
+                         f"{GC_THRESHOLD:,}; 700 is CPython's own; module docstring)")
     ap.add_argument("--no-pin", action="store_true",
                     help="leave the rank processes where the OS puts them (default: each on physical cores of its "
                          "own where there are enough)")
@@ -1080,7 +1114,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{shape.layers} layers x {shape.heads} KV heads x {shape.head_dim} bf16, {shape.block}-token pages, "
           f"NHD -> {shape.block_of('decode')}-token {shape.decode_layout} pages; raw = the same bytes as concurrent one-descriptor WRITEs "
           f"(a mapped cuda-ipc peer: one contiguous device copy into its mapping), same processes, same run; "
-          f"bytes = every room checked", flush=True)
+          f"bytes = every room checked; rank processes collect young objects every {args.gc_threshold:,} "
+          f"allocations during rooms", flush=True)
     rows: list[Row] = []
     constants: dict[str, float] = {}
     failed = False
@@ -1134,7 +1169,7 @@ def main(argv: list[str] | None = None) -> int:
                         if segment:
                             cases = [Case(p_tp, d_tp, size, pages, path, in_flight, rooms - rooms % segment,
                                           seed=len(rows) + 1 + 2 * turn + k, staging_mib=args.staging_mib,
-                                          hybrid=kind == "hybrid", reuse=reuse)
+                                          hybrid=kind == "hybrid", reuse=reuse, gc_threshold=args.gc_threshold)
                                      for turn in range(max(1, args.repeat)) for k, kind in enumerate(args.groups)]
                             need: dict[str, int] = {}
                             for case in cases[:2]:
@@ -1157,7 +1192,8 @@ def main(argv: list[str] | None = None) -> int:
                         for turn in range(0 if segment else max(1, args.repeat)):
                             for kind in args.groups:
                                 case = Case(p_tp, d_tp, size, pages, path, in_flight, rooms, seed=len(rows) + turn + 1,
-                                            staging_mib=args.staging_mib, tamper=args.tamper, hybrid=kind == "hybrid")
+                                            staging_mib=args.staging_mib, tamper=args.tamper, hybrid=kind == "hybrid",
+                                            gc_threshold=args.gc_threshold)
                                 if kind in skipped:
                                     continue
                                 short = memory_short(memory_needed(case, shape, devices))

@@ -144,21 +144,25 @@ def test_bench_transfer_interleave_longer_than_the_pool_reuses_pages_and_checks_
 
 def test_rank_processes_freeze_the_gc_for_their_timed_rooms_and_thaw_it_when_they_stop() -> None:
     """A rank freezes what it holds before its timed rooms (no full collection stalls its loop
-    mid-run) and unfreezes when it stops, so that the next case's collection frees this case's
-    caches."""
+    mid-run) and raises the young collections' threshold; it unfreezes and puts the thresholds
+    back when it stops, so that the next case's collection frees this case's caches."""
     import asyncio
     import gc
 
     from kvproto.bench import transfer
 
+    before = gc.get_threshold()
     rank = transfer._Rank("decode", 0, 1, transfer.Shape(layers=2), "cpu", "loopback")
     try:
-        transfer.quiet_gc()
+        transfer.quiet_gc(50_000)
         assert gc.get_freeze_count() > 1000  # torch and the rest of this process
+        assert gc.get_threshold() == (50_000, *before[1:])
         asyncio.run(rank.stop())
         assert gc.get_freeze_count() == 0
+        assert gc.get_threshold() == before
     finally:
         gc.unfreeze()
+        gc.set_threshold(*before)
 
 
 def test_bench_rooms_tiny_reports_rates_latency_and_loop_lag(tmp_path: Path) -> None:
