@@ -66,8 +66,8 @@ hybrid() {  # a GDN-shaped hybrid room against a one-group room of the same laye
     b="$b --tp 1:1 1:2 2:1"
     step hybrid-kernel-8 300 $b --interleave 150 --rooms 1950 --repeat 2 --transport cuda-ipc \
         --json "$out/hybrid-kernel-8.json" --sizes-mib 8
-    step hybrid-kernel-128 240 $b --interleave 30 --rooms 120 --repeat 4 --transport cuda-ipc \
-        --json "$out/hybrid-kernel-128.json" --sizes-mib 128
+    step hybrid-kernel-128 300 $b --interleave 30 --rooms 1200 --transport cuda-ipc \
+        --json "$out/hybrid-kernel-128.json" --sizes-mib 128  # 40 turn pairs: pages reused, checked per turn
     step hybrid-kernel-512 240 $b --interleave 8 --rooms 24 --repeat 4 --transport cuda-ipc \
         --json "$out/hybrid-kernel-512.json" --sizes-mib 512
     step hybrid-nixl-8 300 $b --interleave 100 --rooms 1000 --repeat 2 --transport nixl \
