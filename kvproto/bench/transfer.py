@@ -30,9 +30,9 @@ one-group segments, 40 against 14 at 1 -> 2, and each prefill rank 26-27 against
 That put ``vs one`` at 0.87-0.89 at TP 1 -> 1 and 0.88-0.89 at 2 -> 1 with CPython's threshold,
 and 0.92-0.95 at both with 100,000, in alternating runs on one machine (the one-group rooms
 gained too: 217-251 against 277-282 GB/s at 1 -> 1); with 100,000 no young collection ran inside
-a segment. The rank processes make no reference cycles per room (no
-garbage found per room with ``gc.DEBUG_SAVEALL``), so what the collector would have freed is
-freed by reference counts anyway.
+a segment. Rooms leave no reference cycles behind (none found per room with ``gc.DEBUG_SAVEALL``,
+prefill and decode endpoints in one process on the CPU), so what the collector would have freed
+is freed by reference counts anyway.
 
 A *case* is one (prefill TP → decode TP, room size, page order, path, rooms in
 flight); for each the parent starts fresh endpoints, so the first room also pays for the new
@@ -137,6 +137,8 @@ from typing import Any
 MIB = 1 << 20
 GC_THRESHOLD = 100_000
 """The collector's first threshold during a case's rooms, by default (``quiet_gc``)."""
+_GC_DEFAULT = gc.get_threshold()
+"""The collector's thresholds as this process started (``_Rank.stop`` puts them back)."""
 STATE_ROWS = 16
 """Rows (split over TP) of a hybrid cache's state tensor per layer: 16 x 128 bf16 = 4 KiB."""
 
@@ -652,10 +654,6 @@ def quiet_gc(threshold: int = GC_THRESHOLD) -> None:
     gc.set_threshold(threshold, *_GC_DEFAULT[1:])
 
 
-_GC_DEFAULT = gc.get_threshold()
-"""The collector's thresholds as this process started (``_Rank.stop`` puts them back)."""
-
-
 def segment_kinds(segments: int) -> list[int]:
     """The cache kind (0 or 1) of each segment of an interleaved run: 0 1 1 0 0 1 1 0 ..., so that
     every pair of segments (2p, 2p + 1) holds one of each and neither kind always goes first."""
@@ -1094,7 +1092,7 @@ def main(argv: list[str] | None = None) -> int:
                          "kind's previous turn, checked as that turn ends")
     ap.add_argument("--gc-threshold", type=int, default=GC_THRESHOLD, metavar="N",
                     help=f"the rank processes' first collector threshold during a case's rooms (default "
-                         f"{GC_THRESHOLD:,}; 700 is CPython's own; module docstring)")
+                         f"{GC_THRESHOLD:,}; 700 is CPython's own, 0 none; module docstring)")
     ap.add_argument("--no-pin", action="store_true",
                     help="leave the rank processes where the OS puts them (default: each on physical cores of its "
                          "own where there are enough)")
