@@ -256,6 +256,9 @@ class PageTables:
                 self._tables[room_id] = (tuple(pages), values)
         return _upload(values, self.kv, self.uploads)
 
+    def forget(self, room_id: int) -> None:
+        self._tables.pop(room_id, None)
+
     def __len__(self) -> int:
         return len(self._tables)
 
@@ -437,8 +440,7 @@ class CacheKernels:
 
     def forget(self, room_id: int) -> None:
         for _kv, _regions, tables in self.groups.values():
-            if tables._tables:  # a room's tables, by room (on the kernel path none is kept): no call per group
-                tables._tables.pop(room_id, None)
+            tables.forget(room_id)
         self.joint.forget(room_id)
 
     def __len__(self) -> int:

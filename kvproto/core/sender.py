@@ -936,7 +936,7 @@ class SenderCore(CoreBase):
             if state:  # (group, layers, src_slot, dst_slot): the part's group counts the first as 0
                 parts.append(new_part(StatePart, (g + 1, span, room.state_slots[g], dest.slot)))  # type: ignore[index]
                 continue
-            first = start if window is None else max(start, max(0, req.num_tokens - window))
+            first = start if window is None else max(start, self.groups[g].window_start(req.num_tokens))
             if first < end:  # (group, start_token, end_token, layers, src_pages, dst_pages)
                 held = room.group_pages[g]
                 own = src if src is not None and (held is room.src_pages or held == room.src_pages) else tuple(held)
