@@ -132,6 +132,13 @@ class _Room:
             raise TransferFailed(self.room_id, handle.code, handle.reason)
 
     @property
+    def stats(self) -> Any:
+        """What the room moved (``kvproto.aio.RoomStats``: bytes, writes, phase seconds), final once
+        ``get_finished()`` has listed the room; None before the loop opened it or if it was refused."""
+        handle = self._handle
+        return None if handle is None else handle.stats
+
+    @property
     def code(self) -> ErrorCode | int | None:
         if isinstance(self._error, LocalProtocolError):
             return self._error.code

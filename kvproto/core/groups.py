@@ -11,7 +11,12 @@ left behind silently:
   ``[max(chunk start, prefix, window start), min(chunk end, num_tokens))`` of that group's pages.
   A decode rank names only the pages holding the tokens it needs (``destination_pages``: the
   window's for a sliding-window group); the prefill names every page of the group, chunk by
-  chunk, as it does for the first group. On a link whose rooms stage, the paged groups without a
+  chunk, as it does for the first group. An engine frees a sliding window's pages once no later
+  token attends to them and may give one back to the same request for a later chunk (vLLM does):
+  a chunk of a windowed group may therefore name again a page whose tokens all lie before the
+  chunk's first token minus ``window - 1``. Those tokens are never written (they precede every
+  window the decode can need), so only pages holding tokens a later token may read must be
+  distinct. On a link whose rooms stage, the paged groups without a
   window ride in the staged pieces instead (``kvproto.geometry.groups.staged_groups``: one block
   per group after the first group's);
 * a **state** group is the request's slot (of the group's layers in a layer-wise chunk), moved
@@ -151,7 +156,10 @@ def check_chunk_pages(groups: Sequence[GroupSpec], held: Sequence[Sequence[int]]
         bad = page_outside(pages, spec.pool)
         if bad is not None:
             return ErrorCode.INDEX_OUT_OF_RANGE, f"page {bad} of group {spec.name!r} outside [0, {spec.pool})"
-        twice = duplicate_page([*held[g], *pages] if held[g] else pages)
+        live = held[g]
+        if spec.window is not None and live:  # a window's pages that no later token reads may come again
+            live = live[max(0, (len(live) * spec.block_size - spec.window + 1) // spec.block_size):]
+        twice = duplicate_page([*live, *pages] if live else pages)
         if twice is not None:
             return ErrorCode.INDEX_OUT_OF_RANGE, (
                 f"page {twice} of group {spec.name!r} is listed twice: two token ranges would share it")

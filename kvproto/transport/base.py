@@ -83,6 +83,26 @@ class MemoryRegion:
     kind: MemKind = MemKind.DRAM
 
 
+def merged_regions(regions: Sequence[MemoryRegion]) -> list[MemoryRegion]:
+    """``regions`` with those that overlap (same memory kind and device) joined into one.
+
+    A cache's groups may alias one allocation (a hybrid model's groups overlay one buffer, so a
+    page of one group's layer is a page of another's), and adapters register each region: NIXL's
+    UCX backend takes a range registered twice but crashes deregistering it. Only regions that
+    share bytes are joined; regions that merely touch stay apart (they may be two allocations,
+    which a GPU registration must not span)."""
+    out: list[MemoryRegion] = []
+    for r in sorted(regions, key=lambda r: (r.kind, r.device_id, r.address)):
+        last = out[-1] if out else None
+        if last is not None and (last.kind, last.device_id) == (r.kind, r.device_id) \
+                and r.address < last.address + last.length:
+            end = max(last.address + last.length, r.address + r.length)
+            out[-1] = MemoryRegion(last.address, end - last.address, last.device_id, last.kind)
+        else:
+            out.append(r)
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class Notification:
     peer: str

@@ -87,6 +87,21 @@ def test_check_chunk_pages_checks_when_the_held_pages_differ():
     assert code is ErrorCode.INDEX_OUT_OF_RANGE and "page 7 of group 'lin' is listed twice" in reason
 
 
+WINDOWED = GroupSpec("swa", state=False, pool=64, block_size=16, window=32)
+
+
+def test_check_chunk_pages_lets_a_window_name_again_a_page_no_later_token_reads():
+    """A sliding window of 32 tokens, chunks of 48: the chunk from token 48 attends from token 17
+    on, so the engine may give back page 0 (tokens 0-15) for it; page 1 (tokens 16-31) is still
+    read and may not come again. Without a window, any repeat is refused."""
+    held = [[5, 6, 7]]
+    assert groups.check_chunk_pages([WINDOWED], held, [[5, 8, 9]], 96, False) is None
+    code, reason = groups.check_chunk_pages([WINDOWED], held, [[6, 8, 9]], 96, False)
+    assert code is ErrorCode.INDEX_OUT_OF_RANGE and "page 6 of group 'swa' is listed twice" in reason
+    code, reason = groups.check_chunk_pages([PAGED], held, [[5, 8, 9]], 96, False)
+    assert code is ErrorCode.INDEX_OUT_OF_RANGE and "page 5 of group 'lin' is listed twice" in reason
+
+
 def test_receiver_refuses_the_first_groups_pages_outside_a_smaller_group_pool():
     """End to end on the decode's own check: a group given the first group's pages, which fit the
     first group's 64 pages but not the group's 8, is refused naming the group."""
