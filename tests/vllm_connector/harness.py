@@ -195,7 +195,8 @@ class Instance:
     def __init__(self, role: str, *, tp: int = 1, block: int = 16, layout: str = "LBNHC", blocks: int = 96,
                  batch_tokens: int = 256, extra: dict[str, Any] | None = None, engine: str = "e",
                  prefix_caching: bool = True, policy: str = "fail", model: str = "gqa", scheduler: str = "sync",
-                 lag: float = 0.002, dp: tuple[int, int] = (0, 1), log_stats: bool = False) -> None:
+                 lag: float = 0.002, dp: tuple[int, int] = (0, 1), log_stats: bool = False,
+                 cache_dtype: str = "auto", chunk_tokens: int = 0) -> None:
         self.role, self.tp, self.block, self.model = role, tp, block, model
         self.mla = model in ("mla", "mla-indexer")
         self.in_process = bool((extra or {}).get("endpoint_process"))
@@ -203,7 +204,7 @@ class Instance:
         waits for its stream before each ``save_kv_layer``, as a CPU engine does."""
         self.configs = []
         for rank in range(tp):
-            cache = CacheConfig(block_size=block, enable_prefix_caching=prefix_caching)
+            cache = CacheConfig(block_size=block, enable_prefix_caching=prefix_caching, cache_dtype=cache_dtype)
             cache.kv_cache_layout = layout
             cache.num_gpu_blocks = blocks
             cache.num_gpu_blocks_override = blocks
@@ -217,7 +218,8 @@ class Instance:
                 parallel_config=parallel, kv_transfer_config=kt,
                 scheduler_config=SchedulerConfig(max_num_batched_tokens=batch_tokens, max_num_seqs=16,
                                                  max_model_len=4096, is_encoder_decoder=False,
-                                                 enable_chunked_prefill=True)))
+                                                 enable_chunked_prefill=True,
+                                                 long_prefill_token_threshold=chunk_tokens)))
         cfg = self.configs[0]
         self.kv_cache_config = get_kv_cache_config_from_groups(cfg, cache_groups(model, block, tp), 1 << 40)
         self.plans = plan_groups(self.kv_cache_config)

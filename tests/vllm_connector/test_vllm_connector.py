@@ -25,7 +25,8 @@ def pair(p_tp: int = 1, d_tp: int = 1, *, p_block: int = 16, d_block: int = 16, 
          batch_tokens: int = 256, heartbeat: float = 5.0, decode_timeouts: dict[str, float] | None = None,
          policy: str = "fail", layerwise: bool = True, model: str = "gqa", endpoint_process: bool = False,
          scheduler: str = "sync", lag: float = 0.002, d_extra: dict[str, Any] | None = None,
-         p_extra: dict[str, Any] | None = None, log_stats: bool = False) -> tuple[Instance, Instance]:
+         p_extra: dict[str, Any] | None = None, log_stats: bool = False, d_kw: dict[str, Any] | None = None
+         ) -> tuple[Instance, Instance]:
     port = free_port()
     prefill = Instance("kv_producer", tp=p_tp, block=p_block, layout=p_layout, batch_tokens=batch_tokens,
                        extra={"bootstrap_port": port, "timeouts": dict(timeouts or {}), "heartbeat_timeout_s": heartbeat,
@@ -34,7 +35,8 @@ def pair(p_tp: int = 1, d_tp: int = 1, *, p_block: int = 16, d_block: int = 16, 
     decode = Instance("kv_consumer", tp=d_tp, block=d_block, layout=d_layout, blocks=d_blocks,
                       extra={"heartbeat_timeout_s": heartbeat, "timeouts": dict(decode_timeouts or {}),
                              "endpoint_process": endpoint_process, **(d_extra or {})},
-                      engine="decode", policy=policy, model=model, scheduler=scheduler, lag=lag, log_stats=log_stats)
+                      engine="decode", policy=policy, model=model, scheduler=scheduler, lag=lag, log_stats=log_stats,
+                      **(d_kw or {}))
     return prefill, decode
 
 

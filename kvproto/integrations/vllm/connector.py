@@ -94,7 +94,7 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVProtoStats:
-        return KVProtoStats(data=dict(data)) if data else KVProtoStats()
+        return KVProtoStats(data={key: list(value) for key, value in data.items()}) if data else KVProtoStats()
 
     @classmethod
     def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[Any, Any], labelnames: list[str],

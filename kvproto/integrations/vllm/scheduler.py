@@ -218,20 +218,20 @@ class Scheduler:
                 self._preempt(rid, p, meta)
         steps: list[tuple[str, int, tuple[list[int], ...] | None, bool]] = []
         for new in out.scheduled_new_reqs:
-            steps.append((new.req_id, new.num_computed_tokens, new.block_ids, False))
+            steps.append((new.req_id, new.num_computed_tokens, new.block_ids, True))
         cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             steps.append((rid, cached.num_computed_tokens[i], cached.new_block_ids[i], rid in cached.resumed_req_ids))
-        for rid, computed, ids, resumed in steps:
+        for rid, computed, ids, in_full in steps:
             p = self.prefilling.get(rid)
             if p is None:
                 continue  # not a request whose prompt goes to another instance
-            if resumed:
-                if p.opened and not p.done:
+            if in_full and p.opened:  # scheduled again after a preemption: its block ids come in full
+                if not p.done:
                     self._preempt(rid, p, meta)  # preempted without vLLM saying so: its blocks were freed
-                if p.preempted and not p.proxy_room:  # recomputed from scratch: a fresh room carries it
+                if p.preempted and not p.proxy_room:  # recomputed: a fresh room carries it
                     p = self.prefilling[rid] = _Prefilling(secrets.randbits(63) or 1, p.prompt, False)
-                p.blocks = {}  # a resumed request's block ids are given again in full
+                p.blocks = {}
             if p.done:
                 continue  # its prompt has gone (it decodes now), or its room was given up
             if not p.opened:
