@@ -194,6 +194,38 @@ def test_prefill_dies_the_decode_request_ends_through_vllms_load_failure_path(po
         prefill.close()
 
 
+def test_a_failed_load_leaves_nothing_in_the_decode_prefix_cache() -> None:
+    """A load that fails (the prefill is gone) must not leave its never-written blocks in the
+    decode's prefix cache: the same prompt sent again, through a live prefill, finds no local hit
+    (its room moves the whole prompt) and its bytes are exact."""
+    prefill, decode = pair(heartbeat=1.0, decode_timeouts={"bootstrap": 2.0})
+    prompt = list(range(1, 97))
+    try:
+        prefill.add("lost", prompt, 1, {"do_remote_decode": True})
+        run_until([prefill], lambda: "lost" in prefill.finished)
+        params = kv_params(prefill, "lost")
+        prefill.close()  # gone before the decode asks
+        decode.add("lost", prompt, 2, params)
+        run_until([decode], lambda: "lost" in decode.finished and not decode.busy(), timeout=30)
+        assert decode.finished["lost"].finish_reason.name == "ERROR"
+        again = Instance("kv_producer", extra={"bootstrap_port": free_port()}, engine="prefill-2")
+        try:
+            checked = checking(decode, {"again": prompt})
+            again.add("again", prompt, 1, {"do_remote_decode": True})
+            run_until([again], lambda: "again" in again.finished)
+            decode.add("again", prompt, 2, kv_params(again, "again"))
+            run_until([again, decode], lambda: "again" in decode.finished and not decode.busy() and not again.busy())
+            r = [r for m in decode.metas for r in m.recvs if r.req_id == "again"]
+            assert len(r) == 1 and r[0].prefix_tokens == 0, r
+            assert set(checked) == {"again"}
+            assert_empty(again, decode)
+        finally:
+            again.close()
+    finally:
+        prefill.close()
+        decode.close()
+
+
 def test_prefill_abort_mid_prompt_frees_its_blocks() -> None:
     """A request aborted on the prefill while its prompt is half computed (chunked prefill): its
     room is aborted and its blocks are freed once the room has ended; nothing is returned to send."""
