@@ -110,6 +110,13 @@ def test_spec_readme_lists_every_document() -> None:
     assert all((SPEC / name).exists() for name in linked)
 
 
+def test_spec_readme_no_record_is_extended_in_place() -> None:
+    """README.md's rule that records never grow in place names every record of messages.md."""
+    text = " ".join((SPEC / "README.md").read_text(encoding="utf-8").split())
+    (rule,) = [s for s in text.split(". ") if "extended in place" in s]
+    assert set(re.findall(r"`(\w+)`", rule)) == set(RECORDS) == set(record_sections())
+
+
 # --- framing.md --------------------------------------------------------------------------------
 
 
