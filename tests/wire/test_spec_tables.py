@@ -117,6 +117,18 @@ def test_spec_readme_no_record_is_extended_in_place() -> None:
     assert set(re.findall(r"`(\w+)`", rule)) == set(RECORDS) == set(record_sections())
 
 
+def test_spec_readme_and_header_table_name_this_minor() -> None:
+    """README.md's sender rule and framing.md's header table name this build's minor, and the
+    flags row says that no version up to it defines a bit."""
+    readme = " ".join((SPEC / "README.md").read_text(encoding="utf-8").split())
+    assert f"Senders of version {MAJOR}.{MINOR} put `minor` = {MINOR} (" in readme
+    (table,) = [t for t in md_tables(SPEC / "framing.md") if t[0] == "Header"]
+    rows = {r[2]: r[4] for r in table[2]}
+    assert rows["minor"].startswith(f"the sender's minor version: {MINOR} for version {MAJOR}.{MINOR} (")
+    assert all(f"{m} for {MAJOR}.{m}" in rows["minor"] for m in range(MINOR))
+    assert f"no bit is defined in any version from {MAJOR}.0 to {MAJOR}.{MINOR};" in rows["flags"]
+
+
 # --- framing.md --------------------------------------------------------------------------------
 
 
