@@ -228,6 +228,10 @@ STAGING_WATERMARK = StagingWatermark(room_id=0x00C0FFEE, generation=1_000_001, s
                                      watermark=0x30000 + 32 * STAGING_UNIT)
 
 
+TRANSFER_REQUEST = TransferRequest(room_id=0x00C0FFEE, generation=1_000_001, num_tokens=100, prefix_tokens=32,
+                                   aux_slot=5, expected_writers=2, dst_pages=(17, 18, 19, 40, 41, 42, 43))
+"""The request of transfer_request.hex: 100 tokens in decode blocks of 16, the first 32 cached."""
+
 TRANSFER_REQUEST_DUPLICATE_PAGES = TransferRequest(
     room_id=0x00C0FFEE, generation=1_000_001, num_tokens=100, prefix_tokens=32, aux_slot=5,
     expected_writers=2, dst_pages=(17, 18, 19, 41, 40, 41, 43))
@@ -516,8 +520,23 @@ def _vectors() -> list[Vector]:
                "message type 202 at minor 4: decoders raise UnknownMessage; a receiver of minor 3 or lower ignores "
                "it (newer minor)"),
     ]
+    # Version 1.3, the text made exact where a reader of 1.2 had to guess (no wire change): each
+    # answer that refuses something, and each that a reader could get wrong, has a vector.
+    request_minor3 = encode(TRANSFER_REQUEST, minor=3)
+    exact = [
+        reject("reject_transfer_request_groups_count_truncated.hex", with_trailing(request_minor3, b"\x01\x00"),
+               "MalformedFrame", ErrorCode.MALFORMED_FRAME,
+               "minor 3: transfer_request.hex's body and then 2 bytes: the body ends inside the count of the "
+               "optional groups field, which is truncated, not absent (absent only where the body ends exactly "
+               "at the field's start)"),
+        decode_only("transfer_request_groups_empty.hex", with_trailing(request_minor3, b"\x00\x00\x00\x00"),
+                    TRANSFER_REQUEST,
+                    "minor 3: the optional groups field sent empty (count 0) decodes as when it is left out; the "
+                    "index lists no groups, as for every optional field at its default",
+                    twin="transfer_request_no_groups_minor2.hex", minor=3),
+    ]
     # The MAX_FRAME bound is tested in tests/wire/test_fuzz.py rather than with 16 MiB files.
-    return good + tail + rejects + tags + tag_rejects + staging + duplicates + groups + state_block
+    return good + tail + rejects + tags + tag_rejects + staging + duplicates + groups + state_block + exact
 
 
 VECTORS = _vectors()
