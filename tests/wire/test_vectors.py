@@ -160,6 +160,15 @@ def test_vectors_an_absent_optional_field_leaves_the_body_unchanged() -> None:
     assert a[24:] == b[24:] and (a[3], b[3]) == (0, 2)
 
 
+def test_vectors_bodies_list_every_field_but_optional_ones_at_their_defaults() -> None:
+    """A frame entry's body names every required field of its message and an optional one exactly
+    when it holds more than its default (vectors/README.md: the index key body)."""
+    for e in FRAMES_BOTH + FRAMES_DECODE:
+        msg = decode_frame(read_vector(e["file"]))[1]
+        assert list(e["body"]) == [name for name, _ in msg.sent_fields()], e["file"]
+    assert "groups" not in BY_FILE["transfer_request_groups_empty.hex"]["body"]
+
+
 def test_vectors_unknown_type_vectors_carry_their_minor() -> None:
     """The unknown-type reject vectors raise UnknownMessage with their header: one of a minor newer than
     this build (ignorable here) and one not newer (a violation here)."""
