@@ -1,6 +1,6 @@
 """The checks both cores run on a room's groups beyond the first (``kvproto.core.groups``): a
 group that names the first group's pages is taken on one comparison, and only where that
-comparison proves what the checks would."""
+comparison proves what the checks would; a refusal carries the code messages.md's order gives."""
 
 from __future__ import annotations
 
@@ -98,3 +98,37 @@ def test_receiver_refuses_the_first_groups_pages_outside_a_smaller_group_pool():
     assert err.value.code is ErrorCode.INDEX_OUT_OF_RANGE
     ok = core.check_destination([3, 4, 2], 40, group_pages=[[3, 4, 2]], state_slots=[NO_SLOT])
     assert ok.groups[0].pages == (3, 4, 2) and ok.pages == (3, 4, 2)
+
+
+WIDE = GroupSpec("wide", state=False, pool=64, block_size=32)
+
+
+@pytest.mark.parametrize("case, code", [
+    ("state-pages-after-a-wrong-first-page", ErrorCode.PEER_PROTOCOL_ERROR),
+    ("state-pages-after-a-page-outside", ErrorCode.PEER_PROTOCOL_ERROR),
+    ("state-first-page", ErrorCode.PEER_PROTOCOL_ERROR),
+    ("wrong-count-after-a-page-outside", ErrorCode.TOKEN_COUNT_MISMATCH),
+    ("wrong-count-after-a-prefix", ErrorCode.TOKEN_COUNT_MISMATCH),
+    ("wrong-first-page-and-prefix", ErrorCode.TOKEN_COUNT_MISMATCH),
+])
+def test_check_destinations_answers_the_first_of_checks_11_to_14_over_every_entry(case, code):
+    """A refusal carries the code of the first of TRANSFER_REQUEST's checks 11-14 (messages.md) that
+    some entry fails, each check over every entry before the next and, within check 12, the page
+    range before the prefix: never the code of whichever failing entry comes first."""
+    specs = [WIDE, PAGED, STATE]  # 40 tokens: 2 pages of 32, 3 of 16, a slot
+    good = {WIDE: dest((4, 5)), PAGED: dest((1, 2, 3)), STATE: GroupDestination(first_page=0, pages=(), slot=3)}
+    bad = {
+        "state-pages-after-a-wrong-first-page": {
+            PAGED: GroupDestination(first_page=1, pages=(1, 2), slot=NO_SLOT),
+            STATE: GroupDestination(first_page=0, pages=(7,), slot=3)},
+        "state-pages-after-a-page-outside": {WIDE: dest((4, 99)),
+                                             STATE: GroupDestination(first_page=0, pages=(7,), slot=3)},
+        "state-first-page": {STATE: GroupDestination(first_page=1, pages=(), slot=3)},
+        "wrong-count-after-a-page-outside": {WIDE: dest((4, 99)), PAGED: dest((1, 2))},
+        "wrong-count-after-a-prefix": {PAGED: dest((1, 2))},
+        "wrong-first-page-and-prefix": {WIDE: GroupDestination(first_page=1, pages=(4, 5), slot=NO_SLOT)},
+    }[case]
+    prefix = 16 if "prefix" in case else 0  # whole blocks of PAGED (16), half a block of WIDE (32)
+    got = groups.check_destinations(specs, specs, [bad.get(spec, good[spec]) for spec in specs], 40, prefix)
+    assert got is not None and got[0] is code, got
+    assert groups.check_destinations(specs, specs, [good[spec] for spec in specs], 40, 0) is None
