@@ -173,7 +173,9 @@ def check_destinations(groups: Sequence[GroupSpec], sizes: Sequence[GroupSpec | 
     exactly what the decode rank needs: ``sizes[g]`` holds the decode rank's ``pool`` and
     ``block_size`` of group ``g`` (its own ``GroupSpec``, or the ``LinkGroup`` a link registered).
     ``checked``: the first group's destination pages (a tuple), already checked, and its pool.
-    None when they fit. Runs once per room on each side: the common case is a few comparisons."""
+    None when they fit. Runs once per room on each side: the common case is a few comparisons.
+    A refusal gives the code of the first of TRANSFER_REQUEST's checks 11-14 that fails
+    (messages.md), each check over every entry before the next (``_first_problem``)."""
     first_pages, first_pool = checked
     if len(dests) != len(groups):
         return ErrorCode.PEER_PROTOCOL_ERROR, (
@@ -183,10 +185,8 @@ def check_destinations(groups: Sequence[GroupSpec], sizes: Sequence[GroupSpec | 
         raise ValueError(f"{len(sizes)} sizes for {len(groups)} groups")
     for spec, size, dest in zip(groups, sizes, dests):  # (lengths checked: zip's strict=True costs a keyword call)
         if spec.state:
-            if dest.pages or dest.first_page:
-                return ErrorCode.PEER_PROTOCOL_ERROR, f"state group {spec.name!r} takes a slot, not pages"
-            if not 0 <= dest.slot < size.pool:
-                return ErrorCode.INDEX_OUT_OF_RANGE, f"slot {dest.slot} of group {spec.name!r} outside [0, {size.pool})"
+            if dest.pages or dest.first_page or not 0 <= dest.slot < size.pool:
+                return _first_problem(groups, sizes, dests, num_tokens, prefix_tokens)
             continue
         block, pages, window = size.block_size, dest.pages, spec.window
         first = 0 if window is None or num_tokens <= window else (num_tokens - window) // block
@@ -195,27 +195,49 @@ def check_destinations(groups: Sequence[GroupSpec], sizes: Sequence[GroupSpec | 
                 or prefix_tokens % block or not (pages is first_pages and size.pool >= first_pool
                                                  or same_pages(pages, size.pool, first_pages, first_pool)) and (
                     page_outside(pages, size.pool) is not None or len(set(pages)) != len(pages)):
-            return _paged_problem(spec, block, size.pool, dest, num_tokens, prefix_tokens)
+            return _first_problem(groups, sizes, dests, num_tokens, prefix_tokens)
     return None
 
 
-def _paged_problem(spec: GroupSpec, block: int, pool: int, dest: GroupDestination, num_tokens: int,
-                   prefix_tokens: int) -> tuple[ErrorCode, str]:
-    """``check_destinations``' answer for a paged group's destination that its quick test refused."""
-    name, pages = spec.name, dest.pages
-    if dest.slot != NO_SLOT:
-        return ErrorCode.PEER_PROTOCOL_ERROR, f"paged group {name!r} takes pages, not a slot"
-    need = spec.needed_pages(num_tokens, block)
-    if dest.first_page != need.start or len(pages) != len(need):
-        return ErrorCode.TOKEN_COUNT_MISMATCH, (
-            f"{num_tokens} tokens need pages {need.start}..{need.stop - 1} of group {name!r} (blocks of {block}"
-            f"{'' if spec.window is None else f', window {spec.window}'}), the room names {len(pages)} "
-            f"from page {dest.first_page}")
-    if prefix_tokens % block:
-        return ErrorCode.INDEX_OUT_OF_RANGE, (
-            f"prefix of {prefix_tokens} tokens is not a whole number of group {name!r}'s blocks of {block}")
-    bad = page_outside(pages, pool)
-    if bad is not None:
-        return ErrorCode.INDEX_OUT_OF_RANGE, f"page {bad} of group {name!r} outside the {pool} registered pages"
-    return ErrorCode.INDEX_OUT_OF_RANGE, (
-        f"page {duplicate_page(pages)} of group {name!r} is listed twice: two token ranges would share it")
+def _first_problem(groups: Sequence[GroupSpec], sizes: Sequence[GroupSpec | LinkGroup],
+                   dests: Sequence[GroupDestination], num_tokens: int, prefix_tokens: int) -> tuple[ErrorCode, str]:
+    """``check_destinations``' answer for destinations its quick test refused: TRANSFER_REQUEST's
+    checks 11-14 in messages.md's order, each over every entry (in group order) before the next, so
+    that the code does not depend on which entry is looked at first: 11 (a slot for a paged group,
+    pages or a ``first_page`` for a state group), 12 (first the page range, then the prefix), 13
+    (pages outside the pool or twice), 14 (a slot outside the pool)."""
+    rows = list(zip(groups, sizes, dests))
+    paged = [(spec, size, dest) for spec, size, dest in rows if not spec.state]
+    for spec, _, dest in rows:
+        if spec.state and (dest.pages or dest.first_page):
+            return ErrorCode.PEER_PROTOCOL_ERROR, (
+                f"state group {spec.name!r} takes a slot, not pages"
+                f"{f' (first_page {dest.first_page})' if dest.first_page and not dest.pages else ''}")
+        if not spec.state and dest.slot != NO_SLOT:
+            return ErrorCode.PEER_PROTOCOL_ERROR, f"paged group {spec.name!r} takes pages, not a slot"
+    for spec, size, dest in paged:
+        need = spec.needed_pages(num_tokens, size.block_size)
+        if dest.first_page != need.start or len(dest.pages) != len(need):
+            return ErrorCode.TOKEN_COUNT_MISMATCH, (
+                f"{num_tokens} tokens need pages {need.start}..{need.stop - 1} of group {spec.name!r} (blocks of "
+                f"{size.block_size}{'' if spec.window is None else f', window {spec.window}'}), the room names "
+                f"{len(dest.pages)} from page {dest.first_page}")
+    for spec, size, _ in paged:
+        if prefix_tokens % size.block_size:
+            return ErrorCode.INDEX_OUT_OF_RANGE, (
+                f"prefix of {prefix_tokens} tokens is not a whole number of group {spec.name!r}'s blocks of "
+                f"{size.block_size}")
+    for spec, size, dest in paged:
+        bad = page_outside(dest.pages, size.pool)
+        if bad is not None:
+            return ErrorCode.INDEX_OUT_OF_RANGE, (
+                f"page {bad} of group {spec.name!r} outside the {size.pool} registered pages")
+        twice = duplicate_page(dest.pages)
+        if twice is not None:
+            return ErrorCode.INDEX_OUT_OF_RANGE, (
+                f"page {twice} of group {spec.name!r} is listed twice: two token ranges would share it")
+    for spec, size, dest in rows:
+        if spec.state and not 0 <= dest.slot < size.pool:
+            return ErrorCode.INDEX_OUT_OF_RANGE, f"slot {dest.slot} of group {spec.name!r} outside [0, {size.pool})"
+    # not reached: the quick test refuses only what one of the checks above refuses
+    return ErrorCode.PEER_PROTOCOL_ERROR, "group destinations refused"

@@ -1,11 +1,15 @@
 """The checks both cores run on a room's groups beyond the first (``kvproto.core.groups``): a
 group that names the first group's pages is taken on one comparison, and only where that
-comparison proves what the checks would."""
+comparison proves what the checks would; a refusal carries the code messages.md's order gives."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import kvproto.core.groups as groups
 from kvproto.core import GroupSpec, ReceiverCore
@@ -113,3 +117,91 @@ def test_receiver_refuses_the_first_groups_pages_outside_a_smaller_group_pool():
     assert err.value.code is ErrorCode.INDEX_OUT_OF_RANGE
     ok = core.check_destination([3, 4, 2], 40, group_pages=[[3, 4, 2]], state_slots=[NO_SLOT])
     assert ok.groups[0].pages == (3, 4, 2) and ok.pages == (3, 4, 2)
+
+
+WIDE = GroupSpec("wide", state=False, pool=64, block_size=32)
+
+
+@pytest.mark.parametrize("case, code", [
+    ("state-pages-after-a-wrong-first-page", ErrorCode.PEER_PROTOCOL_ERROR),
+    ("state-pages-after-a-page-outside", ErrorCode.PEER_PROTOCOL_ERROR),
+    ("state-first-page", ErrorCode.PEER_PROTOCOL_ERROR),
+    ("wrong-count-after-a-page-outside", ErrorCode.TOKEN_COUNT_MISMATCH),
+    ("wrong-count-after-a-prefix", ErrorCode.TOKEN_COUNT_MISMATCH),
+    ("wrong-first-page-and-prefix", ErrorCode.TOKEN_COUNT_MISMATCH),
+])
+def test_check_destinations_answers_the_first_of_checks_11_to_14_over_every_entry(case, code):
+    """A refusal carries the code of the first of TRANSFER_REQUEST's checks 11-14 (messages.md) that
+    some entry fails, each check over every entry before the next and, within check 12, the page
+    range before the prefix: never the code of whichever failing entry comes first."""
+    specs = [WIDE, PAGED, STATE]  # 40 tokens: 2 pages of 32, 3 of 16, a slot
+    good = {WIDE: dest((4, 5)), PAGED: dest((1, 2, 3)), STATE: GroupDestination(first_page=0, pages=(), slot=3)}
+    bad = {
+        "state-pages-after-a-wrong-first-page": {
+            PAGED: GroupDestination(first_page=1, pages=(1, 2), slot=NO_SLOT),
+            STATE: GroupDestination(first_page=0, pages=(7,), slot=3)},
+        "state-pages-after-a-page-outside": {WIDE: dest((4, 99)),
+                                             STATE: GroupDestination(first_page=0, pages=(7,), slot=3)},
+        "state-first-page": {STATE: GroupDestination(first_page=1, pages=(), slot=3)},
+        "wrong-count-after-a-page-outside": {WIDE: dest((4, 99)), PAGED: dest((1, 2))},
+        "wrong-count-after-a-prefix": {PAGED: dest((1, 2))},
+        "wrong-first-page-and-prefix": {WIDE: GroupDestination(first_page=1, pages=(4, 5), slot=NO_SLOT)},
+    }[case]
+    prefix = 16 if "prefix" in case else 0  # whole blocks of PAGED (16), half a block of WIDE (32)
+    got = groups.check_destinations(specs, specs, [bad.get(spec, good[spec]) for spec in specs], 40, prefix)
+    assert got is not None and got[0] is code, got
+    assert groups.check_destinations(specs, specs, [good[spec] for spec in specs], 40, 0) is None
+
+
+def spec_code(specs, dests, num_tokens, prefix):
+    """TRANSFER_REQUEST checks 11-14 read literally from messages.md: each over every entry, in
+    order, check 12's page range before its prefix; the code of the first that fails, or None."""
+    paged = [(s, d) for s, d in zip(specs, dests) if not s.state]
+    state = [(s, d) for s, d in zip(specs, dests) if s.state]
+    if len(dests) != len(specs) or any(d.slot != NO_SLOT for _, d in paged) or any(
+            d.pages or d.first_page != 0 for _, d in state):
+        return ErrorCode.PEER_PROTOCOL_ERROR
+    for s, d in paged:
+        start = 0 if s.window is None else max(0, num_tokens - s.window) // s.block_size
+        if d.first_page != start or len(d.pages) != max(0, math.ceil(num_tokens / s.block_size) - start):
+            return ErrorCode.TOKEN_COUNT_MISMATCH
+    if any(prefix % s.block_size for s, _ in paged) or any(
+            any(p >= s.pool for p in d.pages) or len(set(d.pages)) != len(d.pages) for s, d in paged) or any(
+            d.slot >= s.pool for s, d in state):
+        return ErrorCode.INDEX_OUT_OF_RANGE
+    return None
+
+
+@st.composite
+def destinations(draw):
+    """Groups beyond the first (paged, some windowed, and state) and destinations for a room: each
+    entry right, or wrong in one or more of the ways checks 11-14 look for."""
+    specs = [GroupSpec(f"g{i}", state=True, pool=draw(st.integers(1, 4))) if draw(st.booleans()) else
+             GroupSpec(f"g{i}", state=False, pool=draw(st.integers(2, 12)), block_size=draw(st.sampled_from([4, 8])),
+                       window=draw(st.none() | st.integers(1, 20)))
+             for i in range(draw(st.integers(1, 3)))]
+    num_tokens = draw(st.integers(1, 40))
+    prefix = draw(st.sampled_from([0, 4, 8]))
+    dests = []
+    for s in specs:
+        if s.state:
+            dests.append(GroupDestination(first_page=draw(st.sampled_from([0, 0, 1])),
+                                          pages=draw(st.sampled_from([(), (), (0,)])), slot=draw(st.integers(0, s.pool))))
+            continue
+        need = s.needed_pages(num_tokens)
+        count = len(need) + draw(st.sampled_from([0, 0, 0, 1, -1]))
+        pages = draw(st.lists(st.integers(0, s.pool), min_size=max(0, count), max_size=max(0, count)))
+        dests.append(GroupDestination(first_page=need.start + draw(st.sampled_from([0, 0, 0, 1])), pages=tuple(pages),
+                                      slot=draw(st.sampled_from([NO_SLOT, NO_SLOT, NO_SLOT, 0]))))
+    if draw(st.integers(0, 9)) == 0:
+        dests = dests[:-1]
+    return specs, dests, num_tokens, prefix
+
+
+@given(destinations())
+def test_check_destinations_refuses_as_messages_md_reads_with_its_code(case):
+    """On any group destinations, check_destinations passes exactly those that messages.md's checks
+    11-14 pass, and refuses the others with the code of the first check that fails."""
+    specs, dests, num_tokens, prefix = case
+    got = groups.check_destinations(specs, specs, dests, num_tokens, prefix)
+    assert (got and got[0]) == spec_code(specs, dests, num_tokens, prefix), got

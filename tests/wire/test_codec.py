@@ -277,6 +277,24 @@ def test_codec_decode_rejects_body_shorter_than_fields() -> None:
         decode(frame_by_hand(8, b""))
 
 
+@pytest.mark.parametrize("extra", [1, 2, 3])
+def test_codec_optional_field_cut_inside_its_count_is_malformed(extra: int) -> None:
+    """A body that ends 1 to 3 bytes into TRANSFER_REQUEST's optional groups count is truncated, not
+    absent (README.md: versioning), by the fast reader and by the steps alike; ended exactly where
+    the count starts, or carrying a count of 0, the field takes its default."""
+    from kvproto.wire.codec import _Reader
+
+    body = struct.pack("<IIIHI", 100, 0, NO_SLOT, 1, 1) + struct.pack("<I", 7)
+    want = TransferRequest(num_tokens=100, prefix_tokens=0, aux_slot=NO_SLOT, expected_writers=1, dst_pages=(7,))
+    for minor in (2, 3):
+        assert decode(frame_by_hand(7, body, minor=minor)) == want
+        assert decode(frame_by_hand(7, body + bytes(4), minor=minor)) == want
+        with pytest.raises(MalformedFrame, match="groups"):
+            decode(frame_by_hand(7, body + b"\x01\x00\x00"[:extra], minor=minor))
+    with pytest.raises(MalformedFrame, match="groups"):
+        TransferRequest.decode_steps(_Reader(memoryview(body + b"\x01\x00\x00"[:extra])))
+
+
 def test_codec_decode_ignores_trailing_bytes() -> None:
     """Bytes after the last known field are ignored, at minor 0 as at any other minor."""
     for minor in (0, 1, 2, 255):

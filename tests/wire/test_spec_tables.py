@@ -110,6 +110,25 @@ def test_spec_readme_lists_every_document() -> None:
     assert all((SPEC / name).exists() for name in linked)
 
 
+def test_spec_readme_no_record_is_extended_in_place() -> None:
+    """README.md's rule that records never grow in place names every record of messages.md."""
+    text = " ".join((SPEC / "README.md").read_text(encoding="utf-8").split())
+    (rule,) = [s for s in text.split(". ") if "extended in place" in s]
+    assert set(re.findall(r"`(\w+)`", rule)) == set(RECORDS) == set(record_sections())
+
+
+def test_spec_readme_and_header_table_name_this_minor() -> None:
+    """README.md's sender rule and framing.md's header table name this build's minor, and the
+    flags row says that no version up to it defines a bit."""
+    readme = " ".join((SPEC / "README.md").read_text(encoding="utf-8").split())
+    assert f"Senders of version {MAJOR}.{MINOR} put `minor` = {MINOR} (" in readme
+    (table,) = [t for t in md_tables(SPEC / "framing.md") if t[0] == "Header"]
+    rows = {r[2]: r[4] for r in table[2]}
+    assert rows["minor"].startswith(f"the sender's minor version: {MINOR} for version {MAJOR}.{MINOR} (")
+    assert all(f"{m} for {MAJOR}.{m}" in rows["minor"] for m in range(MINOR))
+    assert f"no bit is defined in any version from {MAJOR}.0 to {MAJOR}.{MINOR};" in rows["flags"]
+
+
 # --- framing.md --------------------------------------------------------------------------------
 
 
@@ -194,6 +213,128 @@ def test_spec_messages_record_table_matches_grammar(name: str) -> None:
                     assert size == str(KIND_SIZE[kind]), (name, row)
 
 
+Size = tuple[int, int, int]
+"""A size as messages.md writes it: ``(bytes, n, Σ)`` for ``bytes + n·n + Σ·Σ`` ("12 + 4n", "4 + Σ")."""
+
+
+def parse_size(text: str) -> Size:
+    """A size cell or a record's stated size: terms joined by ``+``, each ``k``, ``kn``, ``n`` or ``Σ``."""
+    fixed = per_n = sigma = 0
+    for term in text.split("+"):
+        term = term.strip()
+        if term == "Σ":
+            sigma += 1
+        elif m := re.fullmatch(r"(\d*)n", term):
+            per_n += int(m.group(1) or 1)
+        else:
+            assert re.fullmatch(r"\d+", term), f"size term {term!r} of {text!r}"
+            fixed += int(term)
+    return fixed, per_n, sigma
+
+
+def record_sections() -> dict[str, str]:
+    """messages.md: each record's heading -> its prose before the field table."""
+    text = (SPEC / "messages.md").read_text(encoding="utf-8").split("\n## Records\n", 1)[1].split("\n## Messages\n")[0]
+    out = {}
+    for part in re.split(r"^### ", text, flags=re.M)[1:]:
+        heading, _, body = part.partition("\n")
+        out[heading.strip()] = body.split("\n|", 1)[0]
+    return out
+
+
+def stated_size(name: str) -> Size:
+    """The size a record's section states ("27 bytes.", "46 + n + Σ bytes")."""
+    found = re.findall(r"(\d+(?: \+ \d*[nΣ])*) bytes", record_sections()[name])
+    assert len(found) == 1, f"messages.md states {len(found)} sizes for {name}: {found}"
+    return parse_size(found[0])
+
+
+def kind_size(kind: str) -> Size:
+    """The size a field of ``kind`` takes (framing.md's field kinds): a fixed record its stated size,
+    a list of fixed records ``4 + size·n``, any other list ``4 + Σ``."""
+    if kind in KIND_SIZE:
+        return KIND_SIZE[kind], 0, 0
+    if kind in ("str", "bytes"):
+        return {"str": 2, "bytes": 4}[kind], 1, 0
+    if kind == "u32[]":
+        return 4, 4, 0
+    if kind.endswith("[]"):
+        fixed, per_n, sigma = stated_size(kind[:-2])
+        return (4, fixed, 0) if per_n == sigma == 0 else (4, 0, 1)
+    size = stated_size(kind)
+    assert size[1:] == (0, 0), f"{kind} nested whole must have a fixed size"
+    return size
+
+
+@pytest.mark.parametrize("heading", sorted(RECORDS) + [f"{int(t)} {MESSAGE_TYPES[t].MSG_TYPE.name}"
+                                                        for t in sorted(MESSAGE_TYPES)])
+def test_spec_messages_size_column_follows_each_kind(heading: str) -> None:
+    """Every row's size cell in messages.md is the size of its kind (framing.md): 4 for u32,
+    2 + n for str, 27 for WireGeometry, 4 + 26n for WireRegion[], 4 + Σ for other record lists."""
+    (table,) = [t for t in md_tables(SPEC / "messages.md") if t[0] == heading and "size" in t[1]]
+    _, header, rows = table
+    for row in rows:
+        kind, size = row[header.index("kind")], row[header.index("size")]
+        assert parse_size(size) == kind_size(kind), (heading, row[header.index("field")], size)
+
+
+@pytest.mark.parametrize("name", sorted(RECORDS))
+def test_spec_messages_record_size_is_the_sum_of_its_fields(name: str) -> None:
+    """The size each record's section states is the sum of its field table's size column, and at
+    most one field of a record has a length of its own (so one ``n`` is enough to state it)."""
+    (table,) = [t for t in md_tables(SPEC / "messages.md") if t[0] == name]
+    _, header, rows = table
+    sizes = [parse_size(row[header.index("size")]) for row in rows]
+    assert sum(1 for s in sizes if s[1]) <= 1, name
+    total = tuple(sum(column) for column in zip(*sizes))
+    assert stated_size(name) == total, f"{name}: messages.md states {stated_size(name)}, its fields add up to {total}"
+
+
+def _records_in(value: Any) -> list[Any]:
+    """Every record instance inside ``value`` (a message or record), outermost first."""
+    found = []
+    for fname, kind in value.FIELDS:
+        if isinstance(kind, list):
+            items = list(getattr(value, fname))
+        elif isinstance(kind, type):
+            items = [getattr(value, fname)]
+        else:
+            continue
+        for item in items:
+            found += [item, *_records_in(item)]
+    return found
+
+
+def test_spec_messages_record_sizes_match_the_vectors() -> None:
+    """Each record's stated size, with ``n`` its string's bytes (or its list's elements) and Σ its
+    records' sizes, is the length of that record as encoded in every golden frame vector."""
+    entries = json.loads((SPEC / "vectors" / "index.json").read_text(encoding="utf-8"))["vectors"]
+    seen = set()
+    for e in entries:
+        if e["kind"] != "frame" or e["check"] == "reject":
+            continue
+        for record in _records_in(decode(_vector(e["file"]))):
+            fixed, per_n, sigma = stated_size(type(record).__name__)
+            n = nested = 0
+            for fname, kind in record.FIELDS:
+                value = getattr(record, fname)
+                if kind == "str":
+                    n = len(value.encode("utf-8"))
+                elif kind in ("bytes", "u32[]"):
+                    n = len(value)
+                elif isinstance(kind, list):
+                    nested += sum(len(_encoded(item)) for item in value)
+            assert fixed + per_n * n + sigma * nested == len(_encoded(record)), (e["file"], record)
+            seen.add(type(record).__name__)
+    assert seen == set(RECORDS)
+
+
+def _encoded(record: Any) -> bytes:
+    out = bytearray()
+    record.encode_into(out)
+    return bytes(out)
+
+
 def _type_table_minors() -> dict[int, int]:
     (table,) = [t for t in md_tables(SPEC / "messages.md") if t[1][:2] == ["type", "name"]]
     _, header, rows = table
@@ -210,7 +351,7 @@ def test_spec_messages_type_minor_column_matches_vectors() -> None:
     assert all(0 <= m <= MINOR for m in since.values())
     assert {t for t, m in since.items() if m == 1} == {11, 12, 13}
     entries = json.loads((SPEC / "vectors" / "index.json").read_text(encoding="utf-8"))["vectors"]
-    frames = [e for e in entries if e["kind"] == "frame" and e["check"] in ("both", "decode")]
+    frames = [e for e in entries if e["kind"] == "frame" and e["check"] in ("both", "decode", "refuse")]
     for msg_type, minor in since.items():
         minors = [e["header"]["minor"] for e in frames if e["msg_type"] == msg_type and e["check"] == "both"]
         assert min(minors) == minor, MESSAGE_TYPES[msg_type].__name__

@@ -79,6 +79,10 @@ def ids(entries: list[dict[str, Any]]) -> list[str]:
 FRAMES_BOTH = [e for e in ENTRIES if e["kind"] == "frame" and e["check"] == "both"]
 FRAMES_DECODE = [e for e in ENTRIES if e["kind"] == "frame" and e["check"] == "decode"]
 FRAMES_REJECT = [e for e in ENTRIES if e["kind"] == "frame" and e["check"] == "reject"]
+FRAMES_REFUSE = [e for e in ENTRIES if e["kind"] == "frame" and e["check"] == "refuse"]
+"""Wire-valid frames that a check of messages.md refuses: both ways here, the refusal in
+``tests/aio/test_vector_refusals.py``."""
+FRAMES_VALID = FRAMES_BOTH + FRAMES_REFUSE
 TAGS_BOTH = [e for e in ENTRIES if e["kind"] == "tag" and e["check"] == "both"]
 TAGS_REJECT = [e for e in ENTRIES if e["kind"] == "tag" and e["check"] == "reject"]
 
@@ -106,12 +110,14 @@ def test_vectors_files_are_lowercase_wrapped_hex() -> None:
 def test_vectors_entries_are_well_formed() -> None:
     """Every entry has a known kind and check, and the keys its check needs."""
     for e in ENTRIES:
-        assert e["kind"] in ("frame", "tag") and e["check"] in ("both", "decode", "reject"), e["file"]
+        assert e["kind"] in ("frame", "tag") and e["check"] in ("both", "decode", "reject", "refuse"), e["file"]
         assert e.get("note"), e["file"]
         if e["check"] == "reject":
             assert hasattr(wire, e["error"]) and e["code"] in ErrorCode.__members__, e["file"]
         elif e["kind"] == "frame":
             assert set(e["header"]) == {"room_id", "generation", "minor", "flags"}, e["file"]
+        if e["check"] == "refuse":
+            assert e["kind"] == "frame" and "error" not in e and e["code"] in ErrorCode.__members__, e["file"]
 
 
 def test_vectors_cover_every_message_type() -> None:
@@ -160,6 +166,31 @@ def test_vectors_an_absent_optional_field_leaves_the_body_unchanged() -> None:
     assert a[24:] == b[24:] and (a[3], b[3]) == (0, 2)
 
 
+def test_vectors_bodies_list_every_field_but_optional_ones_at_their_defaults() -> None:
+    """A frame entry's body names every required field of its message and an optional one exactly
+    when it holds more than its default (vectors/README.md: the index key body)."""
+    for e in FRAMES_VALID + FRAMES_DECODE:
+        msg = decode_frame(read_vector(e["file"]))[1]
+        assert list(e["body"]) == [name for name, _ in msg.sent_fields()], e["file"]
+    assert "groups" not in BY_FILE["transfer_request_groups_empty.hex"]["body"]
+
+
+def test_vectors_refuse_entries_name_the_frames_of_one_link() -> None:
+    """A refuse vector lists, in order, wire-valid vectors of one link that end with a REGISTER
+    (answered by REGISTER_REJECT) or a TRANSFER_REQUEST (answered by ABORT), itself among them, and
+    names the check of messages.md that refuses."""
+    assert FRAMES_REFUSE
+    answers = {"REGISTER": "REGISTER_REJECT", "TRANSFER_REQUEST": "ABORT"}
+    for e in FRAMES_REFUSE:
+        frames = [BY_FILE[name] for name in e["frames"]]
+        assert e["file"] in e["frames"] and all(f["check"] in ("both", "refuse") for f in frames), e["file"]
+        assert [f["file"] for f in frames if f["check"] == "refuse"] == [e["file"]], e["file"]
+        assert e["answer"] == answers[frames[-1]["message"]], e["file"]
+        assert re.fullmatch(r"messages\.md, [A-Z_]+ check \d+[a-z]?", e["rule"]), e["file"]
+        links = {f["body"]["link_id"] for f in frames if "link_id" in f["body"]}
+        assert len(links) <= 1, e["file"]
+
+
 def test_vectors_unknown_type_vectors_carry_their_minor() -> None:
     """The unknown-type reject vectors raise UnknownMessage with their header: one of a minor newer than
     this build (ignorable here) and one not newer (a violation here)."""
@@ -190,9 +221,9 @@ def test_vectors_generator_is_in_sync() -> None:
 # --- frames ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("entry", FRAMES_BOTH, ids=ids(FRAMES_BOTH))
+@pytest.mark.parametrize("entry", FRAMES_VALID, ids=ids(FRAMES_VALID))
 def test_vectors_frame_decodes_to_its_fields(entry: dict[str, Any]) -> None:
-    """decode(vector) gives the header and the fields of index.json."""
+    """decode(vector) gives the header and the fields of index.json (refuse vectors too)."""
     header, msg = decode_frame(read_vector(entry["file"]))
     h = entry["header"]
     assert header == Header(msg_type=entry["msg_type"], room_id=h["room_id"], generation=h["generation"],
@@ -200,9 +231,9 @@ def test_vectors_frame_decodes_to_its_fields(entry: dict[str, Any]) -> None:
     assert msg == entry_message(entry)
 
 
-@pytest.mark.parametrize("entry", FRAMES_BOTH, ids=ids(FRAMES_BOTH))
+@pytest.mark.parametrize("entry", FRAMES_VALID, ids=ids(FRAMES_VALID))
 def test_vectors_frame_encodes_to_its_bytes(entry: dict[str, Any]) -> None:
-    """encode(fields of index.json) gives exactly the vector's bytes."""
+    """encode(fields of index.json) gives exactly the vector's bytes (refuse vectors too)."""
     assert encode(entry_message(entry), minor=entry["header"]["minor"]) == read_vector(entry["file"])
 
 
@@ -230,7 +261,7 @@ def test_vectors_reject_frame_raises_its_error(entry: dict[str, Any]) -> None:
 
 def test_vectors_every_byte_mutation_keeps_the_decode_property() -> None:
     """Every truncation and every one-byte change (4 values) of every frame vector decodes or is refused."""
-    for entry in FRAMES_BOTH + FRAMES_DECODE:
+    for entry in FRAMES_VALID + FRAMES_DECODE:
         frame = read_vector(entry["file"])
         for n in range(len(frame)):
             assert decode_checked(frame[:n]) is None

@@ -17,6 +17,7 @@ line, a final newline; a reader removes all whitespace and decodes the rest.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import struct
 import sys
@@ -39,6 +40,7 @@ from kvproto.wire import (
     ErrorCode,
     Heartbeat,
     Message,
+    MsgType,
     RankAddress,
     RankAnnounce,
     Register,
@@ -126,6 +128,20 @@ def reject(file: str, data: bytes, error: str, code: ErrorCode, note: str) -> Ve
     return Vector(file, data, {
         "file": file, "kind": "frame", "check": "reject", "error": error, "code": code.name, "note": note,
     })
+
+
+def refuse(file: str, msg: Message, frames: list[str], answer: MsgType, code: ErrorCode, rule: str, note: str,
+           *, minor: int) -> Vector:
+    """A wire-valid frame that a check of messages.md refuses: a prefill rank that received ``frames``
+    on one link (this one among them) answers the last with ``answer`` carrying ``code``."""
+    entry = frame(file, msg, note, minor=minor).entry
+    entry["check"] = "refuse"
+    entry["frames"] = frames
+    entry["answer"] = answer.name
+    entry["code"] = code.name
+    entry["rule"] = rule
+    entry["note"] = entry.pop("note")  # the note last, as in every entry
+    return Vector(file, encode(msg, minor=minor), entry)
 
 
 def tag(file: str, t: Tag, note: str) -> Vector:
@@ -227,6 +243,10 @@ STAGING_GRANT = StagingGrant(room_id=0x00C0FFEE, generation=1_000_001, seq=0, st
 STAGING_WATERMARK = StagingWatermark(room_id=0x00C0FFEE, generation=1_000_001, seq=0,
                                      watermark=0x30000 + 32 * STAGING_UNIT)
 
+
+TRANSFER_REQUEST = TransferRequest(room_id=0x00C0FFEE, generation=1_000_001, num_tokens=100, prefix_tokens=32,
+                                   aux_slot=5, expected_writers=2, dst_pages=(17, 18, 19, 40, 41, 42, 43))
+"""The request of transfer_request.hex: 100 tokens in decode blocks of 16, the first 32 cached."""
 
 TRANSFER_REQUEST_DUPLICATE_PAGES = TransferRequest(
     room_id=0x00C0FFEE, generation=1_000_001, num_tokens=100, prefix_tokens=32, aux_slot=5,
@@ -516,8 +536,48 @@ def _vectors() -> list[Vector]:
                "message type 202 at minor 4: decoders raise UnknownMessage; a receiver of minor 3 or lower ignores "
                "it (newer minor)"),
     ]
+    # Version 1.3, no change to the wire format: how the text answers questions the 1.2 text left
+    # open. Each answer that refuses something, and each that a reader could get wrong, has a vector.
+    request_minor3 = encode(TRANSFER_REQUEST, minor=3)
+    exact = [
+        reject("reject_transfer_request_groups_count_truncated.hex", with_trailing(request_minor3, b"\x01\x00"),
+               "MalformedFrame", ErrorCode.MALFORMED_FRAME,
+               "minor 3: transfer_request.hex's body and then 2 bytes: the body ends inside the count of the "
+               "optional groups field, which is truncated, not absent (absent only where the body ends exactly "
+               "at the field's start)"),
+        decode_only("transfer_request_groups_empty.hex", with_trailing(request_minor3, b"\x00\x00\x00\x00"),
+                    TRANSFER_REQUEST,
+                    "minor 3: the optional groups field sent empty (count 0) decodes as when it is left out; the "
+                    "index lists no groups, as for every optional field at its default",
+                    twin="transfer_request_no_groups_minor2.hex", minor=3),
+        refuse("refuse_transfer_request_state_first_page.hex",
+               dataclasses.replace(TRANSFER_REQUEST_GROUPS, groups=(
+                   TRANSFER_REQUEST_GROUPS.groups[0], dataclasses.replace(TRANSFER_REQUEST_GROUPS.groups[1],
+                                                                          first_page=1))),
+               ["cache_groups.hex", "register_groups.hex", "refuse_transfer_request_state_first_page.hex"],
+               MsgType.ABORT, ErrorCode.PEER_PROTOCOL_ERROR, "messages.md, TRANSFER_REQUEST check 11",
+               "minor 3: transfer_request_groups.hex, but the destination of gdn (a state group: first_page 0) "
+               "has first_page 1: refused (PEER_PROTOCOL_ERROR) before anything is written, never ignored",
+               minor=3),
+        refuse("refuse_cache_groups_unknown_kind.hex",
+               CacheGroups(link_id=7, groups=GROUPS + (
+                   WireGroup(name="idx", kind=2, geometry=ZERO_GEOMETRY, window=0, num_layers=0, num_slots=0,
+                             tensors=()),)),
+               ["refuse_cache_groups_unknown_kind.hex", "register_groups.hex"],
+               MsgType.REGISTER_REJECT, ErrorCode.INCOMPATIBLE_GEOMETRY, "messages.md, REGISTER check 5a",
+               "minor 3: cache_groups.hex's groups and a third, idx, of kind 2, which versions 1.2 and 1.3 do not "
+               "define: the group is not valid, so the REGISTER that follows is refused (INCOMPATIBLE_GEOMETRY); "
+               "a receiver that skipped the group would have accepted it", minor=3),
+        frame("cache_groups_other_kind_fields.hex", CacheGroups(link_id=7, groups=(
+            dataclasses.replace(GROUPS[0], num_layers=5, num_slots=6,
+                                tensors=(WireStateTensor(shape=(3,), dtype=2, shard_dim=NO_SHARD),)),
+            dataclasses.replace(GROUPS[1], geometry=GEOMETRY_SWA, window=64))),
+              "minor 3: cache_groups.hex's groups with values in the fields fixed for the other kind (swa, paged: "
+              "num_layers, num_slots, tensors; gdn, state: geometry, window): they are ignored, and a receiver "
+              "takes the same groups as from cache_groups.hex", minor=3),
+    ]
     # The MAX_FRAME bound is tested in tests/wire/test_fuzz.py rather than with 16 MiB files.
-    return good + tail + rejects + tags + tag_rejects + staging + duplicates + groups + state_block
+    return good + tail + rejects + tags + tag_rejects + staging + duplicates + groups + state_block + exact
 
 
 VECTORS = _vectors()
