@@ -994,7 +994,7 @@ def descriptor_cost(group: _Group, size: int, pieces: int) -> float:
 
 HEADER = (f"{'tp':>5} {'MiB':>7} {'pages':>10} {'path':>7} {'cache':>6} {'took':>20} {'in fl':>5} {'GB/s':>7} "
           f"{'raw':>7} {'ratio':>6} {'vs one':>6} {'desc/room':>9} {'first ms':>9} {'warm ms':>8} {'p50 ms':>7} "
-          f"{'p99 ms':>7} {'cpu p/d %':>9} {'bytes':>6}")
+          f"{'p99 ms':>7} {'cpu p/d %':>9} {'p us/room':>9} {'bytes':>6}")
 
 
 def _print(row: Row) -> None:
@@ -1003,7 +1003,7 @@ def _print(row: Row) -> None:
     print(f"{row.tp:>5} {row.size_mib:>7.1f} {row.pages:>10} {row.path:>7} {row.groups:>6} {took:>20} "
           f"{row.in_flight:>5} {row.gbps:>7.1f} {row.raw_gbps:>7.1f} {row.ratio:>6.2f} {vs:>6} {row.descriptors_per_room:>9.0f} "
           f"{row.first_room_ms:>9.1f} {row.warm_room_ms:>8.2f} {row.room_p50_ms:>7.2f} {row.room_p99_ms:>7.2f} "
-          f"{f'{row.prefill_cpu * 100:.0f}/{row.decode_cpu * 100:.0f}':>9} "
+          f"{f'{row.prefill_cpu * 100:.0f}/{row.decode_cpu * 100:.0f}':>9} {row.prefill_us_per_room:>9.0f} "
           f"{'OK' if row.bad_bytes == 0 else row.bad_bytes:>6}"
           + ("  runs " + " ".join(f"{g:.1f}" for g in row.gbps_runs) if len(row.gbps_runs) > 1 else "")
           + ("  vs one 90 % {:.2f}-{:.2f}".format(*row.vs_one_interval) if row.vs_one_interval else "")
@@ -1059,13 +1059,19 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     ap = argparse.ArgumentParser(prog="kvproto bench transfer", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes-mib", type=float, nargs="+", default=[8, 128, 1024])
-    ap.add_argument("--pages", nargs="+", default=["contiguous", "random"], choices=["contiguous", "random"])
+    ap.add_argument("--sizes-mib", type=float, nargs="+", default=None,
+                    help="room sizes (default: 8 128 1024 on GPUs; 8 in host memory, see --pages)")
+    ap.add_argument("--pages", nargs="+", default=None, choices=["contiguous", "random"],
+                    help="page orders (default: both on GPUs; random in host memory, where a run of every "
+                         "default case would take many minutes)")
     ap.add_argument("--tp", nargs="+", default=["1:1", "1:2", "2:1"], help="prefill TP:decode TP pairs")
-    ap.add_argument("--paths", nargs="+", default=["auto", "direct", "staged"],
+    ap.add_argument("--paths", nargs="+", default=None, help="paths (default: auto direct staged on GPUs; auto in "
+                                                             "host memory)",
                     choices=["auto", "direct", "staged", "sliced"])
     ap.add_argument("--in-flight", type=int, default=0, help="rooms in flight (0: 32 / 16 / 4 by size)")
-    ap.add_argument("--rooms", type=int, default=0, help="rooms per case (0: 3 x in flight, at least 8)")
+    ap.add_argument("--rooms", type=int, default=0,
+                    help="rooms per case (0: 3 x in flight, at least 8; rooms of 16 MiB or less on a GPU: 600, "
+                         "enough for a stable host time per room)")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
@@ -1108,6 +1114,12 @@ def main(argv: list[str] | None = None) -> int:
     where = {2: "prefill ranks on cuda:0, decode ranks on cuda:1", 1: "every rank on cuda:0"}.get(
         min(gpus, 2), "every rank in host memory")
     name = torch.cuda.get_device_name(0) if gpus else "CPU"
+    on_gpu = devices[1] != "cpu"
+    # Host memory moves a few GB/s: there the defaults are the cases a 2-core machine runs in about
+    # a minute (every TP pair, 8 MiB random pages, auto), not the GPUs' table of 54 cases.
+    args.sizes_mib = args.sizes_mib or ([8, 128, 1024] if on_gpu else [8])
+    args.pages = args.pages or (["contiguous", "random"] if on_gpu else ["random"])
+    args.paths = args.paths or (["auto", "direct", "staged"] if on_gpu else ["auto"])
     print(f"kvproto bench transfer: {name} x {max(gpus, 1) if gpus else 0}; {where}; transport {args.transport}; "
           f"{shape.layers} layers x {shape.heads} KV heads x {shape.head_dim} bf16, {shape.block}-token pages, "
           f"NHD -> {shape.block_of('decode')}-token {shape.decode_layout} pages; raw = the same bytes as concurrent one-descriptor WRITEs "
@@ -1141,7 +1153,7 @@ def main(argv: list[str] | None = None) -> int:
             for size_mib in args.sizes_mib:
                 size = int(size_mib * MIB)
                 in_flight = args.in_flight or default_in_flight(size)
-                rooms = args.rooms or max(8, 3 * in_flight)
+                rooms = args.rooms or (600 if on_gpu and size <= 16 * MIB else max(8, 3 * in_flight))
                 budget = (48 << 30) if devices[1] != "cpu" else (1 << 30)  # destination pages per decode rank
                 if segment:
                     budget //= 3  # both kinds' caches at once, and room for the other processes' buffers
