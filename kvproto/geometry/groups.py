@@ -207,8 +207,8 @@ class StateGroup:
         out = []
         for t, (size, stride) in enumerate(zip(sizes, self.slot_strides)):
             if stride and stride < size:
-                raise GeometryError(f"state group {self.name!r}: tensor {t}'s slots of {size} bytes lie "
-                                    f"{stride} bytes apart (they would overlap)")
+                raise GeometryError(f"tensor {t}'s slots of {size} bytes lie {stride} bytes apart (they would "
+                                    f"overlap)")
             out.append(stride or size)
         return out
 
@@ -257,7 +257,10 @@ class CacheGeometry:
                 raise GeometryError(f"paged group {g.name!r} is for TP rank {g.geometry.tp_rank}/{g.geometry.tp_size}, "
                                     f"the cache for {self.tp_rank}/{self.tp_size}")
             if isinstance(g, StateGroup):
-                g.strides(self.tp_size)  # raises where a dimension does not split or slots overlap
+                try:
+                    g.strides(self.tp_size)  # raises where a dimension does not split or slots overlap
+                except GeometryError as exc:
+                    raise GeometryError(f"state group {g.name!r}: {exc}") from None
 
     @classmethod
     def single(cls, geometry: KVGeometry, name: str = "kv") -> CacheGeometry:
