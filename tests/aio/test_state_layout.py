@@ -318,3 +318,22 @@ def test_state_layout_memory_regions_register_overlaps_once() -> None:
     kv = first.with_groups(alias, state)
     assert kv.memory_regions() == [MemoryRegion(buf.data_ptr(), buf.numel())]
     assert [r.length for r in kv.wire_regions()] == [buf.numel(), buf.numel(), 7 * 256 + 32]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("tps", TPS, ids=TP_IDS)
+async def test_state_layout_demo_gdn_preset_in_vllm_pages(tps: tuple[int, int]) -> None:
+    """``kvproto demo --preset gdn --page-layout vllm``'s model: vLLM's four groups of equal layers
+    (full attention with fused K|V, three of GDN layers with [Q | K | V] conv states), all over one
+    buffer per full-attention layer, moved byte-exact across TP both ways, staged and sliced."""
+    from kvproto.reference import model_groups
+
+    cfg = DemoConfig(rooms=1, layers=2, kv_heads=4, head_dim=64, dtype="bf16", prefill_tp=tps[0], decode_tp=tps[1],
+                     prefill_block=16, decode_block=32, blocks=12, tokens=90, chunk_tokens=32, seed=4,
+                     transport="loopback", preset="gdn", page_layout="vllm")
+    shapes = tuple(model_groups(cfg))
+    assert [s.name for s in shapes] == ["full", "gdn0", "gdn1", "gdn2"]
+    case = Case(cfg, shapes, {"full": 16}, {"full": 32}, {"full": "NHD"}, {"full": "HND"}, 1 << 20)
+    assert await run_hybrid_room(case, room_id=71) == {"staged-cpu", "state"}
+    sliced = dataclasses.replace(case, cfg=dataclasses.replace(cfg, path="sliced"))
+    assert await run_hybrid_room(sliced, room_id=72) == {"sliced", "state"}
