@@ -152,6 +152,29 @@ def test_codec_staging_messages_have_no_optional_field() -> None:
             decode(frame_by_hand(msg_type, body, room_id=1, generation=1, minor=1))
 
 
+def test_codec_cache_groups_layouts_are_a_trailing_optional_field() -> None:
+    """(minor 4) CACHE_GROUPS's layouts follow its groups: a count, then per group a count of tensor
+    layouts, each a u32[] of sections and a u64 slot stride. Left at its default the field is not
+    sent, and a body that ends after the groups (a minor 2 or 3 sender's) decodes with none."""
+    from kvproto.wire import CacheGroups, WireGroupLayout, WireTensorLayout, decode
+
+    plain = CacheGroups(link_id=9, groups=())
+    body = struct.pack("<II", 9, 0)
+    assert encode(plain) == frame_by_hand(14, body, minor=4)
+    layouts = (WireGroupLayout(tensors=()),
+               WireGroupLayout(tensors=(WireTensorLayout(sections=(8, 8, 16), slot_stride=2**40 + 3),
+                                        WireTensorLayout(sections=(), slot_stride=0))))
+    full = dataclasses.replace(plain, layouts=layouts)
+    tail = struct.pack("<I", 2) + struct.pack("<I", 0) + struct.pack("<I", 2) + struct.pack("<I3IQ", 3, 8, 8, 16,
+                                                                                       2**40 + 3) + \
+        struct.pack("<IQ", 0, 0)
+    assert encode(full) == frame_by_hand(14, body + tail, minor=4)
+    assert decode(frame_by_hand(14, body + tail, minor=4)) == full
+    assert decode(frame_by_hand(14, body, minor=2)) == plain
+    with pytest.raises(MalformedFrame):  # once the count is sent, its records must be there
+        decode(frame_by_hand(14, body + tail[:-4], minor=4))
+
+
 def test_codec_string_length_counts_bytes_not_characters() -> None:
     """A str field's u16 prefix is the UTF-8 byte count."""
     frame = encode(BootstrapQuery(requester="🚀é"))
