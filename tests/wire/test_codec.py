@@ -156,7 +156,7 @@ def test_codec_cache_groups_layouts_are_a_trailing_optional_field() -> None:
     """(minor 4) CACHE_GROUPS's layouts follow its groups: a count, then per group a count of tensor
     layouts, each a u32[] of sections and a u64 slot stride. Left at its default the field is not
     sent, and a body that ends after the groups (a minor 2 or 3 sender's) decodes with none."""
-    from kvproto.wire import CacheGroups, WireGroupLayout, WireTensorLayout, decode
+    from kvproto.wire import CacheGroups, WireGroupLayout, WireTensorLayout
 
     plain = CacheGroups(link_id=9, groups=())
     body = struct.pack("<II", 9, 0)
