@@ -22,6 +22,7 @@ the regions that overlap, while ``wire_regions`` still lists every region on its
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -149,7 +150,7 @@ class StateCache:
                 addresses.append(t.data_ptr())
         device = first[0].device
         is_cuda = device.type == "cuda"
-        sizes = [t.numel() // slots * t.element_size() for t in first]
+        sizes = [math.prod(t.shape[1:]) * t.element_size() for t in first]  # one slot's bytes
         if any(stride < size for stride, size in zip(strides, sizes)):  # (a stride of 0: one slot expanded)
             raise ValueError(f"state group {name!r}: slots of {sizes} bytes lie {strides} bytes apart: they overlap")
         group = StateGroup(name, len(layers), tuple(tensors), slots,
