@@ -147,6 +147,8 @@ def _group_regions(msg: Register, cache: CacheGeometry, kind: MemKind) -> tuple[
                                                             f"{g.num_blocks} pages exceed {MAX_PAGES} pages")
             need = [g.region_bytes] * g.num_regions
         else:
+            if max(group.strides(cache.tp_size)) >= MAX_ADDRESS:  # (one slot: the stride reaches nothing)
+                raise Reject(ErrorCode.INDEX_OUT_OF_RANGE, f"group {group.name!r}: a slot stride beyond 2**63")
             sizes = group.region_bytes(cache.tp_size)  # the last slot's end, slots their stride apart
             need = [sizes[i % len(sizes)] for i in range(group.regions())]
         mine = sorted((r for r in rows if r.index >> 24 == number), key=lambda r: r.index)

@@ -261,10 +261,12 @@ async def test_state_layout_sections_must_agree() -> None:
 
 # --- what the prefill checks of the decode's layouts ------------------------------------------------
 @pytest.mark.asyncio
-@pytest.mark.parametrize("bad", ["stride_past_region", "paged_layout", "tensor_count", "short_stride"])
+@pytest.mark.parametrize("bad", ["stride_past_region", "huge_stride", "paged_layout", "tensor_count",
+                                 "short_stride"])
 async def test_state_layout_prefill_checks_the_decodes_layouts(bad: str) -> None:
     """The prefill addresses decode slots at the decode's registered stride, so it checks it: a stride
-    that would put the last slot past the registered region is INDEX_OUT_OF_RANGE; a layout that
+    that would put the last slot past the registered region, or beyond 2**63 (a group of one slot,
+    whose stride no region length bounds), is INDEX_OUT_OF_RANGE; a layout that
     describes no cache (a paged group's with tensors, the wrong tensor count, slots closer than their
     bytes) INCOMPATIBLE_GEOMETRY naming the group. The honest layouts are accepted."""
     case = vllm_case(1, 1)
@@ -276,6 +278,7 @@ async def test_state_layout_prefill_checks_the_decodes_layouts(bad: str) -> None
     wrong = {
         "stride_past_region": (WireGroupLayout(tensors=(dataclasses.replace(conv, slot_stride=conv.slot_stride + 16),
                                                         ssm)),),
+        "huge_stride": (WireGroupLayout(tensors=(dataclasses.replace(conv, slot_stride=2**64 - 1), ssm)),),
         "paged_layout": None,  # below: a layout for a paged group
         "tensor_count": (WireGroupLayout(tensors=(conv,)),),
         "short_stride": (WireGroupLayout(tensors=(dataclasses.replace(conv, slot_stride=8), ssm)),),
@@ -284,6 +287,8 @@ async def test_state_layout_prefill_checks_the_decodes_layouts(bad: str) -> None
         raw = _RawDecode(dst, prefill.address)
         try:
             groups = dst.kv.wire_groups()
+            if bad == "huge_stride":  # one slot: no region length bounds the stride
+                groups = (dataclasses.replace(groups[0], num_slots=1),)
             if bad == "paged_layout":  # the group listed as paged, its layout a state group's
                 from kvproto.wire import GroupKind, WireGeometry
 
@@ -296,7 +301,8 @@ async def test_state_layout_prefill_checks_the_decodes_layouts(bad: str) -> None
             await raw.send(raw.register())
             reply = await raw.recv()
             assert isinstance(reply, RegisterReject), reply
-            want = ErrorCode.INDEX_OUT_OF_RANGE if bad == "stride_past_region" else ErrorCode.INCOMPATIBLE_GEOMETRY
+            out_of_range = bad in ("stride_past_region", "huge_stride")
+            want = ErrorCode.INDEX_OUT_OF_RANGE if out_of_range else ErrorCode.INCOMPATIBLE_GEOMETRY
             assert reply.code == want and "group 'gdn'" in reply.reason, reply
             await raw.send(CacheGroups(link_id=42, groups=dst.kv.wire_groups(), layouts=honest))
             await raw.send(raw.register())
