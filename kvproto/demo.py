@@ -75,6 +75,9 @@ class DemoConfig:
     """A hybrid model's cache (``kvproto.reference.PRESETS``): gdn, mla-indexer or swa."""
     window: int = 0
     """The sliding window of the swa preset, in tokens (0: 64)."""
+    page_layout: str = ""
+    """"vllm": the gdn preset laid out in vLLM's pages (``kvproto.reference``): four groups of equal
+    layers over one buffer per full-attention layer, state slots a page apart, conv [Q | K | V]."""
 
 
 def schedule(cfg: DemoConfig) -> list[tuple[int, int]]:
@@ -425,14 +428,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "per full-attention layer), mla-indexer (an MLA latent plus a sparse-attention indexer cache), swa (full "
            "and sliding-window layers, each with its own pool); --layers counts full-attention layers")
     a("--window", type=int, default=d.window, help="the swa preset's sliding window in tokens (default 64)")
+    a("--page-layout", choices=["", "vllm"], default=d.page_layout,
+      help="vllm: the gdn preset as vLLM 0.33 lays it out: fused K|V pages shared with three groups of GDN layers "
+           "whose states sit in those pages (slots a page apart, the conv state [Q | K | V] sharded per section)")
     a("--seed", type=int, default=d.seed)
     a("--timeout", type=float, default=d.timeout, help="per-room deadline in seconds")
 
 
 def _describe(group: PagedShape | StateShape) -> str:
     if isinstance(group, StateShape):
-        tensors = ", ".join(f"{'x'.join(map(str, s))} {d}" + ("" if k is None else f" split on dim {k}")
-                            for s, d, k in zip(group.shapes, group.dtypes, group.shard))
+        sections = group.sections or (None,) * len(group.shapes)
+        tensors = ", ".join(f"{'x'.join(map(str, s))} {d}" + ("" if k is None else f" split on dim {k}") +
+                            (f" in sections {'+'.join(map(str, c))}" if c else "")
+                            for s, d, k, c in zip(group.shapes, group.dtypes, group.shard, sections))
         return f"{group.name}: state of {len(group.layers)} layers ({tensors})"
     kind = "latent" if group.mla else f"{group.kv_heads} KV heads"
     window = f", window {group.window}" if group.window else ""
@@ -458,6 +466,9 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if configs[0].chunk_tokens % configs[0].prefill_block:
         print("--chunk-tokens must be a multiple of --prefill-block", file=sys.stderr)
+        return 2
+    if configs[0].page_layout and configs[0].preset != "gdn":
+        print("--page-layout vllm lays out the gdn preset (--preset gdn)", file=sys.stderr)
         return 2
     if len(configs) == 1:
         return run(configs[0])

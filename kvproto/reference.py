@@ -19,6 +19,15 @@ A rank's cache is the first group (K/V planes or an MLA latent) plus, for the hy
   replicated "head" of its own width, paged beside the latent, the same model layers);
 * ``swa``: full-attention layers interleaved with sliding-window layers whose pool is their own
   and of which a decode rank needs only the last ``window`` tokens.
+
+``page_layout="vllm"`` lays a cache out as vLLM 0.33 does for such hybrids: one buffer of pages per
+full-attention layer, shared with one layer of every state group (``KVCacheTensor.shared_by``);
+block ``b`` of the buffer is a page of the first group (fused K|V) or, for a block a state group
+took as a request's slot, that layer's states side by side (conv state at offset 0, the next state
+after it, padding up to the page), so every state tensor is a view of slots a page apart and the
+groups' regions overlap. The pool's blocks are split between the groups so no two take one block.
+With the ``gdn`` preset the model follows vLLM's grouping (four groups of equal layers: the
+full-attention one, with fused K|V, and three of GDN layers, whose conv state is ``[Q | K | V]``).
 """
 
 from __future__ import annotations
@@ -95,6 +104,8 @@ class PagedShape:
     mla: bool
     window: int | None = None
     salt: int = 0
+    fused: bool = False
+    """One plane per layer whose ``head_dim`` holds each head's K then V (vLLM's layout)."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +118,15 @@ class StateShape:
     dtypes: tuple[str, ...]
     shard: tuple[int | None, ...]
     salt: int = 0
+    sections: tuple[tuple[int, ...] | None, ...] = ()
+    """Per tensor, the global sizes of the projections side by side along its split dimension,
+    each split over TP on its own (a GDN conv state's [Q | K | V]); empty, or None: one."""
+
+    def section_sizes(self, t: int) -> tuple[int, ...]:
+        """Tensor ``t``'s sections along its split dimension (one: the whole dimension)."""
+        dim = self.shard[t]
+        assert dim is not None
+        return (self.sections[t] if self.sections else None) or (self.shapes[t][dim],)
 
 
 def model_groups(cfg: Any) -> list[PagedShape | StateShape]:
@@ -114,6 +134,11 @@ def model_groups(cfg: Any) -> list[PagedShape | StateShape]:
     n = cfg.layers
     heads = 1 if cfg.mla else cfg.kv_heads
     preset = getattr(cfg, "preset", "")
+    if preset == "gdn" and getattr(cfg, "page_layout", "") == "vllm":  # vLLM's groups: 4 of n layers each
+        full = tuple(4 * i + 3 for i in range(n))
+        return [PagedShape("full", full, heads, 2 * cfg.head_dim, False, fused=True)] + [
+            StateShape(f"gdn{k}", tuple(4 * i + k for i in range(n)), ((64, 4), (8, 16, 16)), ("bf16", "fp32"),
+                       (0, 0), salt=1 + k, sections=((16, 16, 32), None)) for k in range(3)]
     if preset == "gdn":  # one full-attention layer in four: model layers 3, 7, 11, ...
         full = tuple(4 * i + 3 for i in range(n))
         linear = tuple(sorted(set(range(4 * n)) - set(full)))
@@ -136,7 +161,11 @@ class _Paged:
     """One rank's tensors of one paged group, with uint8 views to fill and check them."""
 
     def __init__(self, torch: Any, cfg: Any, shape: PagedShape, *, tp: int, rank: int, block: int, layout: str,
-                 aux: Any = None, dtype: str | None = None) -> None:
+                 aux: Any = None, dtype: str | None = None, pages: list[Any] | None = None,
+                 free: list[int] | None = None) -> None:
+        """``pages``: per layer, a uint8 buffer to lay the group's one plane over (vLLM's page
+        layout, shared with state groups); ``free``: the pool's blocks this group takes pages from
+        (default: all; the others are the state groups')."""
         from kvproto.aio import KVCache
         from kvproto.geometry import Layout
 
@@ -145,18 +174,22 @@ class _Paged:
         local = 1 if shape.mla else max(1, shape.kv_heads // tp)
         dims = (cfg.blocks, block, local, shape.head_dim) if self.layout is Layout.NHD else \
             (cfg.blocks, local, block, shape.head_dim)
-        planes = 1 if shape.mla else 2
+        planes = 1 if shape.mla or shape.fused else 2
         torch_dtype = getattr(torch, DTYPES[dtype or cfg.dtype])
-        self.tensors = [[torch.zeros(dims, dtype=torch_dtype) for _ in shape.layers] for _ in range(planes)]
+        if pages is not None:
+            assert planes == 1, "a page layout lays one plane per layer over its buffers"
+            self.tensors = [[buf.view(torch_dtype).view(dims) for buf in pages]]
+        else:
+            self.tensors = [[torch.zeros(dims, dtype=torch_dtype) for _ in shape.layers] for _ in range(planes)]
         self.kv = KVCache.from_tensors(self.tensors, tp_size=tp, tp_rank=rank, num_kv_heads=shape.kv_heads,
-                                       layout=self.layout, mla=shape.mla, aux=aux, name=shape.name,
-                                       window=shape.window, model_layers=shape.layers)
+                                       layout=self.layout, mla=shape.mla, kv_fused=shape.fused, aux=aux,
+                                       name=shape.name, window=shape.window, model_layers=shape.layers)
         g = self.kv.geometry
         self.heads = range(g.head_start, g.head_start + g.local_heads)
         self.head_bytes = g.head_bytes
         self.content = Content(torch, seed=cfg.seed * 7919 + shape.salt, layers=len(shape.layers), planes=planes,
                                heads=shape.kv_heads, head_bytes=g.head_bytes)
-        self.free = list(range(cfg.blocks))
+        self.free = list(range(cfg.blocks) if free is None else free)
         random.Random(cfg.seed * 1000 + rank * 10 + shape.salt).shuffle(self.free)
 
     def fill(self, room_id: int, pages: list[int], t0: int, t1: int, garbage_below: int = 0) -> None:
@@ -207,9 +240,12 @@ class _Paged:
 
 
 class _State:
-    """One rank's tensors of one state group: ``(slots, *local shape)`` per (layer, tensor)."""
+    """One rank's tensors of one state group: ``(slots, *local shape)`` per (layer, tensor), each
+    its own tensor or, with ``pages`` (per layer a uint8 buffer of ``page``-byte blocks), views of
+    slots a page apart, the layer's tensors side by side in each page (vLLM's page layout)."""
 
-    def __init__(self, torch: Any, cfg: Any, shape: StateShape, *, tp: int, rank: int, slots: int) -> None:
+    def __init__(self, torch: Any, cfg: Any, shape: StateShape, *, tp: int, rank: int, slots: int,
+                 pages: list[Any] | None = None, page: int = 0, free: range | None = None) -> None:
         from kvproto.aio import StateCache
 
         self.torch, self.shape, self.tp, self.rank, self.seed = torch, shape, tp, rank, cfg.seed
@@ -219,11 +255,34 @@ class _State:
             if dim is not None:
                 local[dim] //= tp
             self.local.append(tuple(local))
-        self.tensors = [[torch.zeros((slots, *local), dtype=getattr(torch, DTYPES[dt]))
-                         for local, dt in zip(self.local, shape.dtypes)] for _ in shape.layers]
-        self.cache = StateCache.from_tensors(shape.name, self.tensors, shard_dims=shape.shard, tp_size=tp,
-                                             tp_rank=rank, model_layers=shape.layers)
-        self.free = list(range(slots))
+        dtypes = [getattr(torch, DTYPES[dt]) for dt in shape.dtypes]
+        if pages is None:
+            self.tensors = [[torch.zeros((slots, *local), dtype=dt) for local, dt in zip(self.local, dtypes)]
+                            for _ in shape.layers]
+        else:
+            self.tensors = [self._paged(buf, page, dtypes) for buf in pages]
+        self.cache = StateCache.from_tensors(shape.name, self.tensors, shard_dims=shape.shard,
+                                             sections=shape.sections or None, tp_size=tp, tp_rank=rank,
+                                             model_layers=shape.layers)
+        self.free = list(range(slots) if free is None else free)
+
+    def _paged(self, buf: Any, page: int, dtypes: list[Any]) -> list[Any]:
+        """One layer's tensors as views of ``buf``'s pages: each at its offset in every page (after
+        the tensors before it, aligned to its element size), slots a page apart."""
+        import math
+
+        views, at = [], 0
+        slots = buf.numel() // page
+        for local, dt in zip(self.local, dtypes):
+            size = dt.itemsize
+            at = -(-at // size) * size
+            contiguous = [math.prod(local[k + 1:]) for k in range(len(local))]
+            views.append(buf.view(dt).as_strided((slots, *local), (page // size, *contiguous), at // size))
+            at += math.prod(local) * size
+        if at > page:
+            raise ValueError(f"state group {self.shape.name!r}: a layer's states of {at} bytes do not fit a "
+                             f"{page}-byte page (raise the block size or head size)")
+        return views
 
     def _want(self, room_id: int, layer: int, t: int) -> Any:
         whole = state_content(self.torch, self.seed + self.shape.salt, room_id, self.shape.name, layer, t,
@@ -231,8 +290,12 @@ class _State:
         dim = self.shape.shard[t]
         if dim is None:
             return whole
-        n = self.local[t][dim]
-        return whole.narrow(dim, self.rank * n, n)
+        parts, start = [], 0
+        for size in self.shape.section_sizes(t):  # this rank's share of each section, side by side
+            n = size // self.tp
+            parts.append(whole.narrow(dim, start + self.rank * n, n))
+            start += size
+        return self.torch.cat(parts, dim)
 
     def fill(self, room_id: int, slot: int) -> None:
         for layer, tensors in enumerate(self.tensors):
@@ -262,16 +325,23 @@ class RankCache:
 
     def __init__(self, torch: Any, cfg: Any, *, tp: int, rank: int, block: int, layout: str, aux_slots: int,
                  group_slots: int | None = None, shapes: list[PagedShape | StateShape] | None = None,
-                 group_blocks: dict[str, int] | None = None, group_layouts: dict[str, str] | None = None) -> None:
+                 group_blocks: dict[str, int] | None = None, group_layouts: dict[str, str] | None = None,
+                 page_layout: str | None = None) -> None:
         """``shapes``: the model's groups (default: ``model_groups(cfg)``); ``group_blocks`` and
         ``group_layouts``: a paged group's own block size and layout on this side (default: the
-        first group's)."""
+        first group's); ``page_layout``: "vllm" for vLLM's pages (module docstring; default:
+        ``cfg.page_layout``)."""
         shapes = shapes or model_groups(cfg)
         self.torch = torch
         self.aux = torch.zeros((aux_slots, cfg.aux_bytes), dtype=torch.uint8)
-        self.first = _Paged(torch, cfg, shapes[0], tp=tp, rank=rank, block=block, layout=layout, aux=self.aux)
         self.paged: dict[str, _Paged] = {}
         self.states: dict[str, _State] = {}
+        if (page_layout if page_layout is not None else getattr(cfg, "page_layout", "")) == "vllm":
+            self._vllm_pages(torch, cfg, shapes, tp=tp, rank=rank, block=block, layout=layout,
+                             slots=group_slots or max(aux_slots, 1))
+            shapes = []
+        else:
+            self.first = _Paged(torch, cfg, shapes[0], tp=tp, rank=rank, block=block, layout=layout, aux=self.aux)
         for shape in shapes[1:]:
             if isinstance(shape, PagedShape):
                 dtype = "u8" if shape.name == "indexer" else None
@@ -289,6 +359,31 @@ class RankCache:
         self.heads = self.first.heads
         self.head_bytes = self.first.head_bytes
         self.content = self.first.content
+
+    def _vllm_pages(self, torch: Any, cfg: Any, shapes: list[PagedShape | StateShape], *, tp: int, rank: int,
+                    block: int, layout: str, slots: int) -> None:
+        """The first group and the state groups over one buffer of ``cfg.blocks`` pages per layer
+        (module docstring): the state groups take ``slots`` blocks each from block 1 on (a slot's place
+        depends on its stride), the first group's pages the others (the pool's first and last blocks
+        among them)."""
+        first, states = shapes[0], shapes[1:]
+        if not isinstance(first, PagedShape) or not (first.fused or first.mla) or not all(
+                isinstance(s, StateShape) and len(s.layers) == len(first.layers) for s in states):
+            raise ValueError("vLLM's page layout takes a one-plane first group (fused K|V or MLA) and state groups "
+                             "of as many layers")
+        local = 1 if first.mla else max(1, first.kv_heads // tp)
+        page = block * local * first.head_dim * getattr(torch, DTYPES[cfg.dtype]).itemsize  # the first group's
+        taken = len(states) * slots
+        if taken + 1 >= cfg.blocks:
+            raise ValueError(f"{cfg.blocks} blocks leave no pages beside {len(states)} x {slots} state slots")
+        buffers = [torch.zeros(cfg.blocks * page, dtype=torch.uint8) for _ in first.layers]
+        self.first = _Paged(torch, cfg, first, tp=tp, rank=rank, block=block, layout=layout, aux=self.aux,
+                            pages=buffers, free=[0, *range(1 + taken, cfg.blocks)])
+        for k, shape in enumerate(states):
+            assert isinstance(shape, StateShape)
+            self.states[shape.name] = _State(torch, cfg, shape, tp=tp, rank=rank, slots=cfg.blocks, pages=buffers,
+                                             page=page, free=range(1 + k * slots, 1 + (k + 1) * slots))
+        self.buffers = buffers
 
     # --- the first group (a plain cache's whole) ------------------------------------------------
     def fill(self, room_id: int, pages: list[int], t0: int, t1: int, garbage_below: int = 0) -> None:

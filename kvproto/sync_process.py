@@ -395,8 +395,10 @@ def _recipe(group: KVCache | StateCache, who: str) -> tuple[str, Any, dict[str, 
         if not group.owner:
             raise LocalProtocolError(f"{who} needs state group {group.name!r} built by StateCache.from_tensors (its "
                                      f"tensors are shared with the endpoint's process)")
-        return "state", group.owner, dict(name=group.name, shard_dims=[t.shard_dim for t in group.group.tensors],
-                                          tp_size=group.tp_size, tp_rank=group.tp_rank, model_layers=group.layers)
+        tensors = group.group.tensors
+        return "state", group.owner, dict(name=group.name, shard_dims=[t.shard_dim for t in tensors],
+                                          sections=[t.sections or None for t in tensors], tp_size=group.tp_size,
+                                          tp_rank=group.tp_rank, model_layers=group.layers)
     planes, aux = group.owner if isinstance(group.owner, tuple) and len(group.owner) == 2 else (None, None)
     if planes is None:
         raise LocalProtocolError(f"{who} needs a cache built by KVCache.from_tensors (its tensors are shared with "

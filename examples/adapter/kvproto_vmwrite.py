@@ -46,6 +46,7 @@ from kvproto.transport.base import (
     PreparedRows,
     check_pairs,
     check_rows,
+    merge_regions,
     region_index,
     sorted_regions,
     take_rows,
@@ -111,7 +112,8 @@ class VmWriteTransport:
         self._check_open()
         if any(r.kind is not MemKind.DRAM or r.device_id != 0 or r.length <= 0 for r in regions):
             raise TransportError("vmwrite registers DRAM of device 0 with a positive length only")
-        reg = VmRegistration([(r.address, r.length) for r in regions])
+        # regions that overlap (a hybrid cache's groups overlaying one buffer) as their union
+        reg = VmRegistration([(r.address, r.length) for r in merge_regions(regions)])
         self._registrations.append(reg)
         return reg
 

@@ -40,7 +40,8 @@ import zmq.utils.monitor
 
 from kvproto.aio.channel import Channel
 from kvproto.aio.endpoint import EndpointBase, EndpointConfig
-from kvproto.aio.memory import KVCache, geometry_from_wire, geometry_to_wire, groups_from_wire
+from kvproto.aio.memory import (LAYOUT_MINOR, KVCache, geometry_from_wire, geometry_to_wire, groups_from_wire,
+                                older_peer_refusal)
 from kvproto.aio import trace
 from kvproto.aio.room import ReceiverRoomHandle
 from kvproto.aio.staging import (
@@ -418,7 +419,8 @@ class DecodeEndpoint(EndpointBase):
                 targets[rank] = link
         for link in targets.values():
             if self.kv.groups:
-                self._send_frame(link.channel, [encode(CacheGroups(link_id=link.link_id, groups=self.kv.wire_groups()))])
+                self._send_frame(link.channel, [encode(CacheGroups(link_id=link.link_id, groups=self.kv.wire_groups(),
+                                                                   layouts=self.kv.wire_layouts()))])
             self._send_frame(link.channel, [encode(self._register_message(link))])
         accepts = await asyncio.gather(*(self._await_accept(link) for link in targets.values()))
         result = []
@@ -428,15 +430,21 @@ class DecodeEndpoint(EndpointBase):
             try:
                 prefill_g = geometry_from_wire(accept.geometry)
                 check_compatible(prefill_g, g)
-                prefill_cache = groups_from_wire(PagedGroup(self.kv.name, prefill_g),
-                                                 link.peer_groups.groups if link.peer_groups is not None else ())
+                peer = link.peer_groups
+                prefill_cache = groups_from_wire(PagedGroup(self.kv.name, prefill_g), peer.groups if peer else (),
+                                                 peer.layouts if peer else ())
                 check_groups(prefill_cache, self._cache)
             except IncompatibleGroups as exc:
-                older = f" (it speaks version 1.{link.peer_minor}, before cache groups)" if link.peer_minor < 2 else ""
+                older = f" (it speaks version 1.{link.peer_minor}, before cache groups)" if link.peer_minor < 2 else \
+                    f" (it speaks version 1.{link.peer_minor}, before state layouts)" \
+                    if link.peer_minor < LAYOUT_MINOR and "sections differ" in exc.reason else ""
                 raise _BootstrapFailed(ErrorCode.INCOMPATIBLE_GEOMETRY,
                                        f"prefill rank {link.prefill_rank}{older}: {exc}") from None
             except (ValueError, IncompatibleGeometry) as exc:
                 raise _BootstrapFailed(ErrorCode.INCOMPATIBLE_GEOMETRY, f"prefill rank {link.prefill_rank}: {exc}") from None
+            refusal = older_peer_refusal(self._cache, link.peer_minor)  # (minor 4) slots it could not address
+            if refusal is not None:
+                raise _BootstrapFailed(ErrorCode.INCOMPATIBLE_GEOMETRY, f"prefill rank {link.prefill_rank}: {refusal}")
             if prefill_g.tp_size != info.tp_size or prefill_g.tp_rank != link.prefill_rank:
                 raise _BootstrapFailed(ErrorCode.PEER_PROTOCOL_ERROR,
                                        f"prefill rank {link.prefill_rank} reports itself as rank {prefill_g.tp_rank} of {prefill_g.tp_size}")

@@ -51,7 +51,7 @@ from kvproto.aio.room import _Handle
 from kvproto.core import PathCost, RoomEnded, RoomState, Send, Timeouts
 from kvproto.metrics import EndpointMetrics, room_phases
 from kvproto.transport import Transport, load_transport
-from kvproto.transport.base import merged_regions, wakeup_fd
+from kvproto.transport.base import wakeup_fd
 from kvproto.wire import ErrorCode, LocalProtocolError, Message, encode
 
 log = logging.getLogger("kvproto")
@@ -216,7 +216,7 @@ class EndpointBase:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.get_ident()
         self.transport = load_transport(self.config.transport, self.agent_name, **self.config.transport_options)
-        self._registration = self.transport.register(merged_regions(self.kv.memory_regions()))
+        self._registration = self.transport.register(self.kv.memory_regions())
         self._ctx = zmq.asyncio.Context()
         self.metrics.core = self.core
         await self._start_io()

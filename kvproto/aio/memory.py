@@ -10,10 +10,19 @@ adds, after the first group (``kv`` itself), further paged groups (``KVCache.fro
 name=, window=)``: sliding-window layers, an indexer cache) and state groups
 (``StateCache.from_tensors``: per-request slots of linear-attention or SSM state). Each group
 may say which model layers its layers are (``model_layers=``), which layer-wise chunks use.
+
+A state tensor's slots may lie further apart than its bytes (vLLM keeps a layer's conv and
+temporal state of one block in one page, padded to the attention page size: the conv tensor is a
+``(blocks, *shape)`` view whose dim-0 stride is the page), and its sharded dimension may be several
+projections sharded each on its own (``sections=``: a GDN conv state's ``[Q | K | V]``). Groups may
+then overlay one buffer (a state group's pages inside an attention layer's buffer, paged groups
+aliasing one layer's tensor): ``memory_regions`` gives the transport each range once, the union of
+the regions that overlap, while ``wire_regions`` still lists every region on its own.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -21,8 +30,14 @@ from typing import Any
 from kvproto.core.groups import GroupSpec
 from kvproto.geometry import DType, GeometryError, KVGeometry, Layout
 from kvproto.geometry.groups import CacheGeometry, PagedGroup, StateGroup, StateTensor
-from kvproto.transport.base import MemKind, MemoryRegion
-from kvproto.wire import NO_SHARD, NO_SLOT, GroupKind, LocalProtocolError, RegionKind, WireGeometry, WireGroup, WireRegion, WireStateTensor
+from kvproto.transport.base import MemKind, MemoryRegion, merge_regions
+from kvproto.wire import (NO_SHARD, NO_SLOT, GroupKind, LocalProtocolError, RegionKind, WireGeometry, WireGroup,
+                          WireGroupLayout, WireRegion, WireStateTensor, WireTensorLayout)
+
+LAYOUT_MINOR = 4
+"""The first minor version whose ``CACHE_GROUPS`` carries the groups' layouts (sections, slot
+strides): a peer of an older one describes every state tensor as one section with slots back to
+back, and cannot address slots that lie further apart (``older_peer_refusal``)."""
 
 _TORCH_DTYPES = {
     "torch.float16": DType.FLOAT16,
@@ -58,10 +73,22 @@ def _torch_dtype(dtype: Any) -> DType:
         raise ValueError(f"unsupported cache dtype {dtype}") from None
 
 
+def _slot_stride(t: Any) -> int | None:
+    """Bytes from one slot's start to the next's in a ``(slots, *shape)`` tensor whose every slot is
+    C-contiguous (dim 0 may stride further: slots inside pages), or None where a slot is not."""
+    want = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if size != 1 and stride != want:
+            return None
+        want *= size
+    return (t.stride(0) if t.shape[0] > 1 else want) * t.element_size()
+
+
 @dataclass(frozen=True, slots=True)
 class StateCache:
     """A state group's memory on one rank: one region per (layer, tensor), layer-major, each
-    ``num_slots`` slots of the tensor's local bytes (one request's state per slot)."""
+    ``num_slots`` slots of the tensor's local bytes (one request's state per slot), slot ``s`` at
+    ``s`` times the tensor's slot stride (``slot_strides``) from the region's base."""
 
     group: StateGroup
     tp_size: int
@@ -77,51 +104,78 @@ class StateCache:
     def name(self) -> str:
         return self.group.name
 
+    @property
+    def slot_strides(self) -> list[int]:
+        """Per tensor, the bytes from one slot's start to the next's in its regions."""
+        return self.group.strides(self.tp_size)
+
     @classmethod
     def from_tensors(cls, name: str, layers: Sequence[Sequence[Any]], *, shard_dims: Sequence[int | None],
-                     tp_size: int = 1, tp_rank: int = 0, model_layers: Sequence[int] | None = None) -> StateCache:
+                     sections: Sequence[Sequence[int] | None] | None = None, tp_size: int = 1, tp_rank: int = 0,
+                     model_layers: Sequence[int] | None = None) -> StateCache:
         """Describe a state group: ``layers[l][t]`` is tensor ``t`` of layer ``l``, shaped ``(slots,
-        *local_shape)`` and contiguous; ``shard_dims[t]`` is the dimension of the per-slot shape
-        split over TP (None: replicated); ``model_layers``: the model layer of each layer."""
+        *local_shape)``, each slot C-contiguous, slots evenly apart (back to back, or further: a view
+        of slots inside pages, every layer's tensor ``t`` with the same stride); ``shard_dims[t]`` is
+        the dimension of the per-slot shape split over TP (None: replicated); ``sections[t]`` the
+        global sizes of the projections side by side along it, each split over TP on its own (None:
+        one); ``model_layers``: the model layer of each layer."""
         if not layers or not layers[0]:
             raise ValueError(f"state group {name!r}: no tensors given")
         first = layers[0]
-        if len(shard_dims) != len(first):
-            raise ValueError(f"state group {name!r}: {len(shard_dims)} shard dims for {len(first)} tensors per layer")
+        if len(shard_dims) != len(first) or (sections is not None and len(sections) != len(first)):
+            raise ValueError(f"state group {name!r}: {len(shard_dims)} shard dims and "
+                             f"{len(first) if sections is None else len(sections)} sections for {len(first)} "
+                             f"tensors per layer")
         tensors = []
-        for t, dim in zip(first, shard_dims):
+        for i, (t, dim) in enumerate(zip(first, shard_dims)):
             shape = list(t.shape[1:])
             if dim is not None:
                 shape[dim] *= tp_size
-            tensors.append(StateTensor(tuple(shape), _torch_dtype(t.dtype), dim))
+            tensors.append(StateTensor(tuple(shape), _torch_dtype(t.dtype), dim,
+                                       tuple(sections[i] or ()) if sections is not None else ()))
         slots = first[0].shape[0]
+        strides = [_slot_stride(t) for t in first]
         addresses = []
         for index, layer in enumerate(layers):
             if len(layer) != len(first):
                 raise ValueError(f"state group {name!r}: layer {index} has {len(layer)} tensors, layer 0 {len(first)}")
-            for t, ref in zip(layer, first):
-                if t.shape != ref.shape or t.dtype != ref.dtype or t.device != ref.device or not t.is_contiguous():
-                    raise ValueError(f"state group {name!r}: layer {index}'s tensors differ from layer 0's or are "
-                                     f"not contiguous")
+            for t, ref, stride in zip(layer, first, strides):
+                if t.shape != ref.shape or t.dtype != ref.dtype or t.device != ref.device:
+                    raise ValueError(f"state group {name!r}: layer {index}'s tensors differ from layer 0's")
+                if stride is None or _slot_stride(t) != stride:
+                    raise ValueError(f"state group {name!r}: layer {index}'s tensors are not slots of C-contiguous "
+                                     f"state evenly apart, as far apart as layer 0's")
                 if t.shape[0] != slots:
                     raise ValueError(f"state group {name!r}: every tensor holds the same number of slots")
                 addresses.append(t.data_ptr())
         device = first[0].device
         is_cuda = device.type == "cuda"
-        group = StateGroup(name, len(layers), tuple(tensors), slots)
-        for t in group.tensors:
-            t.shard(tp_size, tp_rank)  # raises where a dimension does not split
+        sizes = [math.prod(t.shape[1:]) * t.element_size() for t in first]  # one slot's bytes
+        if any(stride < size for stride, size in zip(strides, sizes)):  # (a stride of 0: one slot expanded)
+            raise ValueError(f"state group {name!r}: slots of {sizes} bytes lie {strides} bytes apart: they overlap")
+        group = StateGroup(name, len(layers), tuple(tensors), slots,
+                           tuple(0 if stride == size else stride for stride, size in zip(strides, sizes)))
+        try:
+            group.strides(tp_size)  # raises where a dimension or section does not split over TP
+        except GeometryError as exc:
+            raise GeometryError(f"state group {name!r}: {exc}") from None
         return cls(group, tp_size, tp_rank, tuple(addresses), MemKind.VRAM if is_cuda else MemKind.DRAM,
                    (device.index or 0) if is_cuda else 0, None if model_layers is None else tuple(model_layers),
                    owner=layers)
 
     def region_lengths(self) -> list[int]:
-        sizes = [self.group.num_slots * b for b in self.group.slot_bytes(self.tp_size)]
+        sizes = self.group.region_bytes(self.tp_size)
         return [sizes[i % len(sizes)] for i in range(len(self.region_addresses))]
 
-    def memory_regions(self) -> list[MemoryRegion]:
+    def regions(self) -> list[MemoryRegion]:
+        """Each (layer, tensor) region, in order: from its base to its last slot's end."""
         return [MemoryRegion(a, n, self.device_id, self.mem_kind)
                 for a, n in zip(self.region_addresses, self.region_lengths())]
+
+    def memory_regions(self) -> list[MemoryRegion]:
+        """What a transport registers: the regions, those that overlap (a layer's tensors in one
+        page) joined."""
+        return merge_regions(self.regions())
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,6 +317,15 @@ class KVCache:
         """The groups beyond the first, as ``CACHE_GROUPS`` lists them."""
         return tuple(group_to_wire(g) for g in self.cache_geometry.groups[1:])
 
+    def wire_layouts(self) -> tuple[WireGroupLayout, ...]:
+        """The layouts ``CACHE_GROUPS`` gives (minor 4): one per group beyond the first where some
+        state tensor has sections or strided slots, else none (the message as minor 3 encoded it)."""
+        groups = self.cache_geometry.groups[1:]
+        if not any(isinstance(g, StateGroup) and (g.slot_strides or any(t.sections for t in g.tensors))
+                   for g in groups):
+            return ()
+        return tuple(layout_to_wire(g) for g in groups)
+
     @classmethod
     def from_tensors(
         cls,
@@ -350,14 +413,20 @@ class KVCache:
         )
 
     # --- what gets registered and advertised ------------------------------------------------
-    def memory_regions(self) -> list[MemoryRegion]:
+    def regions(self) -> list[MemoryRegion]:
+        """This group's regions (layer x plane), in order."""
         size = self.geometry.region_bytes
-        regions = [MemoryRegion(a, size, self.device_id, self.mem_kind) for a in self.region_addresses]
+        return [MemoryRegion(a, size, self.device_id, self.mem_kind) for a in self.region_addresses]
+
+    def memory_regions(self) -> list[MemoryRegion]:
+        """What a transport registers: every group's regions and the aux buffer, ranges that
+        overlap (groups overlaying one buffer) joined into their union (``merge_regions``)."""
+        regions = self.regions()
         if self.aux is not None:
             regions.append(MemoryRegion(self.aux.address, self.aux.slot_bytes * self.aux.slots, 0, MemKind.DRAM))
         for extra in self.groups:
-            regions += extra.memory_regions()
-        return regions
+            regions += extra.regions()
+        return merge_regions(regions)
 
     @property
     def torch_dtype(self) -> Any:
@@ -375,7 +444,7 @@ class KVCache:
                                    length=self.aux.slot_bytes * self.aux.slots, device_id=0,
                                    mem_kind=MemKind.DRAM))
         for number, extra in enumerate(self.groups, start=1):
-            for r, region in enumerate(extra.memory_regions()):
+            for r, region in enumerate(extra.regions()):
                 rows.append(WireRegion(kind=RegionKind.GROUP, index=number << 24 | r, address=region.address,
                                        length=region.length, device_id=region.device_id, mem_kind=region.kind))
         return tuple(rows)
@@ -411,21 +480,55 @@ def group_to_wire(group: PagedGroup | StateGroup) -> WireGroup:
                          for t in group.tensors))
 
 
-def groups_from_wire(first: PagedGroup, groups: Sequence[WireGroup]) -> CacheGeometry:
+def older_peer_refusal(mine: CacheGeometry, peer_minor: int) -> str | None:
+    """Why a decode cache ``mine`` cannot take writes from a prefill rank of minor ``peer_minor``
+    (None: it can): a peer older than ``LAYOUT_MINOR`` never learns that a state group's slots lie
+    further apart than their bytes, and would write them back to back. (Sections need no rule of
+    their own: such a peer lists one section, which ``check_groups`` refuses beside ours.)"""
+    if peer_minor >= LAYOUT_MINOR:
+        return None
+    for g in mine.groups:
+        if isinstance(g, StateGroup) and g.slot_strides:
+            return (f"group {g.name!r}: its slots lie {g.strides(mine.tp_size)} bytes apart (slots inside pages), "
+                    f"which a peer of version 1.{peer_minor} cannot address (it writes them back to back)")
+    return None
+
+
+def layout_to_wire(group: PagedGroup | StateGroup) -> WireGroupLayout:
+    """A group's entry of ``CACHE_GROUPS.layouts``: a state group's sections and slot strides."""
+    if isinstance(group, PagedGroup):
+        return WireGroupLayout(tensors=())
+    strides = group.slot_strides or (0,) * len(group.tensors)
+    return WireGroupLayout(tensors=tuple(WireTensorLayout(sections=t.sections, slot_stride=stride)
+                                         for t, stride in zip(group.tensors, strides)))
+
+
+def groups_from_wire(first: PagedGroup, groups: Sequence[WireGroup],
+                     layouts: Sequence[WireGroupLayout] = ()) -> CacheGeometry:
     """A peer's cache: its first group (``first``: named as ours, since only the groups beyond it
-    are listed) and its ``CACHE_GROUPS``. Raises ``GeometryError`` (a ValueError) for groups that
-    describe no real cache."""
+    are listed) and its ``CACHE_GROUPS``: the groups and (minor 4) their layouts, none meaning one
+    section and slots back to back everywhere (what a peer of minor 3 or older has). Raises
+    ``GeometryError`` (a ValueError) for groups that describe no real cache."""
+    if layouts and len(layouts) != len(groups):
+        raise GeometryError(f"{len(layouts)} group layouts for {len(groups)} groups")
     out: list[PagedGroup | StateGroup] = [first]
-    for w in groups:
+    for i, w in enumerate(groups):
+        layout = layouts[i].tensors if layouts else None
         if w.kind == GroupKind.PAGED:
+            if layout:
+                raise GeometryError(f"group {w.name!r}: a paged group's layout lists state tensors")
             out.append(PagedGroup(w.name, geometry_from_wire(w.geometry), w.window or None))
         elif w.kind == GroupKind.STATE:
+            if layout is not None and len(layout) != len(w.tensors):
+                raise GeometryError(f"group {w.name!r}: a layout of {len(layout)} tensors for {len(w.tensors)}")
             try:
-                tensors = tuple(StateTensor(t.shape, DType(t.dtype), None if t.shard_dim == NO_SHARD else t.shard_dim)
-                                for t in w.tensors)
+                tensors = tuple(StateTensor(t.shape, DType(t.dtype), None if t.shard_dim == NO_SHARD else t.shard_dim,
+                                            layout[k].sections if layout else ())
+                                for k, t in enumerate(w.tensors))
+                out.append(StateGroup(w.name, w.num_layers, tensors, w.num_slots,
+                                      tuple(t.slot_stride for t in layout) if layout else ()))
             except ValueError as exc:
                 raise GeometryError(f"group {w.name!r}: {exc}") from None
-            out.append(StateGroup(w.name, w.num_layers, tensors, w.num_slots))
         else:
             raise GeometryError(f"group {w.name!r} is of unknown kind {w.kind}")
     return CacheGeometry(first.geometry.tp_size, first.geometry.tp_rank, tuple(out))

@@ -19,7 +19,8 @@ every region (layer, plane) and posts it as one write:
 The aux slot moves through prepared one-slot-per-row lists. A paged group beyond the first
 (hybrid caches) has a ``LinkPath`` of its own, over its own regions; a state group's slot moves
 through a ``StatePath``: the byte runs ``plan_state`` gives inside one slot, placed at the two
-slots in every region (layer x tensor).
+slots in every region (layer x tensor), each side's slots its own stride apart (slots inside
+pages: ``StateGroup.strides``).
 
 *One write of several groups* (``PostGroups``, ``post_parts``): every path gives its part of the
 write as a ``Part`` (descriptor rows, or on a pattern route the plan itself) and the parts go to
@@ -482,7 +483,9 @@ class StatePath:
 
     def __init__(self, *, transport: Transport, peer: str, local: StateCache, runs: Sequence[StateRun],
                  remote_bases: Sequence[int], remote_kind: MemKind, remote_device: int,
-                 remote_slot_bytes: Sequence[int], route: Route | None = None) -> None:
+                 remote_strides: Sequence[int], route: Route | None = None) -> None:
+        """``remote_strides``: per tensor, the bytes between the decode rank's slots (its
+        ``StateGroup.strides``, learnt at registration); this rank's are its cache's."""
         self.transport = transport
         self.peer = peer
         self.local = local
@@ -497,8 +500,8 @@ class StatePath:
         self._src = np.asarray(local.region_addresses, dtype=np.int64)[self._region] + runs_arr[:, 1]
         self._dst = np.asarray(remote_bases, dtype=np.int64)[self._region] + runs_arr[:, 2]
         self._length = runs_arr[:, 3]
-        self._src_slot = np.asarray(local.group.slot_bytes(local.tp_size), dtype=np.int64)[self._region % tensors]
-        self._dst_slot = np.asarray(remote_slot_bytes, dtype=np.int64)[self._region % tensors]
+        self._src_slot = np.asarray(local.slot_strides, dtype=np.int64)[self._region % tensors]
+        self._dst_slot = np.asarray(remote_strides, dtype=np.int64)[self._region % tensors]
 
     @property
     def label(self) -> str:

@@ -369,8 +369,8 @@ class PrefillEndpoint(EndpointBase):
     def _on_register(self, ident: bytes, minor: int, msg: Register) -> None:
         groups = self._pending_groups.pop(ident, None)
         try:
-            remote = self._check_register(msg, groups.groups if groups is not None and groups.link_id == msg.link_id
-                                          else ())
+            mine = groups is not None and groups.link_id == msg.link_id
+            remote = self._check_register(msg, groups.groups if mine else (), groups.layouts if mine else (), minor)
         except Reject as rej:
             log.warning("rejected registration from %s: %s", msg.agent_name, rej.reason)
             self._send(ident, RegisterReject(link_id=msg.link_id, code=rej.code, reason=rej.reason))
@@ -447,7 +447,8 @@ class PrefillEndpoint(EndpointBase):
         self.core.add_link(link)
         log.info("registered decode %s rank %d (%s path, minor %d)", msg.instance, decode_g.tp_rank, path.label, minor)
         if self.kv.groups:
-            self._send(ident, CacheGroups(link_id=msg.link_id, groups=self.kv.wire_groups()))
+            self._send(ident, CacheGroups(link_id=msg.link_id, groups=self.kv.wire_groups(),
+                                          layouts=self.kv.wire_layouts()))
         self._send(ident, RegisterAccept(
             boot_id=self.boot_id, link_id=msg.link_id, agent_name=self.agent_name,
             geometry=geometry_to_wire(g), aux_slot_bytes=self.kv.aux.slot_bytes if self.kv.aux else 0))
@@ -492,7 +493,7 @@ class PrefillEndpoint(EndpointBase):
                 runs = plan_state(self._cache, remote.cache, mine.name) if writes else []
                 paths.append(StatePath(transport=self.transport, peer=agent, local=extra, runs=runs, remote_bases=bases,
                                        remote_kind=remote.kind, remote_device=remote.device,
-                                       remote_slot_bytes=theirs.slot_bytes(remote.cache.tp_size), route=route))
+                                       remote_strides=theirs.strides(remote.cache.tp_size), route=route))
                 groups.append(LinkGroup(writes, theirs.num_slots))
         return tuple(paths), tuple(groups)
 
@@ -521,10 +522,11 @@ class PrefillEndpoint(EndpointBase):
             return "direct", can_stage
         return ("staged" if can_stage else "sliced"), can_stage
 
-    def _check_register(self, msg: Register, wire_groups: Sequence[Any] = ()) -> Remote:
+    def _check_register(self, msg: Register, wire_groups: Sequence[Any] = (), layouts: Sequence[Any] = (),
+                        minor: int = MINOR) -> Remote:
         assert self.transport is not None
         return check_register(msg, wire_groups, config=self.config, kv=self.kv, cache=self._cache,
-                              reachable=self.transport.memory_kinds())
+                              reachable=self.transport.memory_kinds(), layouts=layouts, peer_minor=minor)
 
     def _drop_link(self, link: _DecodeLink, code: ErrorCode | int, reason: str) -> None:
         if self._links.get(link.ident) is not link:

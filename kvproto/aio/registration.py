@@ -18,11 +18,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvproto.aio.endpoint import EndpointConfig
-from kvproto.aio.memory import KVCache, geometry_from_wire, groups_from_wire
+from kvproto.aio.memory import LAYOUT_MINOR, KVCache, geometry_from_wire, groups_from_wire
 from kvproto.geometry import IncompatibleGeometry, KVGeometry, check_compatible
 from kvproto.geometry.groups import CacheGeometry, IncompatibleGroups, PagedGroup, check_groups
 from kvproto.transport import MemKind
-from kvproto.wire import ErrorCode, RegionKind, Register, WireGroup
+from kvproto.wire import MINOR, ErrorCode, RegionKind, Register, WireGroup, WireGroupLayout
 
 MAX_ADDRESS = 2**63
 """Addresses and lengths from a peer must fit a signed 64-bit descriptor."""
@@ -57,10 +57,12 @@ class Remote:
 
 
 def check_register(msg: Register, wire_groups: Sequence[WireGroup], *, config: EndpointConfig, kv: KVCache,
-                   cache: CacheGeometry, reachable: frozenset[MemKind]) -> Remote:
-    """What a decode rank's REGISTER (and the CACHE_GROUPS before it) says, once every check of
-    messages.md has passed, in its order; ``Reject`` with the code of the first that fails.
-    ``reachable``: the memory kinds this rank's transport can write."""
+                   cache: CacheGeometry, reachable: frozenset[MemKind], layouts: Sequence[WireGroupLayout] = (),
+                   peer_minor: int = MINOR) -> Remote:
+    """What a decode rank's REGISTER (and the CACHE_GROUPS before it: its groups and, minor 4,
+    their ``layouts``) says, once every check of messages.md has passed, in its order; ``Reject``
+    with the code of the first that fails. ``reachable``: the memory kinds this rank's transport can
+    write; ``peer_minor``: the REGISTER's minor (named in a refusal it may explain)."""
     cfg = config
     if msg.transport != cfg.transport:
         raise Reject(ErrorCode.TRANSPORT_ERROR, f"decode uses transport {msg.transport!r}, prefill {cfg.transport!r}")
@@ -78,10 +80,12 @@ def check_register(msg: Register, wire_groups: Sequence[WireGroup], *, config: E
     except IncompatibleGeometry as exc:
         raise Reject(ErrorCode.INCOMPATIBLE_GEOMETRY, str(exc)) from None
     try:  # groups beyond the first (messages.md, REGISTER check 5a)
-        decode_cache = groups_from_wire(PagedGroup(kv.name, decode_g), wire_groups)
+        decode_cache = groups_from_wire(PagedGroup(kv.name, decode_g), wire_groups, layouts)
         check_groups(cache, decode_cache)
     except IncompatibleGroups as exc:
-        raise Reject(ErrorCode.INCOMPATIBLE_GEOMETRY, str(exc)) from None
+        older = f" (the decode speaks version 1.{peer_minor}, before state layouts)" \
+            if peer_minor < LAYOUT_MINOR and "sections differ" in exc.reason else ""
+        raise Reject(ErrorCode.INCOMPATIBLE_GEOMETRY, f"{exc}{older}") from None
     except ValueError as exc:  # GeometryError: a group that describes no real cache
         raise Reject(ErrorCode.INCOMPATIBLE_GEOMETRY, f"invalid decode group: {exc}") from None
     too_far = [r for r in msg.regions if r.address + r.length > MAX_ADDRESS]
@@ -143,7 +147,9 @@ def _group_regions(msg: Register, cache: CacheGeometry, kind: MemKind) -> tuple[
                                                             f"{g.num_blocks} pages exceed {MAX_PAGES} pages")
             need = [g.region_bytes] * g.num_regions
         else:
-            sizes = [group.num_slots * b for b in group.slot_bytes(cache.tp_size)]
+            if max(group.strides(cache.tp_size)) >= MAX_ADDRESS:  # (one slot: the stride reaches nothing)
+                raise Reject(ErrorCode.INDEX_OUT_OF_RANGE, f"group {group.name!r}: a slot stride beyond 2**63")
+            sizes = group.region_bytes(cache.tp_size)  # the last slot's end, slots their stride apart
             need = [sizes[i % len(sizes)] for i in range(group.regions())]
         mine = sorted((r for r in rows if r.index >> 24 == number), key=lambda r: r.index)
         if [r.index & 0xFFFFFF for r in mine] != list(range(len(need))):

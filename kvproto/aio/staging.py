@@ -673,11 +673,12 @@ class StateBlock:
         self.groups = sorted({r.group for r in runs})
         self._group = np.array([r.group for r in runs], dtype=np.int64)
         address, stride = [], []
+        strides = {g: states[g].slot_strides for g in self.groups}  # per tensor: slots may lie inside pages
         for r in runs:
             cache = states[r.group]
             tensors = len(cache.group.tensors)
             address.append(cache.region_addresses[r.run.region] + (r.run.src if side == "prefill" else r.run.dst))
-            stride.append(cache.group.slot_bytes(cache.tp_size)[r.run.region % tensors])
+            stride.append(strides[r.group][r.run.region % tensors])
         self._address = np.array(address, dtype=np.int64)
         self._stride = np.array(stride, dtype=np.int64)
         self._offset = np.array([r.offset for r in runs], dtype=np.int64)

@@ -17,7 +17,7 @@ alone, so that both sides compute the same plan without talking:
   conv state and temporal state, say). Each tensor is either *sharded* over TP along one
   dimension (heads, channels: SGLang's ``_send_mamba_state_slice``) or *replicated*. Its memory is
   one region per (layer, tensor): ``num_slots`` slots of the tensor's local bytes, each slot
-  C-contiguous in the local shape.
+  C-contiguous in the local shape, slot ``s`` at ``s × slot stride`` from the region's start.
 
 A state tensor sharded along dimension ``k`` of global size ``G`` gives TP rank ``r`` of ``T``
 the indices ``[r·G/T, (r+1)·G/T)`` (``G % T == 0`` is required). Every index a decode rank holds
@@ -27,6 +27,26 @@ shard holds the start of the decode rank's, which always pairs with it (below). 
 turns the overlap
 of the two shards into byte runs inside a slot: one run per index of the dimensions before ``k``
 (a run per outer row), merged where consecutive runs abut on both sides.
+
+*Sections.* Some sharded dimensions are several projections side by side, each split over TP on
+its own: a Gated DeltaNet conv state's channels are ``[Q | K | V]`` (sizes key, key, value) and
+rank ``r`` holds ``[Q_r | K_r | V_r]``; Mamba2's are ``[x | B | C]`` (vLLM and SGLang lay their
+conv states out so). ``StateTensor.sections`` lists the global sizes; each section then shards as a
+dimension of its own (``shards``: per section, the global indices a rank holds and where they
+start in its local tensor), and ``plan_state`` makes its runs per outer index *and* per section.
+Whether the sharded dimension is the conv state's outer one (channels-major, ``(conv_dim,
+kernel - 1)``: a section is one byte range) or its inner one (``(kernel - 1, conv_dim)``: the
+sections interleave row by row) is the same rule, since runs are made per index before ``k``.
+A one-section tensor is today's tensor; sections are part of the model, so both sides must agree.
+
+*Slot strides.* Some engines keep a layer's states of one block in one page (vLLM: conv state at
+offset 0, temporal state after it, padded to the attention page size), so a tensor's slot ``s``
+starts ``s × stride`` past its region's base with a stride larger than its bytes, and the regions
+of a layer's tensors interleave in address range (never in the bytes a slot uses).
+``StateGroup.slot_strides`` holds this rank's stride per tensor. Strides are memory, not model:
+the two sides may differ, ``plan_state``'s runs are offsets inside one slot either way, and
+``slot_runs`` places them at each side's own stride (the prefill learns the decode's at
+registration).
 
 *Pairing* (``link_roles``): prefill rank ``p`` pairs with decode rank ``d`` (``d`` sends it its
 TRANSFER_REQUESTs) when it pairs for some group: a paged group by ``plan.paired``, a state group
@@ -38,7 +58,7 @@ sides compute it from geometry alone.
 
 *Compatibility* (``check_groups``): both sides list the same groups, by name, in the same order,
 of the same kinds; a paged group's model fields and window agree (``check_compatible``); a
-state group's layers and tensors (global shape, dtype, sharded dimension) agree. The first
+state group's layers and tensors (global shape, dtype, sharded dimension, sections) agree. The first
 difference raises ``IncompatibleGroups`` naming the group, so a group one side lacks can never
 be skipped silently. TP size, block sizes, layouts and pool sizes may differ.
 
@@ -66,38 +86,79 @@ class IncompatibleGroups(ValueError):
 
 
 # --- state groups -------------------------------------------------------------------------------
+class Shard(NamedTuple):
+    """One section of a sharded state tensor on one rank: the global indices ``held`` along the
+    sharded dimension, and ``local``, the index where they start in the rank's own tensor."""
+
+    held: range
+    local: int
+
+
 @dataclass(frozen=True, slots=True)
 class StateTensor:
-    """One per-layer, per-request state tensor: its global (unsharded) shape, its dtype, and the
-    dimension split over TP (None: every rank holds all of it)."""
+    """One per-layer, per-request state tensor: its global (unsharded) shape, its dtype, the
+    dimension split over TP (None: every rank holds all of it) and, for a dimension that is several
+    projections side by side, their global ``sections`` (module docstring)."""
 
     shape: tuple[int, ...]
     dtype: DType
     shard_dim: int | None = None
+    sections: tuple[int, ...] = ()
+    """Global sizes of the sections along ``shard_dim``, summing to its size, each split over TP
+    on its own; empty (or one): the dimension is one section."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
         object.__setattr__(self, "dtype", DType(self.dtype))
+        object.__setattr__(self, "sections", tuple(int(n) for n in self.sections))
         if not self.shape or any(n <= 0 for n in self.shape):
             raise GeometryError(f"state shape {self.shape} must have positive sizes")
         if self.shard_dim is not None and not 0 <= self.shard_dim < len(self.shape):
             raise GeometryError(f"shard_dim {self.shard_dim} outside shape {self.shape}")
+        if self.sections:
+            if self.shard_dim is None:
+                raise GeometryError(f"sections {self.sections} of a replicated state tensor")
+            if any(n <= 0 for n in self.sections) or sum(self.sections) != self.shape[self.shard_dim]:
+                raise GeometryError(f"sections {self.sections} do not add up to dimension {self.shard_dim} of "
+                                    f"{self.shape}")
+            if len(self.sections) == 1:
+                object.__setattr__(self, "sections", ())  # one section is no section: equal to the default
+
+    @property
+    def section_sizes(self) -> tuple[int, ...]:
+        """Global sizes of the sections along ``shard_dim`` (one, the whole dimension, by default)."""
+        assert self.shard_dim is not None, "a replicated tensor has no sections"
+        return self.sections or (self.shape[self.shard_dim],)
+
+    def shards(self, tp_size: int, tp_rank: int) -> tuple[Shard, ...]:
+        """Per section, the global indices along ``shard_dim`` that ``tp_rank`` holds and where they
+        start locally; raises ``GeometryError`` where a section does not split over ``tp_size``."""
+        assert self.shard_dim is not None, "a replicated tensor is not sharded"
+        out, start, local = [], 0, 0
+        for size in self.section_sizes:
+            if size % tp_size:
+                what = f"section of size {size}" if self.sections else f"size {size}"
+                raise GeometryError(f"state dimension {self.shard_dim} ({what}) does not split over TP {tp_size}")
+            n = size // tp_size
+            out.append(Shard(range(start + tp_rank * n, start + (tp_rank + 1) * n), local))
+            start += size
+            local += n
+        return tuple(out)
 
     def shard(self, tp_size: int, tp_rank: int) -> range:
-        """Global indices along ``shard_dim`` held by ``tp_rank`` (the whole axis if replicated)."""
+        """Global indices along ``shard_dim`` held by ``tp_rank`` (the whole axis if replicated), for
+        a one-section tensor (``shards`` for any)."""
         if self.shard_dim is None:
             return range(0, 1)
-        g = self.shape[self.shard_dim]
-        if g % tp_size:
-            raise GeometryError(f"state dimension {self.shard_dim} of size {g} does not split over TP {tp_size}")
-        n = g // tp_size
-        return range(tp_rank * n, (tp_rank + 1) * n)
+        if self.sections:
+            raise GeometryError("a sectioned state tensor holds several ranges per rank (shards), not one")
+        return self.shards(tp_size, tp_rank)[0].held
 
     def local_shape(self, tp_size: int) -> tuple[int, ...]:
         if self.shard_dim is None:
             return self.shape
         shape = list(self.shape)
-        shape[self.shard_dim] = len(self.shard(tp_size, 0))
+        shape[self.shard_dim] = sum(len(s.held) for s in self.shards(tp_size, 0))
         return tuple(shape)
 
     def local_bytes(self, tp_size: int) -> int:
@@ -106,17 +167,28 @@ class StateTensor:
 
 @dataclass(frozen=True, slots=True)
 class StateGroup:
-    """Per-request state slots of ``num_layers`` layers, each layer holding ``tensors``."""
+    """Per-request state slots of ``num_layers`` layers, each layer holding ``tensors``; on this
+    rank, ``num_slots`` slots per region, ``slot_strides`` apart (module docstring)."""
 
     name: str
     num_layers: int
     tensors: tuple[StateTensor, ...]
     num_slots: int
+    slot_strides: tuple[int, ...] = ()
+    """Per tensor, the bytes from a slot's start to the next one's in its regions (0: the tensor's
+    local bytes, slots back to back); empty: 0 for every tensor. This rank's memory, not the model:
+    ``check_groups`` ignores it, as it ignores ``num_slots``."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tensors", tuple(self.tensors))
+        object.__setattr__(self, "slot_strides", tuple(int(n) for n in self.slot_strides))
         if self.num_layers <= 0 or self.num_slots <= 0 or not self.tensors:
             raise GeometryError(f"state group {self.name!r} needs layers, slots and tensors")
+        if self.slot_strides and (len(self.slot_strides) != len(self.tensors) or min(self.slot_strides) < 0):
+            raise GeometryError(f"state group {self.name!r}: slot strides {self.slot_strides} are not one "
+                                f"non-negative stride per tensor ({len(self.tensors)})")
+        if not any(self.slot_strides):
+            object.__setattr__(self, "slot_strides", ())  # every tensor's slots back to back: the default
 
     def regions(self) -> int:
         """Regions: one per (layer, tensor), layer-major."""
@@ -125,6 +197,25 @@ class StateGroup:
     def slot_bytes(self, tp_size: int) -> list[int]:
         """Bytes of one slot in each tensor's region."""
         return [t.local_bytes(tp_size) for t in self.tensors]
+
+    def strides(self, tp_size: int) -> list[int]:
+        """Bytes from one slot's start to the next's in each tensor's regions, on a rank of TP
+        ``tp_size``; raises ``GeometryError`` where a stride is shorter than its slot."""
+        sizes = self.slot_bytes(tp_size)
+        if not self.slot_strides:
+            return sizes
+        out = []
+        for t, (size, stride) in enumerate(zip(sizes, self.slot_strides)):
+            if stride and stride < size:
+                raise GeometryError(f"tensor {t}'s slots of {size} bytes lie {stride} bytes apart (they would "
+                                    f"overlap)")
+            out.append(stride or size)
+        return out
+
+    def region_bytes(self, tp_size: int) -> list[int]:
+        """Bytes each tensor's region spans on a rank of TP ``tp_size``: its last slot's end."""
+        return [(self.num_slots - 1) * stride + size
+                for stride, size in zip(self.strides(tp_size), self.slot_bytes(tp_size))]
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,8 +257,10 @@ class CacheGeometry:
                 raise GeometryError(f"paged group {g.name!r} is for TP rank {g.geometry.tp_rank}/{g.geometry.tp_size}, "
                                     f"the cache for {self.tp_rank}/{self.tp_size}")
             if isinstance(g, StateGroup):
-                for t in g.tensors:
-                    t.shard(self.tp_size, self.tp_rank)  # raises where a dimension does not split
+                try:
+                    g.strides(self.tp_size)  # raises where a dimension does not split or slots overlap
+                except GeometryError as exc:
+                    raise GeometryError(f"state group {g.name!r}: {exc}") from None
 
     @classmethod
     def single(cls, geometry: KVGeometry, name: str = "kv") -> CacheGeometry:
@@ -226,6 +319,10 @@ def check_groups(prefill: CacheGeometry, decode: CacheGeometry) -> None:
             assert isinstance(d, StateGroup)
             if p.num_layers != d.num_layers:
                 raise IncompatibleGroups(p.name, f"{p.num_layers} layers on the prefill, {d.num_layers} on the decode")
+            for i, (a, b) in enumerate(zip(p.tensors, d.tensors)):
+                if a != b and a.sections != b.sections and replace(a, sections=()) == replace(b, sections=()):
+                    raise IncompatibleGroups(p.name, f"tensor {i}'s sections differ: {a.sections or 'one'} on the "
+                                                     f"prefill, {b.sections or 'one'} on the decode")
             if p.tensors != d.tensors:
                 raise IncompatibleGroups(p.name, f"state tensors differ: prefill {p.tensors}, decode {d.tensors}")
 
@@ -269,15 +366,28 @@ def state_writers(prefill_tp: int, decode: CacheGeometry, group: StateGroup) -> 
         if t.shard_dim is None:
             chosen.add(replica_writer(prefill_tp, decode))
             continue
-        need = t.shard(decode.tp_size, decode.tp_rank)
-        n = len(t.shard(prefill_tp, 0))
-        chosen.update(range(need.start // n, (need.stop - 1) // n + 1))
+        for (need, _), (first, _) in zip(t.shards(decode.tp_size, decode.tp_rank), t.shards(prefill_tp, 0)):
+            n = len(first)  # every prefill rank holds n indices of the section, from first.start on
+            chosen.update(range((need.start - first.start) // n, (need.stop - 1 - first.start) // n + 1))
     return tuple(sorted(chosen))
+
+
+def _overlaps(t: StateTensor, prefill: CacheGeometry, decode: CacheGeometry, inner: int) -> list[tuple[int, int, int]]:
+    """(source offset, destination offset, bytes) within one outer row of ``t`` of every section's
+    overlap of the two ranks' shares, in section order."""
+    out = []
+    for (held, src_at), (need, dst_at) in zip(t.shards(prefill.tp_size, prefill.tp_rank),
+                                              t.shards(decode.tp_size, decode.tp_rank)):
+        lo, hi = max(held.start, need.start), min(held.stop, need.stop)
+        if lo < hi:
+            out.append(((src_at + lo - held.start) * inner, (dst_at + lo - need.start) * inner, (hi - lo) * inner))
+    return out
 
 
 def plan_state(prefill: CacheGeometry, decode: CacheGeometry, group_name: str) -> list[StateRun]:
     """The runs prefill rank ``prefill.tp_rank`` writes into decode rank ``decode.tp_rank`` for
-    one request of group ``group_name``, in region order (empty if it writes nothing there)."""
+    one request of group ``group_name``, in region order (empty if it writes nothing there): offsets
+    inside one slot of each side (``slot_runs`` places them at slots)."""
     group = prefill.group(group_name)
     if not isinstance(group, StateGroup):
         raise TypeError(f"group {group_name!r} is not a state group")
@@ -289,33 +399,33 @@ def plan_state(prefill: CacheGeometry, decode: CacheGeometry, group_name: str) -
                 if prefill.tp_rank == replica_writer(prefill.tp_size, decode):
                     runs.append(StateRun(region, 0, 0, t.local_bytes(1)))
                 continue
-            held, need = t.shard(prefill.tp_size, prefill.tp_rank), t.shard(decode.tp_size, decode.tp_rank)
-            lo, hi = max(held.start, need.start), min(held.stop, need.stop)
-            if lo >= hi:
-                continue
             k = t.shard_dim
             inner = math.prod(t.shape[k + 1:]) * t.dtype.itemsize
-            outer = math.prod(t.shape[:k])
-            src_row, dst_row = len(held) * inner, len(need) * inner
+            pieces = _overlaps(t, prefill, decode, inner)
+            if not pieces:
+                continue
+            src_row = t.local_shape(prefill.tp_size)[k] * inner
+            dst_row = t.local_shape(decode.tp_size)[k] * inner
             first = len(runs)
-            for o in range(outer):
-                src = o * src_row + (lo - held.start) * inner
-                dst = o * dst_row + (lo - need.start) * inner
-                last = runs[-1] if len(runs) > first else None
-                if last is not None and last.src + last.length == src and last.dst + last.length == dst:
-                    runs[-1] = last._replace(length=last.length + (hi - lo) * inner)
-                else:
-                    runs.append(StateRun(region, src, dst, (hi - lo) * inner))
+            for o in range(math.prod(t.shape[:k])):  # a run per outer row and section, merged where they abut
+                for src_at, dst_at, length in pieces:
+                    src, dst = o * src_row + src_at, o * dst_row + dst_at
+                    last = runs[-1] if len(runs) > first else None
+                    if last is not None and last.src + last.length == src and last.dst + last.length == dst:
+                        runs[-1] = last._replace(length=last.length + length)
+                    else:
+                        runs.append(StateRun(region, src, dst, length))
     return runs
 
 
-def slot_runs(runs: Sequence[StateRun], src_slot: int, dst_slot: int, src_slot_bytes: Sequence[int],
-              dst_slot_bytes: Sequence[int], tensors: int) -> list[StateRun]:
-    """``runs`` placed at slot ``src_slot`` / ``dst_slot`` of their regions (offsets in the region)."""
+def slot_runs(runs: Sequence[StateRun], src_slot: int, dst_slot: int, src_strides: Sequence[int],
+              dst_strides: Sequence[int], tensors: int) -> list[StateRun]:
+    """``runs`` placed at slot ``src_slot`` / ``dst_slot`` of their regions (offsets in the region),
+    slots ``src_strides`` / ``dst_strides`` apart per tensor (``StateGroup.strides``) on each side."""
     out = []
     for r in runs:
         i = r.region % tensors
-        out.append(StateRun(r.region, src_slot * src_slot_bytes[i] + r.src, dst_slot * dst_slot_bytes[i] + r.dst,
+        out.append(StateRun(r.region, src_slot * src_strides[i] + r.src, dst_slot * dst_strides[i] + r.dst,
                             r.length))
     return out
 

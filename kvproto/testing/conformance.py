@@ -34,6 +34,8 @@ What an adapter must guarantee, and what it need not (each point is a test below
 - metadata: a snapshot; a reload invalidates lists prepared from the old one;
 - release and close: handles release idempotently; a pending write is released only once
   its peer is gone; after ``close`` every call raises ``TransportClosed``;
+- registration: regions of one call may overlap, nest or repeat: rows anywhere in their union
+  land;
 - deregistration: deregistered memory cannot be prepared; memory deregistered under a
   pending write ends that write (DONE or ERROR, never PENDING for ever), and the adapter
   keeps working; so does a peer removed under a pending write (its tag goes nowhere).
@@ -306,6 +308,34 @@ class TransportConformance:
         assert np.array_equal(pair.dst[: 2 * BLOCK], src)
         assert 1 <= pair.a.stats.descriptors <= 2
 
+
+    def test_register_overlapping_regions_reaches_their_union(self, pair: Pair) -> None:
+        """Regions of one ``register`` call that overlap, nest or repeat (a hybrid cache's groups
+        overlaying one buffer), on both sides: rows anywhere in their union land byte-exact, and the
+        registrations deregister cleanly."""
+        src = pattern(4 * BLOCK, seed=13)
+        dst = np.zeros(4 * BLOCK, dtype=np.uint8)
+        pair.keep += [src, dst]
+
+        def overlaid(buf: np.ndarray) -> list[MemoryRegion]:
+            at = buf.ctypes.data
+            return [MemoryRegion(at, 3 * BLOCK), MemoryRegion(at + BLOCK, 3 * BLOCK),  # overlapping
+                    MemoryRegion(at + BLOCK + 10, 100), MemoryRegion(at, 3 * BLOCK)]  # nested, repeated
+
+        regs = pair.a.register(overlaid(src)), pair.b.register(overlaid(dst))
+        pair.a.add_peer(pair.b.metadata())  # b's metadata now lists its new memory
+        spans = [(BLOCK // 2, 3 * BLOCK), (BLOCK + 50, BLOCK), (3 * BLOCK - 10, 20), (0, 4 * BLOCK)]
+        for k, (at, n) in enumerate(spans):
+            dst[:] = 0
+            rows = np.array([(src.ctypes.data + at, n, 0)], dtype=np.int64)
+            xfer = pair.a.post_descs("b", rows, DRAM, np.array([(dst.ctypes.data + at, n, 0)], dtype=np.int64),
+                                     DRAM, b"o%d" % k)
+            complete(pair, [xfer], [b"o%d" % k])
+            pair.a.release(xfer)
+            assert np.array_equal(dst[at:at + n], src[at:at + n]), (at, n)
+            assert not dst[:at].any() and not dst[at + n:].any(), (at, n)
+        pair.a.deregister(regs[0])
+        pair.b.deregister(regs[1])
 
     def test_post_descs_lands_exactly(self, pair: Pair) -> None:
         """One-off rows of varied lengths land byte-exact, unmerged, and nothing else changes."""

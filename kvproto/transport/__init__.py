@@ -35,6 +35,7 @@ from kvproto.transport.base import (
     Xfer,
     XferState,
     as_descs,
+    merge_regions,
 )
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "adapters",
     "as_descs",
+    "merge_regions",
     "available_transports",
     "host_options",
     "transport_class",

@@ -24,6 +24,13 @@ must drain notifications regularly (a target that does not drain can stall large
 Tags from one peer arrive in the order they were *sent*, not posted: a ``notify`` overtakes
 writes still in flight. Tags from different peers are not ordered.
 
+Regions of one ``register`` call may overlap (a hybrid engine's caches overlay one buffer: vLLM
+gives a state group's tensors slots inside the pages of the attention layers, and aliases paged
+groups' layers): an adapter registers their union (``merge_regions``), so that a row anywhere in
+it is inside one registered region. NIXL 1.5.1 needs this: given overlapping regions it looks a row
+up in one of them only (a row inside the union but not inside that one fails with
+``NIXL_ERR_NOT_FOUND``), and a range registered twice crashes the process at deregistration.
+
 A peer's metadata is a snapshot: memory the peer registers later is reachable only after
 ``add_peer`` loads fresh metadata, and loading it again, like ``remove_peer``, invalidates
 the lists prepared for that peer.
@@ -83,14 +90,10 @@ class MemoryRegion:
     kind: MemKind = MemKind.DRAM
 
 
-def merged_regions(regions: Sequence[MemoryRegion]) -> list[MemoryRegion]:
-    """``regions`` with those that overlap (same memory kind and device) joined into one.
-
-    A cache's groups may alias one allocation (a hybrid model's groups overlay one buffer, so a
-    page of one group's layer is a page of another's), and adapters register each region: NIXL's
-    UCX backend takes a range registered twice but crashes deregistering it. Only regions that
-    share bytes are joined; regions that merely touch stay apart (they may be two allocations,
-    which a GPU registration must not span)."""
+def merge_regions(regions: Sequence[MemoryRegion]) -> list[MemoryRegion]:
+    """``regions`` with every set that overlaps (on one device and memory kind) joined into one
+    region, their union, sorted by kind, device and address; regions that only touch stay apart. A
+    list without overlaps comes back as it is, in its order (what was registered before)."""
     out: list[MemoryRegion] = []
     for r in sorted(regions, key=lambda r: (r.kind, r.device_id, r.address)):
         last = out[-1] if out else None
@@ -100,7 +103,7 @@ def merged_regions(regions: Sequence[MemoryRegion]) -> list[MemoryRegion]:
             out[-1] = MemoryRegion(last.address, end - last.address, last.device_id, last.kind)
         else:
             out.append(r)
-    return out
+    return out if len(out) < len(regions) else list(regions)
 
 
 @dataclass(frozen=True, slots=True)

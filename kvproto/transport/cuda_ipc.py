@@ -81,6 +81,7 @@ from kvproto.transport.base import (
     XferState,
     as_descs,
     check_pairs,
+    merge_regions,
     take_rows,
 )
 from kvproto.geometry import PairPlan
@@ -263,8 +264,9 @@ class CudaIpcTransport:
 
     def register(self, regions: Sequence[MemoryRegion]) -> _Registration:
         self._check_open()
+        regions = merge_regions(regions)  # overlapping ranges once, as their union (transport.base)
         inner = self._fallback.register(regions)
-        reg = _Registration(inner, list(regions))
+        reg = _Registration(inner, regions)
         self._registrations.append(reg)
         self._regions = None
         return reg

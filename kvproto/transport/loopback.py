@@ -43,6 +43,7 @@ from kvproto.transport.base import (
     XferState,
     as_descs,
     check_pairs,
+    merge_regions,
     take_rows,
 )
 
@@ -179,8 +180,8 @@ class LoopbackTransport:
                 raise TransportError(f"register: loopback agents cannot register {r.kind.name}")
             if r.length <= 0:
                 raise TransportError(f"register: region at {r.address:#x} has length {r.length}")
-        reg = LoopbackRegistration(
-            np.array([(r.address, r.length, r.device_id, r.kind) for r in regions], dtype=np.int64)
+        reg = LoopbackRegistration(  # overlapping ranges as their union (transport.base)
+            np.array([(r.address, r.length, r.device_id, r.kind) for r in merge_regions(regions)], dtype=np.int64)
         )
         self._registrations.append(reg)
         return reg

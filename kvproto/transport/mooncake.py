@@ -57,6 +57,7 @@ from kvproto.transport.base import (
     XferState,
     check_pairs,
     check_rows,
+    merge_regions,
     region_index,
     sorted_regions,
     take_rows,
@@ -141,6 +142,7 @@ class MooncakeTransport:
             raise TransportError("register: no regions given")
         if any(r.kind is not MemKind.DRAM or r.device_id != 0 or r.length <= 0 for r in regions):
             raise TransportError("register: the Mooncake adapter registers DRAM of device 0 only")
+        regions = merge_regions(regions)  # overlapping ranges once, as their union (transport.base)
         reg = MooncakeRegistration()
         for r in regions:
             if self._engine.register_memory(r.address, r.length, "*") != 0:

@@ -17,6 +17,12 @@ memory is contiguous on both sides and whose rows have equal length. ``post_desc
 ``initialize_xfer``, which posts the rows unmerged. Per-request telemetry is on, so the number
 of descriptors a write really used is added to ``stats.descriptors`` when it polls DONE.
 
+Regions of one ``register`` call that overlap are registered once, as their union
+(``merge_regions``): NIXL 1.5.1 accepts overlapping registrations but then looks a descriptor up in
+one of them only, refusing (``NIXL_ERR_NOT_FOUND``) a row that lies in the union but not in that
+one, and a range registered twice crashes the process when it is deregistered (SIGSEGV);
+``tests/transport/test_nixl_overlap.py`` shows both on NIXL itself.
+
 NIXL invalidates the lists prepared for a peer when the peer is removed or its metadata is
 loaded again; the adapter tracks lists by peer and releases them at that moment. Every NIXL
 exception is re-raised as ``TransportError`` naming the operation; indices, pairing and peers
@@ -51,6 +57,7 @@ from kvproto.transport.base import (
     XferState,
     as_descs,
     check_pairs,
+    merge_regions,
     take_rows,
 )
 
@@ -161,6 +168,7 @@ class NixlTransport:
         self._check_open()
         if not regions:
             raise TransportError("register: no regions given")
+        regions = merge_regions(regions)  # overlapping ranges once, as their union (transport.base)
         reg = NixlRegistration([])
         try:
             for kind in sorted({r.kind for r in regions}):

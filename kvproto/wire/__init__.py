@@ -22,6 +22,8 @@ from kvproto.wire.messages import (
     NO_SHARD,
     WireGroup,
     WireStateTensor,
+    WireGroupLayout,
+    WireTensorLayout,
     Heartbeat,
     Message,
     MsgType,

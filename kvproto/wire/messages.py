@@ -153,6 +153,28 @@ class WireGroup(Body):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class WireTensorLayout(Body):
+    """(minor 4) How one state tensor of a group lies on the sender's rank: the global ``sections``
+    of its sharded dimension (empty: one section) and the bytes from one slot's start to the next's
+    in its regions (0: the tensor's local bytes, slots back to back)."""
+
+    sections: tuple[int, ...]
+    slot_stride: int
+
+    FIELDS: ClassVar = (("sections", "u32[]"), ("slot_stride", "u64"))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WireGroupLayout(Body):
+    """(minor 4) The layout of one group beyond the first, in ``CacheGroups.layouts``: a STATE
+    group's tensors, one per tensor in order; a PAGED group's: empty."""
+
+    tensors: tuple[WireTensorLayout, ...]
+
+    FIELDS: ClassVar = (("tensors", [WireTensorLayout]),)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class GroupDestination(Body):
     """(minor 2) Where one group beyond the first goes on the decode rank: a PAGED group's pages,
     ``pages[i]`` holding the prompt's page ``first_page + i``, or a STATE group's ``slot``."""
@@ -366,7 +388,11 @@ class CacheGroups(Message):
     MSG_TYPE: ClassVar = MsgType.CACHE_GROUPS
     link_id: int
     groups: tuple[WireGroup, ...]
-    FIELDS: ClassVar = (("link_id", "u32"), ("groups", [WireGroup]))
+    layouts: tuple[WireGroupLayout, ...] = field(default=())
+    """(minor 4) one per group of ``groups``, in order, where some state tensor has sections or
+    strided slots; absent (or empty): every group's tensors are one section with slots back to back."""
+    FIELDS: ClassVar = (("link_id", "u32"), ("groups", [WireGroup]), ("layouts", [WireGroupLayout]))
+    OPTIONAL_FROM: ClassVar = 2
 
 
 MESSAGE_TYPES: dict[int, type[Message]] = {

@@ -55,6 +55,8 @@ class Case:
     decode_layouts: dict[str, str]
     staging: int
     layerwise: bool = False
+    page_layout: dict[str, str] | None = None
+    """Per side ("prefill", "decode"), the caches' page layout (``RankCache``; default: the config's)."""
 
 
 def _tp_choices(heads: int, mla: bool) -> list[int]:
@@ -137,7 +139,8 @@ def _caches(case: Case, side: str) -> list[RankCache]:
     layouts = case.prefill_layouts if side == "prefill" else case.decode_layouts
     first = case.shapes[0].name
     return [RankCache(torch, cfg, tp=tp, rank=r, block=blocks[first], layout=layouts[first], aux_slots=1,
-                      shapes=list(case.shapes), group_blocks=blocks, group_layouts=layouts) for r in range(tp)]
+                      shapes=list(case.shapes), group_blocks=blocks, group_layouts=layouts,
+                      page_layout=(case.page_layout or {}).get(side)) for r in range(tp)]
 
 
 async def run_hybrid_room(case: Case, room_id: int, transport: str = "loopback",

@@ -5,6 +5,8 @@ same bytes, for any slots, wherever the block lies in the staging buffer."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import pytest
 from hypothesis import given, settings
@@ -191,3 +193,99 @@ def test_state_block_on_the_gpu_kernel_matches_the_runs() -> None:
         assert torch.equal(d_layer[0][3], s_layer[0][1][8:16])
     for s_layer, d_layer in zip(src_conv, dst_conv):
         assert torch.equal(d_layer[0][2], s_layer[0][5][:, 4:8]) and torch.equal(d_layer[1][2], s_layer[1][5])
+
+
+# --- slots inside pages, sections ------------------------------------------------------------------
+def _paged(tp: int, rank: int, seed: int, pad: int, conv: str) -> tuple[KVCache, list[torch.Tensor], dict]:
+    """A first group and a state group 'gdn' of 2 layers in vLLM's pages (one buffer of 6 pages per
+    layer: the conv state at offset 0, the temporal state after it, ``pad`` bytes of padding): the
+    conv state [Q | K | V] (8, 8, 16 channels, kernel 4) channel-major ("DS") or channel-minor
+    ("SD"), split per section; the temporal state (8 heads of 2 x 6, fp32) split on its heads.
+    Returns the cache, the page buffers (random bytes) and the global states by (layer, tensor)."""
+    gen = torch.Generator().manual_seed(seed)
+    conv_local = (32 // tp, 3) if conv == "DS" else (3, 32 // tp)
+    sizes = (math.prod(conv_local) * 2, 8 // tp * 2 * 6 * 4)
+    page = sizes[0] + sizes[1] + pad
+    pages = [torch.randint(0, 256, (6 * page,), dtype=torch.uint8, generator=gen) for _ in range(2)]
+    layers = []
+    for buf in pages:
+        c = buf.view(torch.bfloat16).as_strided((6, *conv_local), (page // 2, conv_local[1], 1), 0)
+        s = buf.view(torch.float32).as_strided((6, 8 // tp, 2, 6), (page // 4, 12, 6, 1), sizes[0] // 4)
+        layers.append([c, s])
+    kv = KVCache.from_tensors([[torch.zeros(4, 16, 4 // tp, 8, dtype=torch.bfloat16)] for _ in range(2)],
+                              tp_size=tp, tp_rank=rank, num_kv_heads=4)
+    state = StateCache.from_tensors("gdn", layers, shard_dims=[0 if conv == "DS" else 1, 0],
+                                    sections=[(8, 8, 16), None], tp_size=tp, tp_rank=rank)
+    return kv.with_groups(state), pages, {"page": page, "sizes": sizes, "layers": layers}
+
+
+def _mine(whole: torch.Tensor, dim: int, sections: tuple[int, ...], tp: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s share of ``whole``: its piece of each section along ``dim``, side by side."""
+    parts, at = [], 0
+    for size in sections:
+        parts.append(whole.narrow(dim, at + rank * size // tp, size // tp))
+        at += size
+    return torch.cat(parts, dim)
+
+
+@settings(max_examples=20, deadline=None)
+@given(tps=st.sampled_from([(1, 2), (2, 1), (2, 2), (1, 4), (4, 1)]), conv=st.sampled_from(["DS", "SD"]),
+       how=st.sampled_from(["runs", "kernel", "launch"]), data=st.data())
+def test_state_block_slots_in_pages_with_sections(tps: tuple[int, int], conv: str, how: str,
+                                                  data: st.DataObject) -> None:
+    """State slots a page apart (vLLM), strides differing between the sides, the conv state's
+    sections split each on its own: gathered by every prefill rank and scattered into each decode rank
+    run by run, by the pattern kernel, or inside a gather's and a scatter's staging launch (Triton's
+    interpreter), every decode slot holds its share of Q, K and V and of the heads, built here from
+    the global state; no other byte of its pages changes."""
+    from kvproto import kernels
+
+    p_tp, d_tp = tps
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    dim = 0 if conv == "DS" else 1
+    glob = [(torch.randint(-50, 50, (32, 3) if conv == "DS" else (3, 32), generator=gen).to(torch.bfloat16),
+             torch.randint(-50, 50, (8, 2, 6), generator=gen).to(torch.float32)) for _ in range(2)]
+    src_slot, dst_slot = data.draw(st.integers(0, 5)), data.draw(st.integers(0, 5))
+    for d in range(d_tp):
+        dst, dst_pages, dst_info = _paged(d_tp, d, 100 + d, data.draw(st.integers(0, 3)) * 4, conv)
+        before = [b.clone() for b in dst_pages]
+        for p in range(p_tp):
+            src, _, src_info = _paged(p_tp, p, p, data.draw(st.integers(0, 3)) * 4, conv)
+            for layer, (c, s) in enumerate(src_info["layers"]):
+                c[src_slot] = _mine(glob[layer][0], dim, (8, 8, 16), p_tp, p)
+                s[src_slot] = glob[layer][1][p * 8 // p_tp:(p + 1) * 8 // p_tp]
+            runs = state_block(src.cache_geometry, dst.cache_geometry)
+            if not runs:
+                continue
+            unit = 2 * (4 // p_tp) * 8 * 2
+            src_buf, dst_buf = StagingBuffer(src, 1 << 16), StagingBuffer(dst, 1 << 16)
+            kernel = how != "runs"
+            gather = StateBlock(runs, {1: src.groups[0]}, side="prefill", unit=unit, buf=src_buf, kernel=kernel)
+            d_unit = 2 * (4 // d_tp) * 8 * 2
+            scatter = StateBlock(runs, {1: dst.groups[0]}, side="decode", unit=d_unit, buf=dst_buf, kernel=kernel)
+            tokens = data.draw(st.integers(1, 8))
+            at, d_at = tokens * unit, tokens * d_unit
+            pages = torch.tensor([1], dtype=torch.int64)
+            if how == "launch":  # the block rides in a token launch each way
+                out = src_buf.view(0, (2, tokens, 4 // p_tp, 8), torch.bfloat16)
+                kernels.copy_joined([kernels.Regions(src.tensors)], out, pages, layout=0, start_token=0,
+                                    end_token=tokens, head_offset=0, to_staging=True,
+                                    slots=gather.fused(src_buf, at, {1: src_slot}, gather=True))
+            else:
+                gather.copy(src_buf, at, {1: src_slot}, gather=True, stream=None)
+            dst_buf.tensor[d_at:d_at + gather.nbytes] = src_buf.tensor[at:at + gather.nbytes]  # the write
+            if how == "launch":
+                staging = dst_buf.view(0, (2, tokens, 4 // d_tp, 8), torch.bfloat16)
+                kernels.copy_joined([kernels.Regions(dst.tensors)], staging, pages, layout=0, start_token=0,
+                                    end_token=tokens, head_offset=0, to_staging=False,
+                                    slots=scatter.fused(dst_buf, d_at, {1: dst_slot}, gather=False))
+            else:
+                scatter.copy(dst_buf, d_at, {1: dst_slot}, gather=False, stream=None)
+        for layer, (c, s) in enumerate(dst_info["layers"]):
+            assert torch.equal(c[dst_slot], _mine(glob[layer][0], dim, (8, 8, 16), d_tp, d)), (layer, d, how)
+            assert torch.equal(s[dst_slot], glob[layer][1][d * 8 // d_tp:(d + 1) * 8 // d_tp]), (layer, d, how)
+        page, used = dst_info["page"], sum(dst_info["sizes"])
+        for buf, was in zip(dst_pages, before):  # outside the slot's states, nothing moved
+            keep = torch.ones(buf.numel(), dtype=torch.bool)
+            keep[dst_slot * page:dst_slot * page + used] = False
+            assert torch.equal(buf[keep], was[keep]), (d, how)

@@ -27,8 +27,10 @@ from kvproto.wire import (
     TransferRequest,
     WireGeometry,
     WireGroup,
+    WireGroupLayout,
     WireRegion,
     WireStateTensor,
+    WireTensorLayout,
     decode,
     encode,
 )
@@ -37,7 +39,7 @@ from kvproto.wire.tags import TAG, TagKind
 
 SPEC = Path(__file__).resolve().parents[2] / "spec" / "v1"
 RECORDS = {cls.__name__: cls for cls in (WireGeometry, WireRegion, RankAddress, WireStateTensor, WireGroup,
-                                         GroupDestination)}
+                                         GroupDestination, WireTensorLayout, WireGroupLayout)}
 KIND_SIZE = {"u8": 1, "u16": 2, "u32": 4, "u64": 8}
 
 

@@ -157,6 +157,12 @@ def test_vectors_cover_the_edge_cases() -> None:
     assert any(t.shard_dim == wire.NO_SHARD or t.shard_dim == 0 for m in both for g in getattr(m, "groups", ())
                if isinstance(g, wire.WireGroup) for t in g.tensors), "state tensors"
     assert any(e["header"]["minor"] == 0 for e in FRAMES_BOTH), "version 1.0 frames"
+    # minor 4 (state layouts)
+    layouts = [t for m in both if m.MSG_TYPE == MsgType.CACHE_GROUPS for g in m.layouts for t in g.tensors]
+    assert any(len(t.sections) > 1 for t in layouts), "a sectioned state tensor"
+    assert any(t.slot_stride for t in layouts), "strided slots"
+    assert any(m.MSG_TYPE == MsgType.CACHE_GROUPS and any(not g.tensors for g in m.layouts) for m in both), \
+        "a paged group's empty layout"
 
 
 def test_vectors_an_absent_optional_field_leaves_the_body_unchanged() -> None:
@@ -189,6 +195,15 @@ def test_vectors_refuse_entries_name_the_frames_of_one_link() -> None:
         assert re.fullmatch(r"messages\.md, [A-Z_]+ check \d+[a-z]?", e["rule"]), e["file"]
         links = {f["body"]["link_id"] for f in frames if "link_id" in f["body"]}
         assert len(links) <= 1, e["file"]
+
+
+def test_vectors_cache_groups_without_layouts_is_the_minor2_body() -> None:
+    """A minor-4 CACHE_GROUPS whose groups need no layouts leaves the optional field out: its body is
+    the minor-2 vector's; with layouts, the body is that one followed by them."""
+    a, b = read_vector("cache_groups.hex"), read_vector("cache_groups_no_layouts_minor4.hex")
+    assert a[24:] == b[24:] and (a[3], b[3]) == (2, 4)
+    with_layouts = read_vector("cache_groups_layouts.hex")
+    assert with_layouts[24:].startswith(a[24:]) and len(with_layouts) > len(a)
 
 
 def test_vectors_unknown_type_vectors_carry_their_minor() -> None:

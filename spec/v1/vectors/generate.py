@@ -33,7 +33,9 @@ from kvproto.wire import (
     GroupKind,
     RegionKind,
     WireGroup,
+    WireGroupLayout,
     WireStateTensor,
+    WireTensorLayout,
     Abort,
     BootstrapInfo,
     BootstrapQuery,
@@ -292,6 +294,32 @@ TRANSFER_REQUEST_GROUPS = TransferRequest(
             GroupDestination(first_page=0, pages=(), slot=9)))
 """A 300-token room: 19 pages of the first group; swa's window of 128 tokens is tokens [172, 300),
 pages 10 to 18 of block 16 (9 pages); gdn's state goes to slot 9."""
+
+# Version 1.4 (minor 4): state layouts. The decode rank of REGISTER_GROUPS keeps gdn as vLLM does:
+# each layer's conv state and recurrent state of one block share one page of GDN_PAGE bytes (the
+# conv state at offset 0, the recurrent state after it, then padding to the attention page size),
+# so both tensors' slots lie GDN_PAGE apart and a layer's two regions interleave; and the conv
+# state's 8,192 channels are [Q | K | V] (2,048, 2,048 and 4,096), each section sharded over TP on
+# its own. swa, a paged group, has an empty layout.
+GDN_PAGE = 0x110000
+"""1,114,112 bytes: gdn's two local states of one block (32,768 + 1,048,576 bytes) and padding."""
+LAYOUTS = (
+    WireGroupLayout(tensors=()),
+    WireGroupLayout(tensors=(WireTensorLayout(sections=(2048, 2048, 4096), slot_stride=GDN_PAGE),
+                             WireTensorLayout(sections=(), slot_stride=GDN_PAGE))),
+)
+CACHE_GROUPS_LAYOUTS = CacheGroups(link_id=7, groups=GROUPS, layouts=LAYOUTS)
+REGISTER_GROUPS_PAGES = Register(**{
+    **{name: getattr(REGISTER_GROUPS, name) for name, _ in Register.FIELDS},
+    "regions": REGISTER.regions + REGISTER_GROUPS.regions[len(REGISTER.regions):len(REGISTER.regions) + 2] + tuple(
+        WireRegion(kind=RegionKind.GROUP, index=2 << 24 | r,
+                   address=0x7F3C00000000 + (r // 2) * 64 * GDN_PAGE + (r % 2) * GDN_SLOT[0],
+                   length=63 * GDN_PAGE + GDN_SLOT[r % 2], device_id=1, mem_kind=1) for r in range(6)
+    ),
+})
+"""register_groups.hex's REGISTER with gdn's regions in pages: layer l's 64 pages from
+0x7F3C00000000 + l * 64 * GDN_PAGE; its conv region starts there, its recurrent region GDN_SLOT[0]
+bytes later, each reaching its 64th slot's end (63 strides and the tensor's local bytes)."""
 
 
 def _vectors() -> list[Vector]:
@@ -576,8 +604,35 @@ def _vectors() -> list[Vector]:
               "num_layers, num_slots, tensors; gdn, state: geometry, window): they are ignored, and a receiver "
               "takes the same groups as from cache_groups.hex", minor=3),
     ]
+    layouts = [
+        frame("cache_groups_layouts.hex", CACHE_GROUPS_LAYOUTS,
+              "minor 4: cache_groups.hex's groups with their layouts: swa's empty (a paged group), gdn's conv "
+              "state of sections [Q | K | V] (2,048, 2,048, 4,096 channels) and both its tensors' slots 1,114,112 "
+              "bytes apart (a layer's states of one block in one page, vLLM's layout)", minor=4),
+        frame("register_groups_pages.hex", REGISTER_GROUPS_PAGES,
+              "minor 4: the REGISTER that follows cache_groups_layouts.hex: gdn's regions of layer l in one run of "
+              "64 pages, its conv region at the pages' start and its recurrent region 32,768 bytes in, each "
+              "63 * 1,114,112 bytes plus its tensor's local bytes long (the two overlap in address range)",
+              minor=4),
+        frame("cache_groups_no_layouts_minor4.hex", CACHE_GROUPS,
+              "minor 4: groups whose state tensors are one section with slots back to back leave out the "
+              "optional layouts field: the body is cache_groups.hex's", minor=4),
+        reject("reject_cache_groups_layouts_truncated.hex",
+               with_trailing(encode(CACHE_GROUPS_LAYOUTS, minor=4)[:24], encode(CACHE_GROUPS_LAYOUTS, minor=4)[24:-3]),
+               "MalformedFrame", ErrorCode.MALFORMED_FRAME,
+               "minor 4: the layouts field is optional, but once its count is sent its records must all be there"),
+        decode_only("staging_grant_minor5_trailing.hex",
+                    with_trailing(encode(STAGING_GRANT, minor=5), bytes.fromhex("a5a5a5"), minor=5),
+                    STAGING_GRANT,
+                    "minor 5: a STAGING_GRANT with 3 bytes of fields this decoder does not know: they are ignored",
+                    twin="staging_grant.hex", minor=5),
+        reject("reject_unknown_type_minor5.hex", patched(encode(HEARTBEAT, minor=5), 4, "<B", 203),
+               "UnknownMessage", ErrorCode.MALFORMED_FRAME,
+               "message type 203 at minor 5: decoders raise UnknownMessage; a receiver of minor 4 or lower ignores "
+               "it (newer minor)"),
+    ]
     # The MAX_FRAME bound is tested in tests/wire/test_fuzz.py rather than with 16 MiB files.
-    return good + tail + rejects + tags + tag_rejects + staging + duplicates + groups + state_block + exact
+    return good + tail + rejects + tags + tag_rejects + staging + duplicates + groups + state_block + exact + layouts
 
 
 VECTORS = _vectors()
