@@ -73,10 +73,17 @@ DEEPSEEK = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_
 MLA_LATENT = 64 + 16  # kv_lora_rank + qk_rope_head_dim
 INDEX_BYTES = 132  # DeepSeek-V3.2's indexer key: 128 fp8 values and a 4-byte scale per token
 
-MODELS = ("gqa", "mla", "swa", "mla-indexer")
+GDN = [f"model.layers.{i}.linear_attn" for i in range(LAYERS)]
+GDN_K_HEADS, GDN_V_HEADS, GDN_K_DIM, GDN_V_DIM, GDN_CONV = 2, 4, 8, 8, 4
+"""Gated DeltaNet layers: Q and K of 2 heads x 8, V of 4 heads x 8 (conv channels [16 | 16 | 32]),
+a 4-wide convolution (3 rows of state), SSM state (4 value heads, 8, 8) in fp32."""
+
+MODELS = ("gqa", "mla", "swa", "mla-indexer", "gdn")
 """``gqa``: one full-attention group; ``mla``: one MLA latent group; ``swa``: full attention on even
 layers and a sliding window on odd ones (two groups, vLLM's hybrid allocator); ``mla-indexer``: an
-MLA latent and DeepSeek-V3.2's indexer cache on every layer (one vLLM group of two shapes)."""
+MLA latent and DeepSeek-V3.2's indexer cache on every layer (one vLLM group of two shapes); ``gdn``: Gated DeltaNet layers 0-2 (a state group each, in
+vLLM's pages: conv state sectioned [Q | K | V] in vLLM's default SD layout, SSM state) and full
+attention on layer 3 (Qwen3-Next's pattern)."""
 
 
 @functools.cache
@@ -102,6 +109,15 @@ def cache_groups(model: str, block: int, tp: int) -> list[KVCacheGroupSpec]:
         swa = SlidingWindowSpec(block_size=block, num_kv_heads=heads, head_size=HEAD, dtype=torch.bfloat16,
                                 sliding_window=WINDOW)
         return [KVCacheGroupSpec(ATTN[0::2], full), KVCacheGroupSpec(ATTN[1::2], swa)]
+    if model == "gdn":
+        from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        conv = (GDN_CONV - 1, (2 * GDN_K_HEADS * GDN_K_DIM + GDN_V_HEADS * GDN_V_DIM) // tp)
+        ssm = (GDN_V_HEADS // tp, GDN_V_DIM, GDN_K_DIM)
+        state = MambaSpec(block_size=block, shapes=(conv, ssm), dtypes=(torch.bfloat16, torch.float32),
+                          mamba_type=MambaAttentionBackendEnum.GDN_ATTN, page_size_padded=full.page_size_bytes)
+        return [KVCacheGroupSpec(ATTN[3:4], full), *(KVCacheGroupSpec([GDN[i]], state) for i in range(3))]
     if model == "mla-indexer":
         index = MLAAttentionSpec(block_size=block, num_kv_heads=1, head_size=INDEX_BYTES, dtype=torch.uint8,
                                  max_tp_shards=1, cache_role=SparseCacheRole.INDEXER)
@@ -198,6 +214,7 @@ class Instance:
                  lag: float = 0.002, dp: tuple[int, int] = (0, 1), log_stats: bool = False,
                  cache_dtype: str = "auto", chunk_tokens: int = 0) -> None:
         self.role, self.tp, self.block, self.model = role, tp, block, model
+        prefix_caching = prefix_caching and model != "gdn"  # vLLM's Mamba prefix caching needs its align mode
         self.mla = model in ("mla", "mla-indexer")
         self.in_process = bool((extra or {}).get("endpoint_process"))
         """Endpoints in processes of their own take only interprocess CUDA events: the forward then
@@ -222,7 +239,7 @@ class Instance:
                                                  long_prefill_token_threshold=chunk_tokens)))
         cfg = self.configs[0]
         self.kv_cache_config = get_kv_cache_config_from_groups(cfg, cache_groups(model, block, tp), 1 << 40)
-        self.plans = plan_groups(self.kv_cache_config)
+        self.plans = plan_groups(self.kv_cache_config, tp)
         cls = AsyncScheduler if scheduler == "async" else Scheduler
         self.scheduler = cls(vllm_config=cfg, kv_cache_config=generate_scheduler_kv_cache_config([self.kv_cache_config]),
                              structured_output_manager=StructuredOutputManager(cfg), block_size=block,
@@ -288,7 +305,8 @@ class Instance:
 
     def _queue_layer(self, rank: int, layer: int, work: list[tuple[str, list[int], int, int]]) -> None:
         """Queue the KV writes of model layer ``layer`` for each (request, its blocks per group, first
-        token, end token) of the step, on rank ``rank``'s stream."""
+        token, end token) of the step, on rank ``rank``'s stream (a state group: the state after
+        the step's last token, into the request's running-state block)."""
         caches = self.caches[rank]
         for rid, tokens, start, end in work:
             hashes = prefix_hashes(tokens)[start:end]
@@ -298,6 +316,15 @@ class Instance:
                 if layer not in plan.model_layers:
                     continue
                 name = plan.layers[plan.model_layers.index(layer)]
+                if plan.state is not None:
+                    page = caches[name].view(torch.uint8)[plan.slot(list(blocks[plan.vllm_group])), 0, 0]
+                    state = state_bytes(hashes[-1:], layer, plan, rank, self.tp)
+
+                    def write_state(page: torch.Tensor = page, state: torch.Tensor = state) -> None:
+                        page[:len(state)] = state
+
+                    self.streams[rank].enqueue(write_state)
+                    continue
                 view = caches[name].view(torch.uint8)  # [B, H, N, bytes]
                 ids = torch.tensor(blocks[plan.vllm_group])[positions // self.block]
                 values = kv_bytes(hashes, layer, plan.name, self._heads(rank, plan), view.shape[-1])
@@ -324,16 +351,18 @@ class Instance:
             work.append((rid, list(request.all_token_ids), end - n, min(end, len(request.all_token_ids))))
             done = end >= request.num_tokens
             sampled.append([7 + len(self.outputs.get(rid, []))] if done else [])
-        attention = sorted({layer for plan in self.plans for layer in plan.model_layers})
+        layers = sorted({layer for plan in self.plans for layer in plan.model_layers})
+        attention = {layer for plan in self.plans if plan.state is None for layer in plan.model_layers}
         outputs = []
         for rank, worker in enumerate(self.workers):
             worker.bind_connector_metadata(meta)
-            if req_ids:  # the forward: each layer queues its KV, then hands it to the connector
-                for layer in attention:
+            if req_ids:  # the forward: each layer queues its KV; an attention layer then hands it over
+                for layer in layers:
                     self._queue_layer(rank, layer, work)
                     if self.in_process:
                         self.streams[rank].synchronize()
-                    worker.save_kv_layer(ATTN[layer], self.caches[rank][ATTN[layer]], None)
+                    if layer in attention:
+                        worker.save_kv_layer(ATTN[layer], self.caches[rank][ATTN[layer]], None)
             worker.start_load_kv(None)
             worker.wait_for_save()
             results = worker.get_transfer_results(out.finished_req_ids)
@@ -377,16 +406,47 @@ class Instance:
             s.close()
 
 
+def state_bytes(hashes: torch.Tensor, layer: int, plan: Any, rank: int, tp: int) -> torch.Tensor:
+    """A GDN layer's state bytes on TP rank ``rank`` after the token of prefix hash ``hashes[0]``, as
+    they lie in the page: the conv state (SD: rows x channels, each channel a pure function of its
+    *global* index, the sections [Q | K | V] each split over TP), then the SSM state (each value
+    head's rows a function of its global head)."""
+    layout = plan.state
+    rows, local = layout.shapes[0]
+    channels = []
+    base = 0
+    for size in layout.sections[0]:
+        part = size // tp
+        channels.append(torch.arange(base + rank * part, base + (rank + 1) * part))
+        base += size
+    conv = kv_bytes(hashes, layer, plan.name + ":conv", torch.cat(channels), rows * 2)[0]  # (channels, rows x 2)
+    conv = conv.view(local, rows, 2).transpose(0, 1).reshape(-1)
+    heads, dv, dk = layout.shapes[1]
+    ssm = kv_bytes(hashes, layer, plan.name + ":ssm", torch.arange(rank * heads, (rank + 1) * heads), dv * dk * 4)
+    return torch.cat([conv, ssm.reshape(-1)])
+
+
 def check_landed(decode: Instance, rid: str, prompt: list[int]) -> int:
     """Every byte of every group a decode rank needs for ``rid`` (full attention and MLA: every
-    prompt token; a sliding window: its last tokens) equals ``kv_bytes``; returns bytes checked.
-    The block ids are the decode's own, from vLLM's KV cache manager."""
+    prompt token; a sliding window: its last tokens; a state group: the state before the prompt's
+    last token, which a state model's decode computes itself) equals ``kv_bytes`` / ``state_bytes``;
+    returns bytes checked. The block ids are the decode's own, from vLLM's KV cache manager."""
     hashes = prefix_hashes(prompt)
-    n = len(prompt)
+    backoff = 1 if any(plan.state is not None for plan in decode.plans) and len(prompt) > 1 else 0
+    n = len(prompt) - backoff
     blocks = decode.scheduler.kv_cache_manager.get_block_ids(rid)
     checked = 0
     for rank in range(decode.tp):
         for plan in decode.plans:
+            if plan.state is not None:
+                for layer, name in zip(plan.model_layers, plan.layers):
+                    want = state_bytes(hashes[n - 1:n], layer, plan, rank, decode.tp)
+                    page = decode.caches[rank][name].view(torch.uint8)[plan.slot(list(blocks[plan.vllm_group])), 0, 0]
+                    if not torch.equal(page[:len(want)], want):
+                        raise AssertionError(f"{rid}: decode rank {rank}, state group {plan.name}, layer {layer}: "
+                                             f"{int((page[:len(want)] != want).sum())} of {len(want)} bytes differ")
+                    checked += len(want)
+                continue
             start = 0 if plan.window is None else max(0, n - plan.window)
             positions = torch.arange(start, n)
             ids = torch.tensor(blocks[plan.vllm_group])[positions // decode.block]

@@ -82,6 +82,9 @@ CASES = {
     "mla-indexer-tp1-to-2": dict(d_tp=2, model="mla-indexer"),
     "mla-indexer-tp2-to-1-block16-to-32": dict(p_tp=2, d_block=32, model="mla-indexer"),
     "gqa-tp2-to-1-endpoints-in-processes": dict(p_tp=2, endpoint_process=True),
+    "gdn-tp1": dict(model="gdn"),
+    "gdn-tp1-to-2": dict(d_tp=2, model="gdn"),
+    "gdn-tp2-to-1-block16-to-32-async-scheduler": dict(p_tp=2, d_block=32, model="gdn", scheduler="async"),
 }
 
 
@@ -335,20 +338,31 @@ def test_a_layout_without_a_dense_region_per_layer_is_refused_at_start() -> None
 
 
 def test_a_cache_group_kvproto_cannot_move_is_refused_at_start_with_its_name() -> None:
-    """A Mamba state group is refused when the connector is made, naming the group, its kind and a
-    layer, instead of being skipped (the decode would compute from a state it never got)."""
+    """A cache group kvproto cannot move (chunked-local attention; a linear-attention state it does
+    not know how TP splits) is refused when the connector is made, naming the group, its kind and a
+    layer, instead of being skipped (the decode would compute from a cache it never got)."""
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheConfig,
+                                            KVCacheGroupSpec, MambaSpec)
 
     from kvproto.integrations.vllm import plan_groups
 
     full = FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=16, dtype=torch.bfloat16)
-    mamba = MambaSpec(block_size=16, shapes=((96, 3), (4, 16, 16)), dtypes=(torch.bfloat16, torch.float32))
-    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["model.layers.3.self_attn.attn"], full),
-        KVCacheGroupSpec(["model.layers.0.linear_attn", "model.layers.1.linear_attn"], mamba)])
-    with pytest.raises(Unsupported, match="KV cache group 1 holds MambaSpec \\(layer 'model.layers.0.linear_attn'\\)"):
-        plan_groups(config)
+    local = ChunkedLocalAttentionSpec(block_size=16, num_kv_heads=4, head_size=16, dtype=torch.bfloat16,
+                                      attention_chunk_size=64)
+    linear = MambaSpec(block_size=16, shapes=((4, 16, 16),), dtypes=(torch.float32,),
+                       mamba_type=MambaAttentionBackendEnum.LINEAR)
+
+    def config(other: Any) -> Any:
+        return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+            KVCacheGroupSpec(["model.layers.3.self_attn.attn"], full),
+            KVCacheGroupSpec(["model.layers.0.attn", "model.layers.1.attn"], other)])
+
+    with pytest.raises(Unsupported, match="KV cache group 1 holds ChunkedLocalAttentionSpec \\(layer 'model.layers.0.attn'"):
+        plan_groups(config(local))
+    with pytest.raises(Unsupported, match="KV cache group 1 \\(layer 'model.layers.0.attn'\\) holds LINEAR state"):
+        plan_groups(config(linear))
 
 
 def test_layerwise_sends_each_layer_as_its_forward_ends_and_whole_chunks_at_once(monkeypatch: Any) -> None:

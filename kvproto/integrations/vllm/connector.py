@@ -71,11 +71,11 @@ class KVProtoConnector(KVConnectorBase_V1, SupportsHMA):
         self.consumer = cfg.kv_role in ("kv_consumer", "kv_both")
         self.engine_id = cfg.engine_id or "vllm"
         self.dp_index = vllm_config.parallel_config.data_parallel_index
-        self.plans = plan_groups(kv_cache_config)
+        self.plans = plan_groups(kv_cache_config, vllm_config.parallel_config.tensor_parallel_size)
         if role == KVConnectorRole.SCHEDULER:
-            blocks = {i: kv_cache_config.kv_cache_groups[i].kv_cache_spec.block_size
-                      for i in sorted({p.vllm_group for p in self.plans})}
-            self._scheduler = Scheduler(producer=self.producer, consumer=self.consumer, blocks=blocks,
+            blocks = {p.vllm_group: p.block_size for p in self.plans if p.state is None}
+            states = {p.vllm_group: p.state.spec_blocks for p in self.plans if p.state is not None}
+            self._scheduler = Scheduler(producer=self.producer, consumer=self.consumer, blocks=blocks, states=states,
                                         bootstrap_address=self.settings.bootstrap_address(self.dp_index),
                                         engine_id=self.engine_id)
             self._preempted_seen = 0

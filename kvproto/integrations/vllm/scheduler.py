@@ -69,6 +69,8 @@ class Send:
     pages: dict[int, list[int]]
     end: int
     num_tokens: int
+    slots: dict[int, int] = field(default_factory=dict)
+    """The last chunk: per vLLM state group, the request's running-state block."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,8 @@ class Recv:
     pages: dict[int, list[int]]
     num_tokens: int
     prefix_tokens: int
+    slots: dict[int, int] = field(default_factory=dict)
+    """Per vLLM state group, the block the request's state goes to."""
 
 
 @dataclass(frozen=True)
@@ -138,10 +142,14 @@ class Scheduler:
     """The scheduler role (see the module docstring)."""
 
     def __init__(self, *, producer: bool, consumer: bool, blocks: dict[int, int], bootstrap_address: str,
-                 engine_id: str) -> None:
+                 engine_id: str, states: dict[int, int] | None = None) -> None:
         self.producer, self.consumer = producer, consumer
         self.blocks = blocks
-        """vLLM group -> its block size, for every group a room moves."""
+        """vLLM group -> its block size, for every paged group a room moves."""
+        self.states = dict(states or {})
+        """vLLM state group -> the speculative scratch blocks after a request's running-state block."""
+        self.backoff = 1 if self.states else 0
+        """Prompt tokens the prefill leaves to the decode (a state model's last: see ``cache``)."""
         self.bootstrap_address = bootstrap_address
         self.engine_id = engine_id
         self.align = math.lcm(*blocks.values())
@@ -165,12 +173,25 @@ class Scheduler:
     def _decode_side(self, params: dict[str, Any]) -> bool:
         return self.consumer and bool(params.get("do_remote_prefill")) and ROOM in params and BOOTSTRAP in params
 
+    def _slot(self, group: int, blocks: list[int]) -> int:
+        scratch = min(self.states[group], len(blocks) - 1)
+        return (blocks[:-scratch] if scratch else blocks)[-1]
+
     # -- vLLM's scheduler calls, in the order it makes them --
     def new_request(self, request: Request) -> None:
         """Decode: a request whose prompt another instance computes opens its room at once, so its
-        links bootstrap (and the prefill learns it is wanted) while it waits for blocks."""
+        links bootstrap (and the prefill learns it is wanted) while it waits for blocks. Prefill, a
+        model with state groups: the prompt's last token is left to the decode (vLLM's rule, as its
+        NixlConnector applies it)."""
         params = request.kv_transfer_params or {}
         rid = request.request_id
+        if self.backoff and self._prefill_side(params) and not params.get("_kvproto_truncated") \
+                and request.num_prompt_tokens > self.backoff and request.prompt_token_ids is not None:
+            params["_kvproto_truncated"] = True
+            del request.prompt_token_ids[-self.backoff:]
+            del request._all_token_ids[-self.backoff:]
+            request.num_prompt_tokens -= self.backoff
+            request.max_tokens = 1
         if self._decode_side(params) and rid not in self.recving:
             room = int(params[ROOM])
             self.recving[rid] = room
@@ -180,7 +201,7 @@ class Scheduler:
         params = request.kv_transfer_params or {}
         if not self._decode_side(params):
             return 0, False
-        count = request.num_prompt_tokens - num_computed_tokens
+        count = self._remote_tokens(request) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def allocated(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -202,11 +223,12 @@ class Scheduler:
             self.recving.pop(rid, None)
             self.next.aborts.append(Abort(rid, room, False, bootstrap, "the decode holds the whole prompt"))
             return
-        n = request.num_prompt_tokens
+        n = self._remote_tokens(request)
         ids = blocks.get_block_ids()
         pages = {g: list(ids[g][:-(-n // size)]) for g, size in self.blocks.items()}
+        slots = {g: self._slot(g, list(ids[g])) for g in self.states}
         self.destined.add(rid)
-        self.next.recvs.append(Recv(rid, room, bootstrap, pages, n, n - num_external_tokens))
+        self.next.recvs.append(Recv(rid, room, bootstrap, pages, n, n - num_external_tokens, slots))
 
     def meta(self, out: SchedulerOutput) -> KVProtoMetadata:
         meta, self.next = self.next, KVProtoMetadata()
@@ -250,7 +272,8 @@ class Scheduler:
                 p.given[g] = upto
             if not last and not any(pages.values()):
                 continue  # no whole page completed this step
-            meta.sends.append(Send(rid, p.room, pages, end, p.prompt))
+            slots = {g: self._slot(g, p.blocks.get(g, [])) for g in self.states} if last else {}
+            meta.sends.append(Send(rid, p.room, pages, end, p.prompt, slots))
             p.done = last
         return meta
 
@@ -261,6 +284,11 @@ class Scheduler:
         meta.aborts.append(Abort(rid, p.room, True, reason="the prefill request was preempted"))
         p.done = p.preempted = True
         self.preempted += 1
+
+    def _remote_tokens(self, request: Request) -> int:
+        """The prompt tokens a decode takes from the prefill: all but the last ``backoff``."""
+        n = request.num_prompt_tokens
+        return n - self.backoff if self.backoff and n > self.backoff else n
 
     def finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus

@@ -150,7 +150,8 @@ class Worker:
         first, *rest = self.plans
         for r in meta.recvs:
             pages = first.pages(r.pages[first.vllm_group], r.num_tokens)
-            groups = {p.name: p.pages(r.pages[p.vllm_group], r.num_tokens) for p in rest} or None
+            groups = {p.name: p.pages(r.pages[p.vllm_group], r.num_tokens) for p in rest if p.state is None} or None
+            slots = {p.name: r.slots[p.vllm_group] for p in rest if p.state is not None} or None
             self.destined.add(r.room)
             state = self.early.pop(r.room, None)
             if state is not None:  # the room ended while the request queued: vLLM learns it now
@@ -159,10 +160,11 @@ class Worker:
             entry = self.receivers.get(r.room)
             if entry is None:
                 rx = self.decode.receiver(r.room, r.bootstrap, pages=pages, num_tokens=r.num_tokens,
-                                          prefix_tokens=r.prefix_tokens, group_pages=groups)
+                                          prefix_tokens=r.prefix_tokens, group_pages=groups, state_slots=slots)
                 self.receivers[r.room] = (r.req_id, rx)
             else:
-                entry[1].init(pages, r.num_tokens, prefix_tokens=r.prefix_tokens, group_pages=groups)
+                entry[1].init(pages, r.num_tokens, prefix_tokens=r.prefix_tokens, group_pages=groups,
+                              state_slots=slots)
 
     def _abort(self, a: Abort) -> None:
         if a.prefill:
@@ -226,7 +228,9 @@ class Worker:
         if start:
             sender.send([], s.end, layers=range(start, stop), ready=event)
             return
-        groups = {p.name: s.pages.get(p.vllm_group, []) for p in rest} or None
+        if s.slots:  # the last chunk: its state slots go with its first span
+            sender.init(s.num_tokens, state_slots={p.name: s.slots[p.vllm_group] for p in rest if p.state is not None})
+        groups = {p.name: s.pages.get(p.vllm_group, []) for p in rest if p.state is None} or None
         sender.send(s.pages.get(first.vllm_group, []), s.end, layers=range(start, stop), ready=event,
                     group_pages=groups)
 
