@@ -7,7 +7,7 @@ Every control frame is a 24-byte little-endian header followed by a body::
     offset size field
     0      2    magic        b"KV"
     2      1    major        1
-    3      1    minor        0..255 (additions only; this build speaks 3)
+    3      1    minor        0..255 (additions only; this build speaks 4)
     4      1    msg_type     MsgType
     5      1    flags        bit set; unknown bits are ignored
     6      2    reserved     sent as 0, ignored on receipt
@@ -76,7 +76,7 @@ from kvproto.wire.errors import FrameTooLarge, MalformedFrame, UnsupportedVersio
 
 MAGIC = b"KV"
 MAJOR = 1
-MINOR = 3
+MINOR = 4
 HEADER = struct.Struct("<2sBBBBHQII")
 HEADER_SIZE = HEADER.size  # 24
 MAX_FRAME = 16 * 1024 * 1024

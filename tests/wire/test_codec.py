@@ -60,16 +60,16 @@ GEOMETRY_BYTES = struct.pack("<HHIIIBIBBI", 2, 1, 3, 8, 128, 2, 16, 1, 0, 1000)
 
 
 def test_codec_header_constants() -> None:
-    """The header is 24 bytes; this build speaks major 1, minor 3 (version 1.3: the state block)."""
+    """The header is 24 bytes; this build speaks major 1, minor 4 (version 1.4)."""
     assert HEADER_SIZE == struct.calcsize(HEADER_FMT) == 24
-    assert (MAJOR, MINOR) == (1, 3)
+    assert (MAJOR, MINOR) == (1, 4)
 
 
 def test_codec_heartbeat_matches_hand_assembled_bytes() -> None:
-    """HEARTBEAT encodes as the header (minor 3 by default, 0 on request) then two u64, little-endian."""
+    """HEARTBEAT encodes as the header (minor 4 by default, 0 on request) then two u64, little-endian."""
     msg = Heartbeat(room_id=0, generation=0, boot_id=0x0123456789ABCDEF, seq=42)
     body = struct.pack("<QQ", 0x0123456789ABCDEF, 42)
-    assert encode(msg) == frame_by_hand(10, body, minor=3)
+    assert encode(msg) == frame_by_hand(10, body, minor=4)
     assert encode(msg, minor=0) == frame_by_hand(10, body, minor=0)
 
 
@@ -78,7 +78,7 @@ def test_codec_transfer_request_matches_hand_assembled_bytes() -> None:
     msg = TransferRequest(room_id=2**64 - 1, generation=7, num_tokens=33, prefix_tokens=16, aux_slot=NO_SLOT,
                           expected_writers=3, dst_pages=(5, 0, 2**32 - 1))
     body = struct.pack("<IIIH", 33, 16, 0xFFFFFFFF, 3) + struct.pack("<I3I", 3, 5, 0, 2**32 - 1)
-    assert encode(msg) == frame_by_hand(7, body, room_id=2**64 - 1, generation=7, minor=3)
+    assert encode(msg) == frame_by_hand(7, body, room_id=2**64 - 1, generation=7, minor=4)
     assert encode(msg, minor=0) == frame_by_hand(7, body, room_id=2**64 - 1, generation=7, minor=0)
     for minor in (0, 1):
         assert decode(frame_by_hand(7, body, room_id=2**64 - 1, generation=7, minor=minor)) == msg
@@ -98,7 +98,7 @@ def test_codec_register_matches_hand_assembled_bytes() -> None:
             + struct.pack("<I", 2)
             + struct.pack("<BIQQIB", 0, 0, 0x1000, 64, 3, 1) + struct.pack("<BIQQIB", 1, 0, 0x2000, 32, 0, 0))
     assert len(GEOMETRY_BYTES) == 27 and struct.calcsize("<BIQQIB") == 26
-    assert encode(msg) == frame_by_hand(4, body, minor=3)
+    assert encode(msg) == frame_by_hand(4, body, minor=4)
     assert encode(msg, minor=0) == frame_by_hand(4, body, minor=0)
     assert decode(frame_by_hand(4, body)) == msg
 
@@ -122,7 +122,7 @@ def test_codec_staging_request_matches_hand_assembled_bytes() -> None:
     """STAGING_REQUEST (type 11, minor 1): room and generation in the header, then seq, start, end as u32."""
     msg = StagingRequest(room_id=0xC0FFEE, generation=5, seq=3, start_token=64, end_token=2**32 - 1)
     body = struct.pack("<III", 3, 64, 0xFFFFFFFF)
-    assert encode(msg) == frame_by_hand(11, body, room_id=0xC0FFEE, generation=5, minor=3)
+    assert encode(msg) == frame_by_hand(11, body, room_id=0xC0FFEE, generation=5, minor=4)
     assert decode(frame_by_hand(11, body, room_id=0xC0FFEE, generation=5, minor=1)) == msg
 
 
@@ -131,7 +131,7 @@ def test_codec_staging_grant_matches_hand_assembled_bytes() -> None:
     msg = StagingGrant(room_id=1, generation=2, seq=3, start_token=64, end_token=80, offset=2**64 - 1)
     body = struct.pack("<IIIQ", 3, 64, 80, 2**64 - 1)
     assert len(body) == 20
-    assert encode(msg) == frame_by_hand(12, body, room_id=1, generation=2, minor=3)
+    assert encode(msg) == frame_by_hand(12, body, room_id=1, generation=2, minor=4)
     assert decode(frame_by_hand(12, body, room_id=1, generation=2, minor=1)) == msg
 
 
@@ -140,7 +140,7 @@ def test_codec_staging_watermark_matches_hand_assembled_bytes() -> None:
     msg = StagingWatermark(room_id=1, generation=2, seq=7, watermark=0x0123456789ABCDEF)
     body = struct.pack("<IQ", 7, 0x0123456789ABCDEF)
     assert len(body) == 12
-    assert encode(msg) == frame_by_hand(13, body, room_id=1, generation=2, minor=3)
+    assert encode(msg) == frame_by_hand(13, body, room_id=1, generation=2, minor=4)
     assert decode(frame_by_hand(13, body, room_id=1, generation=2, minor=1)) == msg
 
 
@@ -159,11 +159,11 @@ def test_codec_string_length_counts_bytes_not_characters() -> None:
 
 
 def test_codec_encode_sets_version_flags_reserved() -> None:
-    """encode writes magic KV, major 1, the requested minor (default: this build's, 3), flags 0 and reserved 0."""
+    """encode writes magic KV, major 1, the requested minor (default: this build's, 4), flags 0 and reserved 0."""
     frame = encode(Abort(code=1, reason=""), minor=2)
     magic, major, minor, msg_type, flags, reserved, *_ = struct.unpack_from(HEADER_FMT, frame)
     assert (magic, major, minor, msg_type, flags, reserved) == (b"KV", 1, 2, 9, 0, 0)
-    for msg, want in ((Abort(code=1, reason=""), 3), (StagingWatermark(seq=0, watermark=0), 3)):
+    for msg, want in ((Abort(code=1, reason=""), 4), (StagingWatermark(seq=0, watermark=0), 4)):
         assert struct.unpack_from(HEADER_FMT, encode(msg))[:4] == (b"KV", 1, want, msg.MSG_TYPE)
     assert struct.unpack_from(HEADER_FMT, encode(Abort(code=1, reason=""), minor=0))[2] == 0
 
@@ -231,12 +231,12 @@ def test_codec_decode_unknown_type_carries_header() -> None:
 
 
 def test_codec_decode_unknown_type_of_newer_minor_is_ignorable() -> None:
-    """Type 200 at minor 4 raises UnknownMessage carrying the header; its minor exceeds this build's
-    MINOR (3), which is what lets a receiver ignore it (README.md, versioning)."""
+    """Type 200 at minor 5 raises UnknownMessage carrying the header; its minor exceeds this build's
+    MINOR (4), which is what lets a receiver ignore it (README.md, versioning)."""
     with pytest.raises(UnknownMessage) as info:
-        decode(frame_by_hand(200, b"\x01\x02", room_id=0xC0FFEE, generation=9, minor=4, flags=0x80))
+        decode(frame_by_hand(200, b"\x01\x02", room_id=0xC0FFEE, generation=9, minor=5, flags=0x80))
     header = info.value.header
-    assert header == Header(msg_type=200, room_id=0xC0FFEE, generation=9, flags=0x80, major=1, minor=4)
+    assert header == Header(msg_type=200, room_id=0xC0FFEE, generation=9, flags=0x80, major=1, minor=5)
     assert header.minor > MINOR
     assert info.value.code is ErrorCode.MALFORMED_FRAME
     with pytest.raises(UnknownMessage) as same_minor:
@@ -252,7 +252,7 @@ def test_codec_staging_types_are_unknown_to_a_minor0_decoder(monkeypatch: pytest
     frames = [encode(StagingRequest(room_id=1, generation=2, seq=0, start_token=0, end_token=1), minor=1),
               encode(StagingGrant(room_id=1, generation=2, seq=0, start_token=0, end_token=1, offset=0), minor=1),
               encode(StagingWatermark(room_id=1, generation=2, seq=0, watermark=64), minor=1)]
-    for msg_type in (11, 12, 13, 14):
+    for msg_type in (11, 12, 13, 14, 15):
         monkeypatch.delitem(messages.MESSAGE_TYPES, msg_type)
     assert sorted(messages.MESSAGE_TYPES) == list(range(1, 11))
     for msg_type, frame in zip((11, 12, 13), frames):
