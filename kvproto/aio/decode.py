@@ -19,6 +19,12 @@ new boot id, is dropped: its rooms fail with PEER_GONE and its address bootstrap
 the next room. Notifications from the transport go straight to the core, which checks them
 against the link that the tag names.
 
+Protocol 1.4 (``kvproto.core.holds``): each link knows its prefill rank's minor (its accept's
+header), so that a room waiting for its destination holds its prefill rooms (ROOM_HOLD) only on links
+of minor 4 or later; a bootstrap that fails tells the prefill ranks that answered its REGISTERs (a
+refusal of minor 4 or later, or an accept) which rooms failed by it, so that they let go of them at
+once, then closes those links with a linger so that the frames leave.
+
 A cache of several groups (hybrid models) sends CACHE_GROUPS before each REGISTER and checks the
 prefill rank's, which precede its accept: the same groups, or the bootstrap fails naming the group
 (a version 1.1 prefill rank sends none). Pairing and writers are decided over every group

@@ -14,6 +14,11 @@ against the link's geometry (``LinkPath``) and posted on the transport; the prog
 them to DONE and reports back. A decode link silent for ``heartbeat_timeout`` is dropped and its
 rooms fail with PEER_GONE.
 
+A socket whose REGISTER this rank refuses is remembered for a short while (``SenderCore.refuse_link``),
+so that the room ABORTs that decode rank sends for the rooms it wanted fail them at once
+(protocol 1.4, ``kvproto.core.holds``). With CURVE, the context's ZAP handler (``kvproto.aio.auth``)
+is served on a channel of this endpoint's loop like the ROUTER.
+
 A cache of several groups (hybrid models): the decode rank's CACHE_GROUPS, kept per socket until
 its REGISTER comes, is checked with it (the same groups, or the registration is refused naming the
 group); the link gets one path per group beyond the first (a ``LinkPath`` of the group's own
