@@ -39,9 +39,10 @@ class Timeouts:
     (WAITING_FOR_INPUT) sends one to each of its prefill ranks of protocol 1.4 or later as it enters
     that state and every ``hold / 3`` after, so that two holds in a row may be lost before the
     prefill's room would expire. None: no holds (the prefill's ``bootstrap`` alone bounds the wait)."""
-    max_hold: float = 60.0
+    max_hold: float = 30.0
     """Prefill: the longest one ROOM_HOLD extends a BOOTSTRAPPING room (a longer hold is cut to
-    this); it should exceed the hold interval of the decode ranks it serves. 0: holds are ignored."""
+    this, so that a decode that vanishes after a hold pins the room no longer than the lease would);
+    it should exceed the hold interval of the decode ranks it serves. 0: holds are ignored."""
 
 
 @dataclass(frozen=True, slots=True)

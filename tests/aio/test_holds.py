@@ -8,9 +8,11 @@ import asyncio
 import logging
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from kvproto.aio import CurveAuth, DecodeEndpoint, PrefillEndpoint, TransferFailed
 from kvproto.core import RoomState, Timeouts
+from kvproto.metrics import PrometheusCollector
 from kvproto.wire import ErrorCode
 
 from .conftest import config, make_cache
@@ -58,6 +60,10 @@ async def test_holds_waiting_decode_keeps_the_prefill_room_past_its_lease(transp
                     assert src.planes[plane][layer][s].equal(dst.planes[plane][layer][d])
                 assert src.planes[plane][layer][7][:2].equal(dst.planes[plane][layer][12][:2])
         assert prefill.metrics.rooms_expired == 1 and prefill.metrics.snapshot(loop.time())["rooms_expired"] == 1
+        registry = CollectorRegistry()
+        registry.register(PrometheusCollector([prefill, decode]))
+        text = generate_latest(registry).decode()
+        assert f'kvproto_rooms_expired_total{{agent="{prefill.agent_name}",role="prefill"}} 1.0' in text
         dropped_d.set_destination([1], num_tokens=4)
         with pytest.raises(TransferFailed) as late:
             await asyncio.wait_for(dropped_d.wait(), 5)
