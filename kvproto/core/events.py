@@ -37,8 +37,9 @@ class Timeouts:
     hold: float | None = 10.0
     """Decode: the hold each ROOM_HOLD asks for. A decode room waiting for its destination
     (WAITING_FOR_INPUT) sends one to each of its prefill ranks of protocol 1.4 or later as it enters
-    that state and every ``hold / 3`` after, so that two holds in a row may be lost before the
-    prefill's room would expire. None: no holds (the prefill's ``bootstrap`` alone bounds the wait)."""
+    that state and every ``hold / 3`` after, so that the prefill's room outlives a lost hold (two in
+    a row leave it to the third, sent as the first runs out). None: no holds (the prefill's
+    ``bootstrap`` alone bounds the wait)."""
     max_hold: float = 30.0
     """Prefill: the longest one ROOM_HOLD extends a BOOTSTRAPPING room (a longer hold is cut to
     this, so that a decode that vanishes after a hold pins the room no longer than the lease would);

@@ -74,19 +74,24 @@ def hold_ms(seconds: float) -> int:
 
 
 def hold_interval(hold: float) -> float:
-    """How often a waiting decode room sends its hold: a third of it, so two may be lost in a row."""
+    """How often a waiting decode room sends its hold: a third of it, so that the prefill's room
+    outlives one lost hold with time to spare (and two in a row, but for the third's delay)."""
     return hold / 3
 
 
 class SenderHolds:
     """``SenderCore``'s part: leases renewed by holds, remembered holds, refused links."""
 
+    # what ``SenderCore`` (through ``CoreBase``) provides
     rooms: dict[int, Any]
     links: dict[LinkKey, Any]
     timeouts: Any
     timers: Any
     stats: Any
-    _tombstones: Any
+    closed: bool
+    send: Any
+    _abort_message: Any
+    _answer_late: Any
 
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
@@ -108,12 +113,12 @@ class SenderHolds:
         """A ROOM_HOLD from a link (messages.md, 15 ROOM_HOLD: checks 2 to 6)."""
         link = self.links.get(key)
         if link is None:
-            self.send(key, self._abort_message(msg.room_id, msg.generation, ErrorCode.NOT_REGISTERED,  # type: ignore[attr-defined]
+            self.send(key, self._abort_message(msg.room_id, msg.generation, ErrorCode.NOT_REGISTERED,
                                                "room hold before registration"))
             return
         room = self.rooms.get(msg.room_id)
         if room is None:
-            if not self._answer_late(key, msg.room_id, msg.generation):  # type: ignore[attr-defined]
+            if not self._answer_late(key, msg.room_id, msg.generation):
                 self._remember(key, msg, now)
             return
         peer = room.peers.get(link.decode_rank)
@@ -134,7 +139,7 @@ class SenderHolds:
     def _remember(self, key: LinkKey, msg: RoomHold, now: float) -> None:
         held = self._remembered.get(msg.room_id)
         if held is None:
-            if len(self._remembered) >= MAX_REMEMBERED_HOLDS or self.closed:  # type: ignore[attr-defined]
+            if len(self._remembered) >= MAX_REMEMBERED_HOLDS or self.closed:
                 self.stats.unknown_room_messages += 1
                 return
             held = self._remembered[msg.room_id] = {}
@@ -214,9 +219,13 @@ class SenderHolds:
 class ReceiverHolds:
     """``ReceiverCore``'s part: a room waiting for its destination holds its prefill rooms."""
 
+    # what ``ReceiverCore`` (through ``CoreBase``) provides
     rooms: dict[int, Any]
     timeouts: Any
     timers: Any
+    send: Any
+    apply: Any
+    _abort_message: Any
 
     def _first_hold(self, room: Any) -> Input | None:
         """The room enters WAITING_FOR_INPUT: its first hold is due now, if it sends any (holds
@@ -232,7 +241,7 @@ class ReceiverHolds:
         msg = RoomHold(room_id=room.room_id, generation=room.generation, hold_ms=hold_ms(hold))
         for link in room.links:
             if link.minor >= HOLD_MINOR:
-                self.send(link.key, msg)  # type: ignore[attr-defined]
+                self.send(link.key, msg)
         self.timers.schedule(("hold", room.room_id), now + hold_interval(hold))
 
     def _stop_holds(self, room_id: int) -> None:
@@ -242,7 +251,7 @@ class ReceiverHolds:
         if isinstance(key, tuple) and key[0] == "hold":
             room = self.rooms.get(key[1])
             if room is not None:
-                self.apply(room, Input.HOLD_DUE, now)  # type: ignore[attr-defined]
+                self.apply(room, Input.HOLD_DUE, now)
             return True
         return False
 
@@ -250,6 +259,6 @@ class ReceiverHolds:
         """The room ABORTs that tell a prefill rank which refused (or could not finish) this rank's
         registration to let go of the rooms failing by it: every room of ``cluster`` still waiting
         for its links, with ``code``, and the cluster's held ends, with theirs."""
-        aborts = [self._abort_message(r.room_id, r.generation, code, reason)  # type: ignore[attr-defined]
+        aborts = [self._abort_message(r.room_id, r.generation, code, reason)
                   for r in self.rooms.values() if r.cluster == cluster and not r.links]
         return aborts + list(state.held_ends.values())

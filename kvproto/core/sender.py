@@ -643,7 +643,8 @@ class SenderCore(SenderHolds, CoreBase):
         if drain is not None and drain.generation == generation:
             return True  # the room's ABORT to that rank is held until its writes there are over: that is the answer
         code = ended.code if ended.state is RoomState.FAILED and ended.code is not None else ErrorCode.UNKNOWN_ROOM
-        self.send(key, self._abort_message(room_id, generation, code, f"room {room_id} already ended here ({ended.state.name})"))
+        self.send(key, self._abort_message(room_id, generation, code,
+                                           f"room {room_id} already ended here ({ended.state.name})"))
         self._tombstones[room_id] = replace(ended, answered=ended.answered | {generation})
         return True
 

@@ -111,7 +111,8 @@ async def test_holds_refused_registration_frees_the_prefill_room_at_once(transpo
         ok = good.open_room(2, prefill.address, pages=[6, 8], num_tokens=8)
         served.send([3, 4], 8, last=True)
         await asyncio.wait_for(asyncio.gather(ok.wait(), served.wait()), 10)
-        assert src.planes[0][1][3].equal(good_dst.planes[0][1][6]) and src.planes[1][0][4].equal(good_dst.planes[1][0][8])
+        assert src.planes[0][1][3].equal(good_dst.planes[0][1][6])
+        assert src.planes[1][0][4].equal(good_dst.planes[1][0][8])
         assert prefill.metrics.rooms_expired == 0
 
 
@@ -134,7 +135,8 @@ async def test_holds_curve_refusal_fails_the_rooms_at_once(caplog: pytest.LogCap
         async with PrefillEndpoint(make_cache(seed=1).kv, config=prefill_cfg) as prefill, \
                 DecodeEndpoint(make_cache(seed=2).kv, config=bad_cfg) as decode:
             began = loop.time()
-            rooms = [decode.open_room(1, prefill.address, pages=[1], num_tokens=4), decode.open_room(2, prefill.address)]
+            rooms = [decode.open_room(1, prefill.address, pages=[1], num_tokens=4),
+                     decode.open_room(2, prefill.address)]
             for room in rooms:
                 with pytest.raises(TransferFailed) as failed:
                     await asyncio.wait_for(room.wait(), 5)

@@ -34,8 +34,8 @@ within minutes.
   landed late), since the design trusts a dropped link. A link that its prefill closed
   (ENDPOINT_CLOSED) earns no exemption: the prefill tells only once its writes cannot land;
 * once every room ended, nothing remains: no rooms in the cores, no room deadlines (only parked
-  requests, pre-aborts and holds remembered for rooms never opened may wait for theirs), no held ABORTs (``_draining``), empty staging
-  rings, empty ``_handles`` and ``_pending``;
+  requests, pre-aborts and holds remembered for rooms never opened may wait for theirs), no held
+  ABORTs (``_draining``), empty staging rings, empty ``_handles`` and ``_pending``;
 * with control faults off, no cut link and no clock jump (``quiet``), failure codes agree: a
   side fails with a code that was injected for that room (ABORTED, TRANSPORT_ERROR,
   ENDPOINT_CLOSED when the script closes the decode endpoint) or PEER_GONE; a timeout is allowed
