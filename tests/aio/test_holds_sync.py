@@ -10,24 +10,17 @@ import time
 import pytest
 import torch
 
-from kvproto.aio import CurveAuth, EndpointConfig, KVCache
+from kvproto.aio import CurveAuth, EndpointConfig
 from kvproto.core import RoomState, Timeouts
 from kvproto.sync import SyncDecode, SyncPrefill
 from kvproto.sync_process import ProcessDecode, ProcessPrefill
 from kvproto.wire import ErrorCode
 
+from .test_sync_process import BLOCK, cache, wait
+
 pytestmark = [pytest.mark.nixl, pytest.mark.slow]
 
-BLOCK, HEADS, DIM = 4, 2, 8
 LEASE = 2.0
-ENDED = (RoomState.SUCCESS, RoomState.FAILED)
-
-
-def cache(seed: int) -> tuple[list[list[torch.Tensor]], KVCache]:
-    gen = torch.Generator().manual_seed(seed)
-    planes = [[torch.randint(0, 256, (32, BLOCK, HEADS, DIM), dtype=torch.uint8, generator=gen) for _ in range(2)]
-              for _ in range(2)]
-    return planes, KVCache.from_tensors(planes)
 
 
 def config(*, curve: CurveAuth | None = None, **timeouts: float | None) -> EndpointConfig:
@@ -35,14 +28,6 @@ def config(*, curve: CurveAuth | None = None, **timeouts: float | None) -> Endpo
     t.update(timeouts)
     return EndpointConfig(transport="nixl", timeouts=Timeouts(**t), heartbeat_timeout=2.0, heartbeat_interval=0.5,
                           curve=curve)
-
-
-def wait(room: object, timeout: float = 30.0) -> RoomState:
-    deadline = time.monotonic() + timeout
-    while (state := room.poll()) not in ENDED:  # type: ignore[attr-defined]
-        assert time.monotonic() < deadline, "the room did not end"
-        time.sleep(0.001)
-    return state
 
 
 def same(src: list[list[torch.Tensor]], s_pages: list[int], dst: list[list[torch.Tensor]], d_pages: list[int]) -> bool:
