@@ -11,6 +11,10 @@ exposition of one or more endpoints (``PrometheusCollector``, for ``prometheus_c
   links ready), *waiting* (links ready to transfer start: the application's input), *transfer*
   (first write or request to the end), and the staging copies' time (gathers on prefill,
   scatters on decode), as sums and counts (Prometheus summaries without quantiles).
+* Prefill rooms whose lease ran out (``rooms_expired``: no decode rank requested or held the room
+  before its BOOTSTRAPPING deadline, ``kvproto.core.holds``): requests a serving engine reports as
+  expired. They are among the rooms ended FAILED with BOOTSTRAP_TIMEOUT, which on a prefill rank
+  may also come from a decode rank's ABORT.
 * Bytes moved, and the wall-clock seconds during which at least one room was open: throughput
   is bytes over that span, never a sum of overlapping room durations (64 rooms moving at once
   for one second is one second, not 64).
@@ -70,6 +74,11 @@ class EndpointMetrics:
             self.phases["staging_copy"].add(staging_s)
 
     # --- read by anyone ---------------------------------------------------------------------------
+    @property
+    def rooms_expired(self) -> int:
+        """Prefill: rooms that failed at their lease (``CoreStats.rooms_expired``); 0 on a decode rank."""
+        return self.core.stats.rooms_expired if self.core is not None else 0
+
     def busy(self, now: float) -> float:
         """Wall-clock seconds with at least one room open, up to ``now``."""
         return self.busy_seconds + (now - self._busy_since if self._open else 0.0)
@@ -81,6 +90,7 @@ class EndpointMetrics:
             "role": self.role,
             "rooms_ended": {f"{s}/{c}" if c else s: n for (s, c), n in sorted(self.ended.items())},
             "rooms_live": {state.name: live.get(state, 0) for state in RoomState if not state.terminal},
+            "rooms_expired": self.rooms_expired,
             "bytes": self.bytes,
             "busy_seconds": busy,
             "throughput_bytes_per_s": self.bytes / busy if busy else 0.0,
@@ -115,6 +125,8 @@ class PrometheusCollector:
                                     labels=["role", "agent", "state", "code"])
         live = GaugeMetricFamily("kvproto_rooms_live", "Rooms now in each state", labels=["role", "agent", "state"])
         moved = CounterMetricFamily("kvproto_bytes", "KV bytes moved by ended rooms", labels=["role", "agent"])
+        expired = CounterMetricFamily("kvproto_rooms_expired", "Prefill rooms that failed at their lease: no decode "
+                                      "rank requested or held them in time", labels=["role", "agent"])
         busy = CounterMetricFamily("kvproto_busy_seconds", "Wall-clock seconds with at least one room open",
                                    labels=["role", "agent"])
         phase = SummaryMetricFamily("kvproto_room_phase_seconds", "Time rooms spent in each phase",
@@ -129,7 +141,8 @@ class PrometheusCollector:
                 if not state.terminal:
                     live.add_metric([*labels, state.name], counts.get(state, 0))
             moved.add_metric(labels, m.bytes)
+            expired.add_metric(labels, m.rooms_expired)
             busy.add_metric(labels, m.busy(ep._now()) if ep._loop is not None else m.busy_seconds)
             for name, summary in m.phases.items():
                 phase.add_metric([*labels, name], summary.count, summary.total)
-        yield from (ended, live, moved, busy, phase)
+        yield from (ended, live, moved, expired, busy, phase)

@@ -299,6 +299,12 @@ class SyncPrefill(_Facade):
         self.address: str = self._endpoint.address
         self.bootstrap_address: str = self._endpoint.bootstrap_address
 
+    @property
+    def rooms_expired(self) -> int:
+        """Rooms whose lease ran out: no decode rank requested or held them before their
+        BOOTSTRAPPING deadline (``EndpointMetrics.rooms_expired``); a plain read, never waits."""
+        return self._endpoint.metrics.rooms_expired
+
     def sender(self, room_id: int) -> KVSender:
         """Open the prefill side of ``room_id``; returns at once."""
         room = KVSender(self, room_id)

@@ -178,11 +178,13 @@ class _ProcessFacade:
         self._reasons, reasons_w = ctx.Pipe(duplex=False)
         ready_r, ready_w = ctx.Pipe(duplex=False)
         self._written = ctx.RawValue("Q", 0)
+        self._expired = ctx.RawValue("Q", 0)
+        """The child core's ``rooms_expired``, set before each room end is written up the pipe."""
         self._read = 0
         self._buffer = b""
         self._proc = ctx.Process(target=_child, name=f"kvproto-{self.ROLE}",
                                  args=(self.ROLE, recipe, self.config, bootstrap, loop_factory, calls_r,
-                                       events_w, reasons_w, ready_w, self._written), daemon=True)
+                                       events_w, reasons_w, ready_w, self._written, self._expired), daemon=True)
         self._proc.start()
         for end in (calls_r, events_w, reasons_w, ready_w):
             end.close()
@@ -448,6 +450,12 @@ class ProcessPrefill(_ProcessFacade):
 
     ROLE = "prefill"
 
+    @property
+    def rooms_expired(self) -> int:
+        """Rooms whose lease ran out (as ``SyncPrefill.rooms_expired``), as of the last room end
+        the child reported; a shared counter's read, never waits."""
+        return int(self._expired.value)
+
     def sender(self, room_id: int) -> ProcessSender:
         """Open the prefill side of ``room_id`` (as ``SyncPrefill.sender``); returns at once."""
         room = ProcessSender(self, room_id)
@@ -461,8 +469,11 @@ class _Sink:
     (and why a room failed, up the reasons pipe, first). An open refused on the endpoint's loop may
     end before ``_perform`` holds the room's handle: that end waits for it (``opened``)."""
 
-    def __init__(self, writer: _Writer, rooms: dict[int, Any], reasons: Any) -> None:
+    def __init__(self, writer: _Writer, rooms: dict[int, Any], reasons: Any, stats: Any = None,
+                 expired: Any = None) -> None:
         self.writer, self.rooms, self.reasons = writer, rooms, reasons
+        self.stats, self.expired = stats, expired
+        """The core's counters and the shared value its ``rooms_expired`` is copied to per end."""
         self.lock = threading.Lock()
         self.opening: set[int] = set()
         self.early: dict[int, tuple[int, RoomState, Any]] = {}
@@ -500,6 +511,8 @@ class _Sink:
             except OSError:
                 pass
         self.rooms.pop(room_id, None)
+        if self.expired is not None:
+            self.expired.value = self.stats.rooms_expired
         self.writer.write(room_id, state, code)
 
     def __bool__(self) -> bool:
@@ -551,7 +564,7 @@ class _Writer:
 
 
 def _child(role: str, recipe: Any, config: EndpointConfig, bootstrap: str | None, loop_factory: Any, calls: Any,
-           events: Any, reasons: Any, ready: Any, written: Any) -> None:
+           events: Any, reasons: Any, ready: Any, written: Any, expired: Any) -> None:
     from kvproto.sync import EngineLoop, SyncDecode, SyncPrefill
 
     try:
@@ -564,8 +577,8 @@ def _child(role: str, recipe: Any, config: EndpointConfig, bootstrap: str | None
         return
     rooms: dict[int, Any] = {}
     writer = _Writer(events, written, facade.loop.loop)
-    sink = facade._finished = _Sink(writer, rooms, reasons)
     core = facade._endpoint.core
+    sink = facade._finished = _Sink(writer, rooms, reasons, core.stats, expired)
 
     def entered(room_id: int, state: RoomState) -> None:
         writer.write(room_id, state, None)

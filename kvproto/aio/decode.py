@@ -19,6 +19,12 @@ new boot id, is dropped: its rooms fail with PEER_GONE and its address bootstrap
 the next room. Notifications from the transport go straight to the core, which checks them
 against the link that the tag names.
 
+Protocol 1.4 (``kvproto.core.holds``): each link knows its prefill rank's minor (its accept's
+header), so that a room waiting for its destination holds its prefill rooms (ROOM_HOLD) only on links
+of minor 4 or later; a bootstrap that fails tells the prefill ranks that answered its REGISTERs (a
+refusal of minor 4 or later, or an accept) which rooms failed by it, so that they let go of them at
+once, then closes those links with a linger so that the frames leave.
+
 A cache of several groups (hybrid models) sends CACHE_GROUPS before each REGISTER and checks the
 prefill rank's, which precede its accept: the same groups, or the bootstrap fails naming the group
 (a version 1.1 prefill rank sends none). Pairing and writers are decided over every group
@@ -53,6 +59,7 @@ from kvproto.aio.staging import (
     warm_kernels,
 )
 from kvproto.core import DropLink, ReceiverCore, ReceiverLink, Scatter
+from kvproto.core.holds import HOLD_MINOR
 from kvproto.core.staging import StagingRing
 from kvproto.transport import TransportError
 from kvproto.geometry import (
@@ -109,6 +116,8 @@ class _Link:
     peer_groups: CacheGroups | None = None
     """The prefill rank's CACHE_GROUPS, received before its accept."""
     registered: bool = False
+    answer: type[Message] | None = None
+    """RegisterAccept or RegisterReject once the prefill rank answered this link's REGISTER."""
     beats: int = 0
     watcher: asyncio.Task[None] | None = None
     monitor: zmq.asyncio.Socket | None = None
@@ -269,15 +278,20 @@ class DecodeEndpoint(EndpointBase):
         return link
 
     async def _watch_handshake(self, link: _Link, monitor: zmq.asyncio.Socket) -> None:
-        """A refused CURVE handshake fails the bootstrap at once with AUTH_FAILED."""
+        """A refused CURVE handshake fails the bootstrap at once with AUTH_FAILED; on a registered
+        link (ZMQ reconnected it, to a prefill rank that no longer admits this rank's key) it drops
+        the link at once, its rooms failing with AUTH_FAILED, instead of at the heartbeat timeout."""
         try:
             while True:
                 event = zmq.utils.monitor.parse_monitor_message(await monitor.recv_multipart())
                 reason = "authentication" if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH else "security handshake"
                 log.warning("prefill rank %d at %s refused the control connection (%s)",
                             link.prefill_rank, link.endpoint, reason)
-                link.inbox.put_nowait(Abort(code=ErrorCode.AUTH_FAILED,
-                                            reason=f"prefill at {link.endpoint} refused the {reason}"))
+                refusal = f"prefill at {link.endpoint} refused the {reason}"
+                if link.registered:
+                    self._guard("a refused handshake", self._drop_link, link, ErrorCode.AUTH_FAILED, refusal)
+                else:
+                    link.inbox.put_nowait(Abort(code=ErrorCode.AUTH_FAILED, reason=refusal))
         except zmq.ZMQError:
             pass  # the monitor was closed: the link was discarded
 
@@ -341,8 +355,9 @@ class DecodeEndpoint(EndpointBase):
             if isinstance(msg, CacheGroups):
                 link.peer_groups = msg if msg.link_id == link.link_id else None
                 return
-            if isinstance(msg, RegisterAccept):
-                link.peer_minor = header.minor
+            if isinstance(msg, (RegisterAccept, RegisterReject)) and msg.link_id == link.link_id:
+                link.peer_minor = header.minor  # a REGISTER_REJECT's minor too: it says what the refusing rank accepts
+                link.answer = type(msg)
             link.inbox.put_nowait(msg)
         else:
             self.core.stats.peer_violations += 1
@@ -395,12 +410,27 @@ class DecodeEndpoint(EndpointBase):
             failure = exc if isinstance(exc, _BootstrapFailed) else _BootstrapFailed(
                 ErrorCode.PEER_PROTOCOL_ERROR, f"handshake with {cluster} failed: {type(exc).__name__}: {exc}")
             log.warning("bootstrap of %s failed: %s", cluster, failure.reason)
-            for link in links:
-                self._discard_link(link)
-            self.core.cluster_failed(cluster, failure.code, failure.reason, self._now())
+            self._bootstrap_failed(cluster, links, failure)
         finally:
             self._flush()
             self._bootstraps.pop(cluster, None)
+
+    def _bootstrap_failed(self, cluster: str, links: list[_Link], failure: _BootstrapFailed) -> None:
+        """Fail the rooms waiting for ``cluster``, telling the prefill ranks that answered this
+        bootstrap's REGISTERs to let go of them: a rank that refused it at minor 4 or later, and a
+        rank that accepted it (it registered this rank, which will never use the link). Each gets
+        a room ABORT for every room that fails here and every held end (``ReceiverCore.cluster_failed``);
+        an accepting rank then a link ABORT. Links that were told close with a linger, so that
+        their frames leave."""
+        tell = [link for link in links if link.answer is RegisterAccept or (
+            link.answer is RegisterReject and link.peer_minor >= HOLD_MINOR)]
+        self.core.cluster_failed(cluster, failure.code, failure.reason, self._now(),
+                                 tell=[link.link_id for link in tell])
+        self._flush()
+        for link in links:
+            if link.answer is RegisterAccept:
+                self._send_frame(link.channel, [encode(Abort(code=failure.code, reason=failure.reason[:1000]))])
+            self._discard_link(link, linger=200 if link in tell else 0)
 
     async def _handshake(self, cluster: str, links: list[_Link]) -> list[ReceiverLink]:
         first = self._connect(cluster, 0, cluster)
@@ -472,7 +502,7 @@ class DecodeEndpoint(EndpointBase):
                          aux_owner=link.prefill_rank == chosen[0],
                          stage_unit=piece.unit if piece is not None else 0,
                          staged_groups=tuple(p.group for p in piece.parts[1:]) if piece is not None else (),
-                         stage_tail=piece.tail if piece is not None else 0)
+                         stage_tail=piece.tail if piece is not None else 0, minor=link.peer_minor)
             for link, accept in result
             for piece in (self._pieces.get(link.link_id),)
         ]

@@ -14,6 +14,11 @@ against the link's geometry (``LinkPath``) and posted on the transport; the prog
 them to DONE and reports back. A decode link silent for ``heartbeat_timeout`` is dropped and its
 rooms fail with PEER_GONE.
 
+A socket whose REGISTER this rank refuses is remembered for a short while (``SenderCore.refuse_link``),
+so that the room ABORTs that decode rank sends for the rooms it wanted fail them at once
+(protocol 1.4, ``kvproto.core.holds``). With CURVE, the context's ZAP handler (``kvproto.aio.auth``)
+is served on a channel of this endpoint's loop like the ROUTER.
+
 A cache of several groups (hybrid models): the decode rank's CACHE_GROUPS, kept per socket until
 its REGISTER comes, is checked with it (the same groups, or the registration is refused naming the
 group); the link gets one path per group beyond the first (a ``LinkPath`` of the group's own
@@ -32,8 +37,8 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
-from zmq.auth.asyncio import AsyncioAuthenticator
 
+from kvproto.aio.auth import KeyAuthenticator
 from kvproto.aio.channel import Channel
 from kvproto.aio.endpoint import EndpointBase, EndpointConfig
 from kvproto.aio.memory import KVCache, StateCache, geometry_to_wire
@@ -89,6 +94,7 @@ from kvproto.wire import (
     RegisterAccept,
     RegisterReject,
     RemoteProtocolError,
+    RoomHold,
     StagingGrant,
     StagingWatermark,
     TransferRequest,
@@ -180,7 +186,8 @@ class PrefillEndpoint(EndpointBase):
         """Writes waiting for the readiness events of the layers they carry (layer-wise chunks)."""
         self._local: LocalLists | None = None
         self._rank_table: dict[int, RankAddress] = {}
-        self._auth: _KeyAuthenticator | None = None
+        self._auth: KeyAuthenticator | None = None
+        self._zap: Channel | None = None
         self._pieces: dict[bytes, Piece] = {}
         """What each staging link's pieces hold: the first group's block, the staged groups', and
         the state block where there is one."""
@@ -239,9 +246,8 @@ class PrefillEndpoint(EndpointBase):
         router.setsockopt(zmq.LINGER, 500)
         curve = self.config.curve
         if curve is not None:
-            self._auth = _KeyAuthenticator(self._ctx, allowed=curve.allowed | {curve.public_key})
-            self._auth.start()
-            self._auth.configure_curve_callback("*", self._auth)
+            self._auth = KeyAuthenticator(allowed=curve.allowed | {curve.public_key})
+            self._zap = self._channel(self._auth.socket(self._ctx), "ZAP request", self._on_zap)
             curve.server(router)
         if self.config.port:
             router.bind(f"tcp://{self.config.host}:{self.config.port}")
@@ -268,8 +274,8 @@ class PrefillEndpoint(EndpointBase):
             self._router.close(linger=500)
         if self._announcer is not None:
             self._announcer.close()
-        if self._auth is not None:
-            self._auth.stop()
+        if self._zap is not None:
+            self._zap.close()
         if self._local is not None:
             self._local.release()
         for local in self._group_locals:
@@ -283,6 +289,10 @@ class PrefillEndpoint(EndpointBase):
         while True:
             self._send_frame(self._announcer, [msg])
             await asyncio.sleep(self.config.heartbeat_interval)
+
+    def _on_zap(self, frames: list[bytes]) -> None:
+        assert self._auth is not None and self._zap is not None
+        self._zap.send(self._auth.reply(frames))
 
     def _on_message(self, frames: list[bytes]) -> None:
         if len(frames) != 2:
@@ -305,7 +315,7 @@ class PrefillEndpoint(EndpointBase):
         except RemoteProtocolError as exc:
             self._bad_frame(ident, frame, exc)
             return
-        if isinstance(msg, (TransferRequest, Abort, StagingGrant, StagingWatermark)) and msg.room_id:
+        if isinstance(msg, (TransferRequest, Abort, StagingGrant, StagingWatermark, RoomHold)) and msg.room_id:
             if trace.ENABLED:
                 trace.mark(f"recv_{type(msg).__name__}", msg.room_id, 0)
             self.core.on_message(ident, msg, now)
@@ -373,7 +383,7 @@ class PrefillEndpoint(EndpointBase):
             remote = self._check_register(msg, groups.groups if mine else (), groups.layouts if mine else (), minor)
         except Reject as rej:
             log.warning("rejected registration from %s: %s", msg.agent_name, rej.reason)
-            self._send(ident, RegisterReject(link_id=msg.link_id, code=rej.code, reason=rej.reason))
+            self._reject(ident, msg.link_id, rej.code, rej.reason)
             return
         now = self._now()
         old = self._links.get(ident)
@@ -387,8 +397,7 @@ class PrefillEndpoint(EndpointBase):
         try:
             agent = self.transport.add_peer(msg.transport_metadata)
         except TransportError as exc:
-            self._send(ident, RegisterReject(link_id=msg.link_id, code=ErrorCode.TRANSPORT_ERROR,
-                                             reason=f"cannot load the decode agent: {exc}"))
+            self._reject(ident, msg.link_id, ErrorCode.TRANSPORT_ERROR, f"cannot load the decode agent: {exc}")
             return
         try:
             self._accept(ident, minor, msg, remote, agent, now)
@@ -399,8 +408,14 @@ class PrefillEndpoint(EndpointBase):
                 with contextlib.suppress(TransportError):
                     self.transport.remove_peer(agent)
             log.warning("rejected registration from %s: %r", msg.agent_name, exc)
-            self._send(ident, RegisterReject(link_id=msg.link_id, code=ErrorCode.INDEX_OUT_OF_RANGE,
-                                             reason=f"cannot use the registered memory: {exc}"))
+            self._reject(ident, msg.link_id, ErrorCode.INDEX_OUT_OF_RANGE, f"cannot use the registered memory: {exc}")
+
+    def _reject(self, ident: bytes, link_id: int, code: ErrorCode, reason: str) -> None:
+        """Answer a REGISTER with REGISTER_REJECT. A socket that is not registered is remembered as
+        refused, so that its ABORTs for the rooms it wanted count (``kvproto.core.holds``)."""
+        self._send(ident, RegisterReject(link_id=link_id, code=code, reason=reason))
+        if ident not in self._links:
+            self.core.refuse_link(ident, self._now())
 
     def _accept(self, ident: bytes, minor: int, msg: Register, remote: Remote, agent: str, now: float) -> None:
         assert self.transport is not None and self._local is not None
@@ -777,19 +792,3 @@ class PrefillEndpoint(EndpointBase):
 def _fired(ready: tuple[Any, ...]) -> bool:
     """Every readiness handle has completed (``query()``: a CUDA event's, without waiting)."""
     return all(event.query() for event in ready)
-
-
-class _KeyAuthenticator(AsyncioAuthenticator):
-    """ZAP handler admitting only the configured CURVE public keys; refusals are logged."""
-
-    def __init__(self, ctx: zmq.asyncio.Context, allowed: frozenset[bytes]) -> None:
-        super().__init__(ctx, log=logging.getLogger("kvproto.auth"))
-        self.allowed = allowed
-        self.refused = 0
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        if key in self.allowed:
-            return True
-        self.refused += 1
-        log.warning("refused a control connection: CURVE key %s is not allowed", key.decode("ascii", "replace"))
-        return False

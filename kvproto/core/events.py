@@ -22,7 +22,10 @@ class Timeouts:
     """Per-state deadlines in seconds (``None``: wait forever)."""
 
     bootstrap: float | None = 30.0
-    """A room must leave BOOTSTRAPPING within this."""
+    """A room must leave BOOTSTRAPPING within this. On a prefill rank this is the room's *lease*:
+    a decode rank of protocol 1.4 that still wants the room extends it with ROOM_HOLDs (see
+    ``hold``, ``max_hold``); a room that no decode holds fails at it (counted in
+    ``CoreStats.rooms_expired``)."""
     waiting: float | None = 300.0
     """A room may wait this long for the application's input."""
     transfer: float | None = 300.0
@@ -31,6 +34,16 @@ class Timeouts:
     """A transfer request for a room not yet opened is kept this long."""
     drain: float = 10.0
     """A failing decode room waits this long for its writers to settle before reporting FAILED."""
+    hold: float | None = 10.0
+    """Decode: the hold each ROOM_HOLD asks for. A decode room waiting for its destination
+    (WAITING_FOR_INPUT) sends one to each of its prefill ranks of protocol 1.4 or later as it enters
+    that state and every ``hold / 3`` after, so that the prefill's room outlives a lost hold (two in
+    a row leave it to the third, sent as the first runs out). None: no holds (the prefill's
+    ``bootstrap`` alone bounds the wait)."""
+    max_hold: float = 30.0
+    """Prefill: the longest one ROOM_HOLD extends a BOOTSTRAPPING room (a longer hold is cut to
+    this, so that a decode that vanishes after a hold pins the room no longer than the lease would);
+    it should exceed the hold interval of the decode ranks it serves. 0: holds are ignored."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,3 +223,9 @@ class CoreStats:
     unknown_room_messages: int = 0
     """Messages for rooms never seen: dropped (or answered with UNKNOWN_ROOM)."""
     peer_violations: int = 0
+    rooms_expired: int = 0
+    """Prefill: rooms that failed at their BOOTSTRAPPING deadline (the lease): no decode rank sent
+    the room's requests in time, nor held it (also counted in ``rooms_failed``)."""
+    refused_messages: int = 0
+    """Prefill: room messages from links whose registration this rank refused, dropped (their room
+    ABORTs that fail a room with no request yet are not counted here)."""

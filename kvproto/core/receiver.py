@@ -41,6 +41,11 @@ room id opened again while its end is held supersedes it: the prefill side has o
 and the new incarnation will talk to it. Held ends are bounded per cluster (``MAX_HELD_ENDS``,
 oldest dropped first) and live no longer than the bootstrap, itself bounded by its deadline.
 
+Holds and refusals (protocol 1.4, ``kvproto.core.holds``): a room waiting for its destination
+sends ROOM_HOLDs to its prefill ranks of minor 4 or later so that their rooms outlive their lease;
+a bootstrap that fails can tell the prefill ranks that answered (``cluster_failed``'s ``tell``)
+which rooms fail by it, so that they let go of those rooms at once.
+
 Losing one prefill rank: its links fail the cluster (it must bootstrap again), and its rooms
 fail. A room that was TRANSFERRING drains (see below): it sends ABORT to its other writers, whose
 links stay *retired* — kept in ``links_by_id``, used by no new room — until the last room holding
@@ -62,6 +67,7 @@ from dataclasses import dataclass, field
 from kvproto.core.base import CoreBase, RoomBase, Tombstone, duplicate_page, page_outside
 from kvproto.core.events import DropLink, LinkKey, Scatter, Timeouts
 from kvproto.core.groups import GroupSpec, check_destinations, pages_from_zero, slot_destination
+from kvproto.core.holds import ReceiverHolds
 from kvproto.core.staging import StagingRing
 from kvproto.core.state import Effect, Input, Role, RoomState
 from kvproto.wire import (
@@ -107,6 +113,8 @@ class ReceiverLink:
     stage_tail: int = 0
     """Bytes of the state block that ends this writer's piece carrying a request's last token
     (staging.md, minor 3); 0: none."""
+    minor: int = 0
+    """The prefill rank's minor version (its REGISTER_ACCEPT's header): ROOM_HOLD from 4 on."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -163,7 +171,7 @@ class _Cluster:
     """room id -> the ABORT of a room that ended while this cluster bootstrapped."""
 
 
-class ReceiverCore(CoreBase):
+class ReceiverCore(ReceiverHolds, CoreBase):
     ROLE = Role.RECEIVER
 
     def __init__(
@@ -215,8 +223,18 @@ class ReceiverCore(CoreBase):
             room.links = tuple(links)
             self.apply(room, Input.LINKS_READY_WITH_INPUT if room.destination else Input.LINKS_READY, now)
 
-    def cluster_failed(self, cluster: ClusterKey, code: ErrorCode | int, reason: str, now: float) -> None:
+    def cluster_failed(self, cluster: ClusterKey, code: ErrorCode | int, reason: str, now: float, *,
+                       tell: Sequence[LinkKey] = ()) -> None:
+        """The bootstrap of ``cluster`` failed with ``code``: its waiting rooms fail. ``tell``: links
+        whose prefill rank answered the registration (it accepted it, or refused it at minor 4 or
+        later): each is sent a room ABORT for every room that fails here and every held end, so
+        that those prefill ranks let go of the rooms at once (``kvproto.core.holds``)."""
         state = self.clusters.setdefault(cluster, _Cluster())
+        if tell:
+            aborts = self._refusal_aborts(cluster, state, code, reason)
+            for key in tell:
+                for abort in aborts:
+                    self.send(key, abort)
         retired, state.links = state.links, ()
         self._release_links(retired)
         state.ready, state.failure = False, (code, reason)
@@ -597,7 +615,12 @@ class ReceiverCore(CoreBase):
 
     # --- effects -----------------------------------------------------------------------------------
     def _effect(self, room: ReceiverRoom, effect: Effect, now: float, origin: LinkKey | None) -> Input | None:
-        if effect is Effect.SEND_REQUESTS:
+        if effect is Effect.NONE and room.state is RoomState.BOOTSTRAPPING:
+            return self._first_hold(room)  # LINKS_READY: entering WAITING_FOR_INPUT, the first hold is due
+        if effect is Effect.SEND_HOLD:
+            self._send_hold(room, now)
+        elif effect is Effect.SEND_REQUESTS:
+            self._stop_holds(room.room_id)
             dest = room.destination
             assert dest is not None
             writers = [link for link in room.links if link.writer]
@@ -639,11 +662,15 @@ class ReceiverCore(CoreBase):
     def _tombstone(self, room: ReceiverRoom) -> Tombstone:
         return Tombstone(room.state, room.code, frozenset({room.generation}))
 
+    def _other_timer(self, key: Hashable, now: float) -> None:
+        self._holds_timer(key, now)
+
     def _moved(self, room: ReceiverRoom) -> int:
         return sum(p.nbytes for p in room.writers.values())
 
     def _forget(self, room: ReceiverRoom) -> None:
         self._finishing.discard(room.room_id)
+        self._stop_holds(room.room_id)
         if self.ring is not None:
             self.ring.cancel_owner(room.room_id)  # safe: the room ended drained (or never wrote)
             if self.rooms:

@@ -40,6 +40,10 @@ are alike another's gets that link's parts of a chunk's write (``_alike``): at p
 decode TP 2 every room is checked and described once instead of twice. Anything else takes
 every check.
 
+Room holds and refused links (protocol 1.4: the BOOTSTRAPPING deadline as a lease that decode
+ranks renew, holds remembered for rooms not opened yet, ABORTs from links whose registration this
+rank refused) live in ``kvproto.core.holds``.
+
 Invariants: the sides' token counts must agree exactly (never shifted): a chunk past the
 request's ``num_tokens`` or a last chunk short of it fails with TOKEN_COUNT_MISMATCH. A
 failure is reported once, sends ABORT to every other link of the room, and frees the room.
@@ -64,6 +68,7 @@ from kvproto.core.events import (
     Timeouts,
     new_part,
 )
+from kvproto.core.holds import SenderHolds
 from kvproto.core.groups import (
     GroupSpec,
     LinkGroup,
@@ -79,6 +84,7 @@ from kvproto.wire import (
     ErrorCode,
     LocalProtocolError,
     Message,
+    RoomHold,
     StagingGrant,
     StagingRequest,
     StagingWatermark,
@@ -193,6 +199,9 @@ class SenderRoom(RoomBase):
     stale_generations: frozenset[int] = frozenset()
     """Generations the room id's previous incarnation accepted or answered with ABORT: a request
     carrying one is a late copy meant for that incarnation, never for this one."""
+    hold_until: float = 0.0
+    """The end of the latest ROOM_HOLD (capped): BOOTSTRAPPING lasts at least until then
+    (``kvproto.core.holds``)."""
 
     layer_next: int = 0
     """Layer-wise chunks: the next layer of the token range being streamed (0: none open)."""
@@ -212,7 +221,7 @@ class SenderRoom(RoomBase):
         return bool(self.chunks) and self.chunks[-1].last and self.layer_next == 0
 
 
-class SenderCore(CoreBase):
+class SenderCore(SenderHolds, CoreBase):
     ROLE = Role.SENDER
 
     def __init__(
@@ -252,12 +261,14 @@ class SenderCore(CoreBase):
     # --- links ----------------------------------------------------------------------------
     def add_link(self, link: SenderLink) -> None:
         self.links[link.key] = link
+        self._registered(link.key)
 
     def remove_link(self, key: LinkKey, now: float, code: ErrorCode = ErrorCode.PEER_GONE, reason: str = "") -> None:
         """The link is gone (closed, dead, restarted): fail every room that needs it."""
         link = self.links.pop(key, None)
         if link is None:
             return
+        self._forget_link_holds(key)
         reason = reason or f"decode rank {link.decode_rank} of {link.instance!r} is gone"
         for drain_key in [k for k in self._draining if k[1] == key]:
             del self._draining[drain_key]  # nothing more can land through a dead link
@@ -290,6 +301,7 @@ class SenderCore(CoreBase):
         for room_id in self._preaborted:
             self.timers.cancel(("preaborted", room_id))
         self._preaborted.clear()  # no room can be opened any more
+        self._forget_holds()
 
     def abandon_drains(self) -> None:
         """Send the ABORTs still waiting for writes to finish (the endpoint is going away)."""
@@ -305,6 +317,7 @@ class SenderCore(CoreBase):
                           ended.generations | ended.answered, group_pages=[[] for _ in self.groups])
         self._add_room(room)
         self.timers.schedule(room_id, self._deadline(RoomState.BOOTSTRAPPING, now))
+        self._open_held(room, now)
         preaborted = self._preaborted.pop(room_id, None)
         if preaborted is not None:
             self.timers.cancel(("preaborted", room_id))
@@ -472,6 +485,8 @@ class SenderCore(CoreBase):
     # --- control plane ---------------------------------------------------------------------
     def on_message(self, key: LinkKey, msg: Message, now: float) -> None:
         """A decoded room message from a link (link-level messages are the I/O layer's)."""
+        if self._from_refused(key, msg, now):
+            return
         if isinstance(msg, TransferRequest):
             self._on_request(key, msg, now)
         elif isinstance(msg, Abort):
@@ -480,6 +495,8 @@ class SenderCore(CoreBase):
             self._on_grant(key, msg, now)
         elif isinstance(msg, StagingWatermark):
             self._on_watermark(key, msg, now)
+        elif isinstance(msg, RoomHold):
+            self._on_hold(key, msg, now)
         else:
             self.stats.peer_violations += 1
             self.send(key, self._abort_message(
@@ -597,22 +614,7 @@ class SenderCore(CoreBase):
             self.send(key, self._abort_message(msg.room_id, msg.generation, ErrorCode.ENDPOINT_CLOSED,
                                                "endpoint closed"))
             return
-        ended = self._tombstones.get(msg.room_id)
-        link = self.links.get(key)
-        missed = link is not None and ended is not None and ended.instance == link.instance and (
-            link.decode_rank not in ended.ranks)
-        if ended is not None and (msg.generation in ended.generations or not ended.generations or missed):
-            # A late request for the room that ended here (not a new incarnation of the id: its
-            # generation was seen, or the room ended before this decode rank's request reached
-            # it): tell decode why it ended (e.g. ABORTED before decode's request arrived).
-            self.stats.late_messages += 1
-            drain = self._draining.get((msg.room_id, key))
-            if drain is not None and drain.generation == msg.generation:
-                return  # the room's ABORT to that rank is held until its writes there are over: that is the answer
-            code = ended.code if ended.state is RoomState.FAILED and ended.code is not None else ErrorCode.UNKNOWN_ROOM
-            self.send(key, self._abort_message(msg.room_id, msg.generation, code,
-                                               f"room {msg.room_id} already ended here ({ended.state.name})"))
-            self._tombstones[msg.room_id] = replace(ended, answered=ended.answered | {msg.generation})
+        if self._answer_late(key, msg.room_id, msg.generation):
             return
         if self._parked_count >= self.max_parked:
             self.send(key, self._abort_message(msg.room_id, msg.generation, ErrorCode.UNKNOWN_ROOM,
@@ -624,7 +626,31 @@ class SenderCore(CoreBase):
         parked.append((key, msg))
         self._parked_count += 1
 
+    def _answer_late(self, key: LinkKey, room_id: int, generation: int) -> bool:
+        """Answer a request (or hold) for a room that ended here, unless it is for a new incarnation
+        of the id; True if it was late. Late: its generation was seen, or the room ended before any
+        request, or before this decode rank's request reached it. The answer tells decode why the
+        room ended (e.g. ABORTED before decode's request arrived)."""
+        ended = self._tombstones.get(room_id)
+        if ended is None:
+            return False
+        link = self.links.get(key)
+        missed = link is not None and ended.instance == link.instance and link.decode_rank not in ended.ranks
+        if not (generation in ended.generations or not ended.generations or missed):
+            return False
+        self.stats.late_messages += 1
+        drain = self._draining.get((room_id, key))
+        if drain is not None and drain.generation == generation:
+            return True  # the room's ABORT to that rank is held until its writes there are over: that is the answer
+        code = ended.code if ended.state is RoomState.FAILED and ended.code is not None else ErrorCode.UNKNOWN_ROOM
+        self.send(key, self._abort_message(room_id, generation, code,
+                                           f"room {room_id} already ended here ({ended.state.name})"))
+        self._tombstones[room_id] = replace(ended, answered=ended.answered | {generation})
+        return True
+
     def _other_timer(self, key: object, now: float) -> None:
+        if self._holds_timer(key):
+            return
         if isinstance(key, tuple) and key[0] == "preaborted":
             self._preaborted.pop(key[1], None)
         elif isinstance(key, tuple) and key[0] == "parked":
@@ -831,6 +857,8 @@ class SenderCore(CoreBase):
             self._post_chunks(room)
             if self._all_done(room):
                 return Input.ALL_WRITES_DONE  # nothing to wait for: no bytes, or a replica rank
+        elif effect is Effect.EXTEND:
+            self._extend(room)
         elif effect is Effect.SEND_DONE:
             for peer in room.peers.values():
                 if peer.link.writes_any:

@@ -32,6 +32,17 @@ passes (then the writers still owing an answer are dropped as untrustworthy); th
 enters FAILED and the failure is reported, once, with the original code. The application therefore
 never sees FAILED while a write may still land in the pages it would free.
 
+*Room holds* (protocol 1.4). A SENDER room waits in BOOTSTRAPPING for decode ranks that may sit in
+their engine's queue far longer than any fixed deadline, while a decode that never comes should
+pin the prefill's pages only briefly. So the BOOTSTRAPPING deadline is a *lease*: ``HOLD`` (a
+ROOM_HOLD from a decode rank that may still send the room's request) pushes it out (``EXTEND``:
+to at most the hold's end, never earlier than it was), and a room that no decode holds expires at
+the lease it opened with. A RECEIVER room sends those holds while it waits for its destination:
+``HOLD_DUE`` (on entering WAITING_FOR_INPUT, then every hold interval) is ``SEND_HOLD`` there and
+nowhere else, so holds stop the moment the room sends its requests or ends. A hold changes no
+state: it moves a deadline or sends a frame, and a SENDER room past BOOTSTRAPPING has no use for
+one (``NONE``).
+
 Effects name what the room must do on the way; the room carries the data (which chunk, which
 code). ``LOCAL_ERROR`` means the application misused the API: the room raises
 ``LocalProtocolError`` and keeps its state. ``INTERNAL_ERROR`` marks triples that the
@@ -94,6 +105,10 @@ class Input(enum.Enum):
     LOCAL_ABORT = "local_abort"
     TIMEOUT = "timeout"
     CLOSE = "close"
+    # sender (1.4): a ROOM_HOLD from a decode rank that may still send the room's request
+    HOLD = "hold"
+    # receiver (1.4): the room's next ROOM_HOLD is due (on entering WAITING_FOR_INPUT, then each interval)
+    HOLD_DUE = "hold_due"
 
 
 class Effect(enum.Enum):
@@ -110,6 +125,8 @@ class Effect(enum.Enum):
     ABSORB = "absorb"  # input after the end: drop and count
     LOCAL_ERROR = "local_error"  # raise LocalProtocolError; state unchanged
     INTERNAL_ERROR = "internal_error"  # unreachable by construction; fail safely
+    EXTEND = "extend"  # sender (1.4): push the BOOTSTRAPPING deadline out to the hold's end
+    SEND_HOLD = "send_hold"  # receiver (1.4): ROOM_HOLD to every paired link of minor >= 4; re-arm
 
 
 S, R = Role.SENDER, Role.RECEIVER
@@ -121,11 +138,13 @@ SENDER_INPUTS = frozenset({
     I.REQUEST_PARTIAL, I.REQUEST_COMPLETE, I.REQUEST_COMPLETE_WITH_INPUT, I.CHUNK,
     I.WRITE_DONE, I.ALL_WRITES_DONE, I.WRITE_ERROR,
     I.PEER_ABORT, I.PEER_GONE, I.PEER_VIOLATION, I.LOCAL_ABORT, I.TIMEOUT, I.CLOSE,
+    I.HOLD,
 })
 RECEIVER_INPUTS = frozenset({
     I.LINKS_READY, I.LINKS_READY_WITH_INPUT, I.WRITER_DONE, I.DESTINATION, I.ARRIVAL,
     I.ALL_ARRIVED, I.DRAIN, I.DRAIN_PROGRESS, I.DRAINED,
     I.PEER_ABORT, I.PEER_GONE, I.PEER_VIOLATION, I.LOCAL_ABORT, I.TIMEOUT, I.CLOSE,
+    I.HOLD_DUE,
 })
 INPUTS = {S: SENDER_INPUTS, R: RECEIVER_INPUTS}
 
@@ -222,6 +241,14 @@ TABLE: dict[tuple[Role, RoomState, Input], tuple[Effect, RoomState]] = {
     (R, T, I.LOCAL_ABORT):                 (E.ABORT_PEERS,    FAILED),
     (R, T, I.TIMEOUT):                     (E.ABORT_PEERS,    FAILED),
     (R, T, I.CLOSE):                       (E.ABORT_PEERS,    FAILED),
+
+    # ---- room holds (1.4) -----------------------------------------------------------------
+    (S, B, I.HOLD):                        (E.EXTEND,         B),
+    (S, W, I.HOLD):                        (E.NONE,           W),
+    (S, T, I.HOLD):                        (E.NONE,           T),
+    (R, B, I.HOLD_DUE):                    (E.INTERNAL_ERROR, FAILED),
+    (R, W, I.HOLD_DUE):                    (E.SEND_HOLD,      W),
+    (R, T, I.HOLD_DUE):                    (E.INTERNAL_ERROR, FAILED),
 }
 # Terminal states absorb every input of their role.
 TABLE.update({

@@ -34,6 +34,11 @@ class Timers:
         if len(self._heap) > 64 and len(self._heap) > 4 * len(self._due):
             self._compact()
 
+    def deadline(self, key: Hashable) -> float | None:
+        """The deadline of ``key``, or None if it has none."""
+        due = self._due.get(key)
+        return None if due is None else due[0]
+
     def cancel(self, key: Hashable) -> None:
         self._due.pop(key, None)
 

@@ -33,6 +33,7 @@ from kvproto.wire.messages import (
     Register,
     RegisterAccept,
     RegisterReject,
+    RoomHold,
     StagingGrant,
     StagingRequest,
     StagingWatermark,

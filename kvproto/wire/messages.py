@@ -35,6 +35,8 @@ class MsgType(enum.IntEnum):
     STAGING_WATERMARK = 13
     # minor 2: caches of several groups
     CACHE_GROUPS = 14
+    # minor 4: room holds
+    ROOM_HOLD = 15
 
 
 class RegionKind(enum.IntEnum):
@@ -395,6 +397,17 @@ class CacheGroups(Message):
     OPTIONAL_FROM: ClassVar = 2
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoomHold(Message):
+    """(minor 4) decode rank → prefill rank: this decode instance still wants room ``room_id``
+    (its rank waits for the application's destination); keep the room open ``hold_ms`` more
+    milliseconds, as far as the prefill rank's own maximum allows."""
+
+    MSG_TYPE: ClassVar = MsgType.ROOM_HOLD
+    hold_ms: int
+    FIELDS: ClassVar = (("hold_ms", "u32"),)
+
+
 MESSAGE_TYPES: dict[int, type[Message]] = {
     cls.MSG_TYPE: cls
     for cls in (
@@ -412,6 +425,7 @@ MESSAGE_TYPES: dict[int, type[Message]] = {
         StagingGrant,
         StagingWatermark,
         CacheGroups,
+        RoomHold,
     )
 }
 

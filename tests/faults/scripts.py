@@ -34,8 +34,8 @@ within minutes.
   landed late), since the design trusts a dropped link. A link that its prefill closed
   (ENDPOINT_CLOSED) earns no exemption: the prefill tells only once its writes cannot land;
 * once every room ended, nothing remains: no rooms in the cores, no room deadlines (only parked
-  requests and pre-aborts may wait for theirs), no held ABORTs (``_draining``), empty staging
-  rings, empty ``_handles`` and ``_pending``;
+  requests, pre-aborts and holds remembered for rooms never opened may wait for theirs), no held
+  ABORTs (``_draining``), empty staging rings, empty ``_handles`` and ``_pending``;
 * with control faults off, no cut link and no clock jump (``quiet``), failure codes agree: a
   side fails with a code that was injected for that room (ABORTED, TRANSPORT_ERROR,
   ENDPOINT_CLOSED when the script closes the decode endpoint) or PEER_GONE; a timeout is allowed
@@ -81,7 +81,9 @@ SWA_WINDOW = 6
 STATE_SHAPE = (4, 8)
 """The ``ssm`` group's one tensor per layer (uint8, split over TP along its first dimension)."""
 STATE_LAYERS = 2
-TIMEOUTS = Timeouts(bootstrap=2.0, waiting=2.5, transfer=2.5, parked=2.0, drain=1.0)
+TIMEOUTS = Timeouts(bootstrap=2.0, waiting=2.5, transfer=2.5, parked=2.0, drain=1.0, hold=1.0)
+"""``hold``: a decode room waiting for its late destination holds its prefill rooms (protocol 1.4)
+every third of a second, each hold for a second, so holds and their faults are met in every script."""
 HEARTBEAT = (0.2, 1.0)
 WALL_S = 15.0
 """Every room of a script must end within this (the longest chain is a bootstrap retry, a transfer
@@ -793,7 +795,8 @@ def _leftovers(decode: DecodeEndpoint, prefills: list[PrefillEndpoint]) -> list[
         core = ep.core
         if core.rooms:
             left.append(f"{name} core rooms {sorted(core.rooms)}")
-        room_timers = [k for k in core.timers._due if not (isinstance(k, tuple) and k[0] in ("parked", "preaborted"))]
+        room_timers = [k for k in core.timers._due
+                       if not (isinstance(k, tuple) and k[0] in ("parked", "preaborted", "held"))]
         if room_timers:
             left.append(f"{name} room deadlines {room_timers}")
         if ep._handles:

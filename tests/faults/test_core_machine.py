@@ -66,7 +66,7 @@ from kvproto.core import (
     Timeouts,
 )
 from kvproto.core.staging import StagingRing
-from kvproto.wire import ErrorCode, decode, decode_tag, encode
+from kvproto.wire import MINOR, ErrorCode, RoomHold, decode, decode_tag, encode
 
 BLOCK = 4
 BLOCKS = 32
@@ -161,7 +161,7 @@ class Pair:
         self.receiver.cluster_pending(CLUSTER)
         self.receiver.cluster_ready(CLUSTER, [ReceiverLink(
             key=("prefill", e), link_id=e, cluster=CLUSTER, prefill_rank=0, agent=f"agent-{e}", writer=True,
-            aux_owner=True, stage_unit=UNIT if self.staged else 0)], self.now)
+            aux_owner=True, stage_unit=UNIT if self.staged else 0, minor=MINOR)], self.now)
         self.link_up = True
         self.pump()
 
@@ -217,6 +217,8 @@ class Pair:
 
     def _receiver_output(self, out: Any) -> None:
         if isinstance(out, Send):
+            if isinstance(out.message, RoomHold):
+                STATS["holds_sent"] += 1
             self.to_prefill.append((out.link[1], encode(out.message)))
         elif isinstance(out, Scatter):
             self.scatters.append(out)
@@ -285,18 +287,26 @@ class Pair:
         if self.receiver.cluster_status(CLUSTER) in ("unknown", "failed"):
             self.receiver.cluster_pending(CLUSTER)  # the endpoint starts a bootstrap first
         self.r_live[room] = inc = Incarnation(room)
-        core_room = self.receiver.open_room(room, CLUSTER, self.now)
+        destination = None
+        if with_dest:  # as DecodeEndpoint.open_room(pages=...): the room never waits for its destination
+            inc.tokens, inc.prefix = n, pre
+            destination = self.receiver.check_destination(self.dst_pages(room, n), n, prefix_tokens=pre,
+                                                           aux_slot=room % AUX)
+        core_room = self.receiver.open_room(room, CLUSTER, self.now, destination=destination)
         inc.generation = core_room.generation
-        if with_dest and room in self.r_live:
-            self.set_destination(room)
         self.pump()
 
+    @staticmethod
+    def dst_pages(room: int, n: int) -> list[int]:
+        return [(room * 9 + i) % BLOCKS for i in range(pages(n))]
+
     def set_destination(self, room: int) -> None:
+        """A late destination: the room waited for it (WAITING_FOR_INPUT: holding its prefill room)."""
         n, pre = self.tokens[room]
         inc = self.r_live[room]
         inc.tokens, inc.prefix = n, pre
-        dst = [(room * 9 + i) % BLOCKS for i in range(pages(n))]
-        self.receiver.set_destination(room, dst, n, self.now, prefix_tokens=pre, aux_slot=room % AUX)
+        self.receiver.set_destination(room, self.dst_pages(room, n), n, self.now, prefix_tokens=pre,
+                                      aux_slot=room % AUX)
         self.pump()
 
     def chunk(self, room: int, step: int) -> None:
@@ -553,7 +563,7 @@ class CoreMachine(RuleBasedStateMachine):
             assert core.rooms == {}, f"{name} still has rooms"
             assert len(core.timers) == 0, f"{name} still has deadlines"
         assert p.sender._draining == {} and p.sender._parked == {} and p.sender._parked_count == 0
-        assert p.sender._preaborted == {}
+        assert p.sender._preaborted == {} and p.sender.remembered_holds() == 0
         ring = p.receiver.ring
         if ring is not None:
             assert (ring.used, ring.queued, ring.live_grants(), ring.owners()) == (0, 0, [], set())

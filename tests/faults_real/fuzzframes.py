@@ -35,6 +35,7 @@ from kvproto.wire import (
     Register,
     RegisterAccept,
     RegisterReject,
+    RoomHold,
     StagingGrant,
     StagingRequest,
     StagingWatermark,
@@ -200,6 +201,8 @@ class FrameFuzzer:
             return RankAnnounce(tp_rank=rng.choice((0, 1, 2, 65535)), tp_size=rng.choice((0, 1, 2, 65535)),
                                 endpoint=rng.choice(("tcp://127.0.0.1:1", "nonsense", "")),
                                 boot_id=rand_uint(rng, "u64"))
+        if kind < 0.92:  # minor 4: a hold for a room (live, ended, never opened), any length
+            return RoomHold(room_id=room_id, generation=gen, hold_ms=rng.choice((0, 1, 1000, 60_000, U["u32"])))
         return rand_message(rng, room_id if rng.random() < 0.5 else 0, gen)
 
     def _register(self, real_link: bool) -> Register:

@@ -101,7 +101,7 @@ class Rank:
         config = EndpointConfig(
             transport=self.cfg.transport, port=port, instance=self.spec.instance, model_id="faults-real",
             heartbeat_interval=self.spec.heartbeat_interval, heartbeat_timeout=self.spec.heartbeat_timeout,
-            staging_bytes=0, timeouts=Timeouts(bootstrap=t, waiting=t, transfer=t, parked=t),
+            staging_bytes=0, timeouts=Timeouts(bootstrap=t, waiting=t, transfer=t, parked=t, max_hold=t),
             host=self.spec.host, advertise_host=self.spec.advertise_host, curve=curve,
             transport_options=host_options(self.cfg.transport, self.spec.address) if self.spec.address else {},
         )

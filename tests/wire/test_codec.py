@@ -60,7 +60,7 @@ GEOMETRY_BYTES = struct.pack("<HHIIIBIBBI", 2, 1, 3, 8, 128, 2, 16, 1, 0, 1000)
 
 
 def test_codec_header_constants() -> None:
-    """The header is 24 bytes; this build speaks major 1, minor 4 (version 1.4: state layouts)."""
+    """The header is 24 bytes; this build speaks major 1, minor 4 (version 1.4: state layouts, room holds)."""
     assert HEADER_SIZE == struct.calcsize(HEADER_FMT) == 24
     assert (MAJOR, MINOR) == (1, 4)
 
@@ -275,7 +275,7 @@ def test_codec_staging_types_are_unknown_to_a_minor0_decoder(monkeypatch: pytest
     frames = [encode(StagingRequest(room_id=1, generation=2, seq=0, start_token=0, end_token=1), minor=1),
               encode(StagingGrant(room_id=1, generation=2, seq=0, start_token=0, end_token=1, offset=0), minor=1),
               encode(StagingWatermark(room_id=1, generation=2, seq=0, watermark=64), minor=1)]
-    for msg_type in (11, 12, 13, 14):
+    for msg_type in (11, 12, 13, 14, 15):
         monkeypatch.delitem(messages.MESSAGE_TYPES, msg_type)
     assert sorted(messages.MESSAGE_TYPES) == list(range(1, 11))
     for msg_type, frame in zip((11, 12, 13), frames):

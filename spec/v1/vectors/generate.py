@@ -48,6 +48,7 @@ from kvproto.wire import (
     Register,
     RegisterAccept,
     RegisterReject,
+    RoomHold,
     StagingGrant,
     StagingRequest,
     StagingWatermark,
@@ -320,6 +321,11 @@ REGISTER_GROUPS_PAGES = Register(**{
 """register_groups.hex's REGISTER with gdn's regions in pages: layer l's 64 pages from
 0x7F3C00000000 + l * 64 * GDN_PAGE; its conv region starts there, its recurrent region GDN_SLOT[0]
 bytes later, each reaching its 64th slot's end (63 strides and the tensor's local bytes)."""
+
+
+# Version 1.4 (minor 4): room holds. The decode rank of transfer_request.hex's room waits for its
+# destination and holds the room on the prefill rank for 10 s (Timeouts.hold's default).
+ROOM_HOLD = RoomHold(room_id=0x00C0FFEE, generation=1_000_001, hold_ms=10_000)
 
 
 def _vectors() -> list[Vector]:
@@ -631,8 +637,41 @@ def _vectors() -> list[Vector]:
                "message type 203 at minor 5: decoders raise UnknownMessage; a receiver of minor 4 or lower ignores "
                "it (newer minor)"),
     ]
+    room_hold = encode(ROOM_HOLD, minor=4)
+    holds = [
+        frame("room_hold.hex", ROOM_HOLD,
+              "minor 4: decode rank 1 of transfer_request.hex's room, still waiting for its destination, asks "
+              "the prefill rank to keep room 0xC0FFEE open 10 s more (cut to the prefill's own maximum)", minor=4),
+        frame("room_hold_max.hex", RoomHold(room_id=U64_MAX, generation=U32_MAX, hold_ms=U32_MAX),
+              "minor 4: every field at its bound, a hold of 2**32-1 ms (wire-valid; the prefill rank cuts it to "
+              "its maximum hold)", minor=4),
+        decode_only("room_hold_minor5_trailing.hex", with_trailing(encode(ROOM_HOLD, minor=5),
+                                                                   bytes.fromhex("0607"), minor=5),
+                    ROOM_HOLD, "minor 5: a ROOM_HOLD with 2 bytes of fields this decoder does not know: they are "
+                               "ignored", twin="room_hold.hex", minor=5),
+        reject("reject_room_hold_truncated.hex", with_trailing(room_hold[:24], room_hold[24:27]),
+               "MalformedFrame", ErrorCode.MALFORMED_FRAME,
+               "minor 4: a consistent body_len, but the body ends inside hold_ms (the field is required)"),
+        frame("abort_register_refused.hex", Abort(room_id=0x00C0FFEE, generation=1_000_001,
+                                                   code=ErrorCode.MODEL_MISMATCH,
+                                                   reason="prefill rank 0 rejected registration: decode serves "
+                                                          "model 'a', prefill 'b'"),
+              "minor 4: what a decode rank sends, on the link whose REGISTER register_reject.hex refused, for its "
+              "room that fails by the refusal; a prefill rank of minor 4 fails its open room 0xC0FFEE with "
+              "MODEL_MISMATCH if no decode rank has requested it yet (messages.md, 9 ABORT: refused "
+              "registrations), and drops it otherwise", minor=4),
+        decode_only("staging_grant_minor5_trailing_holds.hex",
+                    with_trailing(encode(STAGING_GRANT, minor=5), bytes.fromhex("0a0b0c"), minor=5),
+                    STAGING_GRANT,
+                    "minor 5: a STAGING_GRANT with 3 bytes of fields this decoder does not know: they are ignored",
+                    twin="staging_grant.hex", minor=5),
+        reject("reject_unknown_type_minor5_holds.hex", patched(encode(HEARTBEAT, minor=5), 4, "<B", 203),
+               "UnknownMessage", ErrorCode.MALFORMED_FRAME,
+               "message type 203 at minor 5: decoders raise UnknownMessage; a receiver of minor 4 or lower ignores "
+               "it (newer minor)"),
+    ]
     # The MAX_FRAME bound is tested in tests/wire/test_fuzz.py rather than with 16 MiB files.
-    return good + tail + rejects + tags + tag_rejects + staging + duplicates + groups + state_block + exact + layouts
+    return good + tail + rejects + tags + tag_rejects + staging + duplicates + groups + state_block + exact + layouts + holds
 
 
 VECTORS = _vectors()
