@@ -65,12 +65,14 @@ def test_instances_of_different_models_or_cache_dtypes_are_refused_before_any_by
     byte moves, and nothing leaks."""
     d_extra = {"model_id": "another-model"} if what == "model" else {}
     d_kw = {"cache_dtype": "fp8_e5m2"} if what == "kv_cache_dtype" else {}  # the geometry alone would agree
-    prefill, decode = pair(d_extra=d_extra, d_kw=d_kw, timeouts={"bootstrap": 2.0}, log_stats=True)
+    prefill, decode = pair(d_extra=d_extra, d_kw=d_kw, timeouts={"bootstrap": 60.0}, log_stats=True)
     try:
         caplog.set_level(logging.INFO, logger="kvproto")
         prompts = {"m": list(range(1, 60))}
         checked = checking(decode, prompts)
-        disaggregated(prefill, decode, prompts, timeout=30)
+        began = time.monotonic()
+        disaggregated(prefill, decode, prompts, timeout=30)  # waits for the prefill to let go, too
+        assert time.monotonic() - began < 15, "the prefill kept the refused request's blocks for its lease"
         assert decode.finished["m"].finish_reason.name == "ERROR" and not checked
         code = "MODEL_MISMATCH" if what == "model" else "COMPAT_KEY_MISMATCH"
         assert stats_of(decode).data["recv_failed"] == [code]
@@ -108,7 +110,7 @@ def test_curve_keys_admit_the_known_decode_and_refuse_an_unknown_one(tmp_path: A
                                               "server_key": server_pub.decode()}})
     stranger = Instance("kv_consumer", engine="stranger", log_stats=True,
                         extra={"curve": {"public_key": stranger_pub.decode(), "secret_key": stranger_sec.decode(),
-                                         "server_key": server_pub.decode()}, "timeouts": {"bootstrap": 3.0}})
+                                         "server_key": server_pub.decode()}, "timeouts": {"bootstrap": 60.0}})
     try:
         prompts = {"ok": list(range(1, 70)), "no": list(range(100, 170))}
         checked = checking(decode, prompts)
@@ -117,8 +119,10 @@ def test_curve_keys_admit_the_known_decode_and_refuse_an_unknown_one(tmp_path: A
         prefill.add("no", prompts["no"], 1, {"do_remote_decode": True})
         run_until([prefill], lambda: "no" in prefill.finished)
         stranger.add("no", prompts["no"], 2, kv_params(prefill, "no"))
-        run_until([prefill, stranger], lambda: "no" in stranger.finished and not stranger.busy()
-                  and not prefill.busy(), timeout=30)
+        began = time.monotonic()
+        run_until([stranger], lambda: "no" in stranger.finished and not stranger.busy(), timeout=30)
+        assert time.monotonic() - began < 10, "the refused decode waited for its bootstrap deadline"
+        run_until([prefill], lambda: not prefill.busy(), timeout=30)  # its lease (3 s): no decode took it
         assert stranger.finished["no"].finish_reason.name == "ERROR"
         assert stats_of(stranger).data["recv_failed"] == ["AUTH_FAILED"]
         assert_empty(prefill, decode, stranger)

@@ -45,6 +45,17 @@ ERROR = "kvproto_error"
 ``do_remote_decode``): the prefill instance's bootstrap address, the room id, and, on a prefill
 request that could not hand its KV over, why (the decode then computes the prompt itself)."""
 
+PREFILL_TIMEOUTS = Timeouts(bootstrap=30.0, parked=600.0)
+"""A prefill instance's rooms: a finished request's blocks are *leased* for 30 s to a decode that
+has not asked for them (``bootstrap``: NixlConnector's ``kv_lease_duration``); a decode whose request
+waits in its queue renews the lease every few seconds (``ROOM_HOLD``, protocol 1.4) for as long as
+it waits, and one that never comes costs the blocks 30 s (counted as an expired request). A
+decode's transfer request for a room the prefill has not scheduled yet (the concurrent proxy flow)
+is kept 600 s (``parked``), as long as a request may queue on the prefill."""
+DECODE_TIMEOUTS = Timeouts(waiting=None)
+"""A decode instance's rooms wait for their blocks as long as vLLM queues the request (``waiting``:
+no deadline), holding the prefill's room meanwhile (``hold``: 10 s asked, renewed every 3.3 s)."""
+
 CURVE_KEYS = frozenset({"public_key", "secret_key", "server_key", "allowed", "certificate", "server_certificate",
                         "allowed_dir"})
 
@@ -70,8 +81,7 @@ class Settings:
     staging_mib: int | None = None
     """kvproto staging buffer per rank (None: kvproto's default; 0: none)."""
     timeouts: dict[str, float] = field(default_factory=dict)
-    """``kvproto.core.Timeouts`` fields in seconds (``bootstrap`` on a prefill instance: how long a
-    finished request holds its blocks for a decode that has not asked for them)."""
+    """``kvproto.core.Timeouts`` fields in seconds, over ``PREFILL_TIMEOUTS`` / ``DECODE_TIMEOUTS``."""
     heartbeat_timeout_s: float = 5.0
     """A peer instance silent this long is gone: its rooms fail (``PEER_GONE``)."""
     endpoint_process: bool = False
@@ -110,7 +120,7 @@ class Settings:
 
     def endpoint_config(self, *, instance: str, model_id: str, compat_key: str, prefill: bool,
                         serves_bootstrap: bool, dp_index: int) -> EndpointConfig:
-        defaults = Timeouts(bootstrap=120.0) if prefill else Timeouts(waiting=None)
+        defaults = PREFILL_TIMEOUTS if prefill else DECODE_TIMEOUTS
         timeouts = dataclasses.replace(defaults, **self.timeouts)
         options: dict[str, Any] = dict(transport=self.transport, transport_options=dict(self.transport_options),
                                        instance=instance, timeouts=timeouts, model_id=model_id,
