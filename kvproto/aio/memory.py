@@ -37,10 +37,22 @@ _TORCH_DTYPES = {
 
 @dataclass(frozen=True, slots=True)
 class AuxBuffer:
+    """Fixed-size per-request slots moved with a room's last chunk. One buffer (``address``,
+    ``slot_bytes`` per slot), or several that share one slot index (``parts``: SGLang's metadata
+    buffers, one for the first token, one for logprobs, one for hidden states, ...): slot ``s`` of
+    the room is slot ``s`` of every part, moved in one write, and ``slot_bytes`` is their sum."""
+
     address: int
     slot_bytes: int
     slots: int
     owner: Any = field(default=None, compare=False, repr=False)
+    parts: tuple[tuple[int, int], ...] = ()
+    """(address, bytes per slot) of each buffer when there are several (the first is ``address``)."""
+
+    @property
+    def buffers(self) -> tuple[tuple[int, int], ...]:
+        """(address, bytes per slot) of every buffer, in order."""
+        return self.parts or ((self.address, self.slot_bytes),)
 
     @classmethod
     def from_tensor(cls, tensor: Any) -> AuxBuffer:
@@ -49,6 +61,33 @@ class AuxBuffer:
             raise ValueError("aux tensor must be contiguous with slots along dim 0")
         slots = tensor.shape[0]
         return cls(tensor.data_ptr(), tensor.numel() * tensor.element_size() // slots, slots, tensor)
+
+    @classmethod
+    def from_tensors(cls, tensors: Sequence[Any]) -> AuxBuffer:
+        """Several contiguous tensors of ``(slots, ...)`` (any dtype and shape beyond the first
+        dimension, the same ``slots``) as one aux slot index."""
+        if not tensors:
+            raise ValueError("no aux tensors given")
+        parts = [cls.from_tensor(t) for t in tensors]
+        slots = {p.slots for p in parts}
+        if len(slots) != 1:
+            raise ValueError(f"aux tensors hold different numbers of slots: {sorted(slots)}")
+        if len(parts) == 1:
+            return parts[0]
+        return cls.from_pointers([(p.address, p.slot_bytes) for p in parts], slots.pop(), owner=tuple(tensors))
+
+    @classmethod
+    def from_pointers(cls, buffers: Sequence[tuple[int, int]], slots: int, *, owner: Any = None) -> AuxBuffer:
+        """Buffers given as (address, bytes per slot), each holding ``slots`` slots, as one aux
+        slot index (the memory is the caller's: keep it alive, or pass it as ``owner``)."""
+        buffers = tuple((int(a), int(n)) for a, n in buffers)
+        if not buffers or slots <= 0 or any(n <= 0 for _, n in buffers):
+            raise ValueError(f"aux buffers {buffers} of {slots} slots describe no slot")
+        return cls(buffers[0][0], sum(n for _, n in buffers), slots, owner, buffers if len(buffers) > 1 else ())
+
+    def regions(self) -> list[tuple[int, int]]:
+        """(address, length) of every buffer."""
+        return [(a, n * self.slots) for a, n in self.buffers]
 
 
 def _torch_dtype(dtype: Any) -> DType:
@@ -354,7 +393,7 @@ class KVCache:
         size = self.geometry.region_bytes
         regions = [MemoryRegion(a, size, self.device_id, self.mem_kind) for a in self.region_addresses]
         if self.aux is not None:
-            regions.append(MemoryRegion(self.aux.address, self.aux.slot_bytes * self.aux.slots, 0, MemKind.DRAM))
+            regions += [MemoryRegion(a, n, 0, MemKind.DRAM) for a, n in self.aux.regions()]
         for extra in self.groups:
             regions += extra.memory_regions()
         return regions
@@ -370,10 +409,9 @@ class KVCache:
                        mem_kind=self.mem_kind)
             for i, a in enumerate(self.region_addresses)
         ]
-        if self.aux is not None:
-            rows.append(WireRegion(kind=RegionKind.AUX, index=0, address=self.aux.address,
-                                   length=self.aux.slot_bytes * self.aux.slots, device_id=0,
-                                   mem_kind=MemKind.DRAM))
+        if self.aux is not None:  # one AUX region per aux buffer, in order (messages.md, REGISTER)
+            rows += [WireRegion(kind=RegionKind.AUX, index=i, address=a, length=n, device_id=0, mem_kind=MemKind.DRAM)
+                     for i, (a, n) in enumerate(self.aux.regions())]
         for number, extra in enumerate(self.groups, start=1):
             for r, region in enumerate(extra.memory_regions()):
                 rows.append(WireRegion(kind=RegionKind.GROUP, index=number << 24 | r, address=region.address,
