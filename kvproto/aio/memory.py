@@ -388,6 +388,49 @@ class KVCache:
             layers=None if model_layers is None else tuple(model_layers),
         )
 
+    @classmethod
+    def from_pointers(
+        cls,
+        planes: Sequence[Sequence[int]],
+        *,
+        page_bytes: int,
+        region_bytes: int,
+        block_size: int,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        num_kv_heads: int = 1,
+        mla: bool = False,
+        mem_kind: MemKind = MemKind.DRAM,
+        device_id: int = 0,
+        aux: AuxBuffer | None = None,
+        owner: Any = None,
+    ) -> KVCache:
+        """Describe a cache an engine gives as raw addresses (SGLang's ``KVArgs``): ``planes`` is
+        ``[k_addresses, v_addresses]`` (``[latent_addresses]`` for MLA), one per layer; each layer
+        of each plane is ``region_bytes`` of pages of ``page_bytes``, a page holding ``block_size``
+        tokens of this rank's heads, token-major (NHD). The head size is what the page holds per
+        token and head, in bytes (the cache is described as bytes: both sides describe it so, and
+        the engine checks the element type); ``num_kv_heads`` is the model's total. The memory is the
+        caller's (keep it alive, or pass it as ``owner``). The staged path needs tensors, so such a
+        cache moves direct or sliced (``EndpointConfig.staging_bytes=0``)."""
+        if not planes or not planes[0] or len(planes) != (1 if mla else 2):
+            raise ValueError(f"expected {'1 plane (MLA)' if mla else '2 planes (K, V)'} of layer addresses")
+        layers = len(planes[0])
+        if any(len(p) != layers for p in planes):
+            raise ValueError("every plane needs one address per layer")
+        heads = 1 if mla else max(1, num_kv_heads // tp_size)
+        if page_bytes <= 0 or region_bytes % page_bytes or page_bytes % (block_size * heads):
+            raise ValueError(f"pages of {page_bytes} bytes do not hold {block_size} tokens of {heads} heads, or "
+                             f"do not tile a {region_bytes}-byte layer")
+        geometry = KVGeometry(
+            tp_size=tp_size, tp_rank=tp_rank, num_layers=layers, num_kv_heads=1 if mla else num_kv_heads,
+            head_dim=page_bytes // (block_size * heads), dtype=DType.UINT8, block_size=block_size,
+            layout=Layout.NHD, mla=mla, num_blocks=region_bytes // page_bytes,
+        )
+        addresses = tuple(int(plane[layer]) for layer in range(layers) for plane in planes)
+        return cls(geometry=geometry, region_addresses=addresses, mem_kind=mem_kind, device_id=device_id, aux=aux,
+                   owner=owner)
+
     # --- what gets registered and advertised ------------------------------------------------
     def memory_regions(self) -> list[MemoryRegion]:
         size = self.geometry.region_bytes
