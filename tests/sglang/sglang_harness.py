@@ -40,6 +40,8 @@ from typing import Any
 
 import numpy as np
 
+os.environ["SGLANG_HOST_IP"] = "127.0.0.1"  # every socket on loopback (SGLang's rank address, kvproto's)
+
 PAGE = 16
 LAYERS = 3
 HEADS = 2
@@ -214,7 +216,7 @@ class Rank:
                                     enable_hisparse=False, req_to_token_pool=None)
         stub = SimpleNamespace(transfer_backend=self.backend, tp_rank=self.spec.rank, pp_rank=0, scheduler=scheduler,
                                token_to_kv_pool=self.pool, draft_token_to_kv_pool=None, is_mla_backend=self.spec.mla,
-                               metadata_buffers=self.metadata, tree_cache=None)
+                               metadata_buffers=self.metadata, tree_cache=None, enable_staging=False)
         queue = PrefillBootstrapQueue if self.spec.role == "prefill" else DecodePreallocQueue
         return queue._init_kv_manager(stub)
 
@@ -303,8 +305,10 @@ def decode_steps(rank: Rank, req: Request, free: list[int], conn: Any, results: 
     addr = rank.bootstrap_addr()
     receiver = get_kv_class(rank.backend, KVClassType.RECEIVER)(mgr=rank.manager, bootstrap_addr=addr,
                                                                  bootstrap_room=req.room)
-    while not rank.manager.try_ensure_parallel_info(addr):
-        yield receiver
+    while not rank.manager.try_ensure_parallel_info(addr):  # SGLang retries once a second
+        next_try = time.monotonic() + 0.5
+        while time.monotonic() < next_try:
+            yield receiver
     receiver.init(0)
     poll = yield receiver
     while poll == KVPoll.Bootstrapping:
@@ -410,13 +414,16 @@ class Pair:
 
     def wait(self, kind: str, who: tuple[str, int], timeout: float = 120.0) -> tuple:
         conn = self.conns[who]
-        if not conn.poll(timeout):
-            raise TimeoutError(f"{who} sent no {kind!r} in {timeout} s")
-        msg = conn.recv()
-        if msg[0] == "error":
-            raise AssertionError(f"{who} failed:\n{msg[1]}")
-        assert msg[0] == kind, msg
-        return msg
+        deadline = time.monotonic() + timeout
+        while True:
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"{who} sent no {kind!r} in {timeout} s")
+            msg = conn.recv()
+            if msg[0] == "error":
+                raise AssertionError(f"{who} failed:\n{msg[1]}")
+            if msg[0] == kind:
+                return msg
+            assert msg[0] in ("ready", "stalled"), msg
 
     def results(self, who: tuple[str, int], timeout: float = 150.0) -> tuple[dict[int, Result], bool]:
         msg = self.wait("results", who, timeout)
@@ -457,5 +464,3 @@ def start_pair(tmp: Path, *, p_tp: int, d_tp: int, mla: bool, prefill: list[Requ
             processes[(role, rank)], conns[(role, rank)] = proc, ours
     return Pair(processes, conns, server)
 
-
-os.environ.setdefault("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", "2")
