@@ -3,6 +3,8 @@ KVArgs, moving every K/V and metadata byte through kvproto (``sglang_harness``).
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytest.importorskip("sglang")
@@ -15,12 +17,16 @@ SUCCESS, FAILED = 4, 0
 
 
 def rooms(base: int) -> list[Request]:
-    """Chunked prompts of whole and partial pages, one with a decode prefix, run concurrently."""
+    """Chunked prompts of whole and partial pages, one with a decode prefix, and one room aborted
+    by each side at each point, all run concurrently."""
     return [
         Request(base + 1, 5 * PAGE + 3, [2 * PAGE, 4 * PAGE, 5 * PAGE + 3]),
         Request(base + 2, 3 * PAGE, [3 * PAGE]),
         Request(base + 3, 6 * PAGE + 9, [3 * PAGE, 6 * PAGE + 9], prefix=2 * PAGE),
         Request(base + 4, 7, [7]),
+        Request(base + 5, 4 * PAGE, [2 * PAGE, 4 * PAGE], abort="decode-before-metadata"),
+        Request(base + 6, 4 * PAGE, [PAGE, 2 * PAGE, 4 * PAGE], abort="decode-after-metadata"),
+        Request(base + 7, 4 * PAGE + 1, [PAGE, 2 * PAGE, 4 * PAGE + 1], abort="prefill-mid"),
     ]
 
 
@@ -38,16 +44,43 @@ def run(tmp_path, p_tp: int, d_tp: int, *, mla: bool = False, requests: list[Req
 @pytest.mark.parametrize("p_tp, d_tp, mla", [(1, 1, False), (1, 2, False), (2, 1, False), (1, 2, True),
                                              (2, 1, True)],
                          ids=["tp1-1", "tp1-2", "tp2-1", "mla-tp1-2", "mla-tp2-1"])
-def test_sglang_pair_moves_every_byte(tmp_path, p_tp, d_tp, mla):
-    """Every room succeeds on every rank of both sides; every K/V (or latent) byte of every token
-    past the decode's prefix, every head each decode rank holds, and every metadata byte is the
-    prefill's, and no page the decode never handed out was written."""
+def test_sglang_pair_rooms_byte_exact_and_aborts(tmp_path, p_tp, d_tp, mla):
+    """Every room not aborted succeeds on every rank of both sides; every K/V (or latent) byte of
+    every token past the decode's prefix, of every head each decode rank holds, and every metadata
+    byte is the prefill's; no page the decode never handed out was written. A room aborted by the
+    decode (before or after its metadata) or by the prefill (between chunks) fails on every rank
+    of both sides, with kvproto's reason (ABORTED) through SGLang's failure_exception()."""
     requests, prefill, decode = run(tmp_path, p_tp, d_tp, mla=mla)
-    for results, untouched in decode:
-        assert untouched
-        for req in requests:
-            r = results[req.room]
-            assert r.state == SUCCESS, r.reason
-            assert r.mismatches == 0 and r.checked_bytes > 0
-    for results, _ in prefill:
-        assert all(results[req.room].state == SUCCESS for req in requests), results
+    for side, ranks in (("decode", decode), ("prefill", prefill)):
+        for results, untouched in ranks:
+            assert untouched
+            for req in requests:
+                r = results[req.room]
+                if req.abort is None:
+                    assert r.state == SUCCESS, (side, r)
+                    assert side == "prefill" or (r.mismatches == 0 and r.checked_bytes > 0), r
+                else:
+                    assert r.state == FAILED, (side, r)
+                    assert "KVTransferError" in r.reason and ("ABORTED" in r.reason or "Aborted" in r.reason), \
+                        (side, r)
+
+
+def test_sglang_pair_prefill_killed_mid_transfer(tmp_path):
+    """The prefill rank's process is killed (SIGKILL) after the first of three chunks: the decode's
+    room fails through SGLang's poll and failure_exception(), with kvproto's reason (the prefill is
+    gone), within the heartbeat timeout; it never hangs, and the decode rank keeps serving (it
+    reports, and closes cleanly)."""
+    req = Request(9001, 4 * PAGE, [PAGE, 2 * PAGE, 4 * PAGE], stall_after=1)
+    pair = start_pair(tmp_path, p_tp=1, d_tp=1, mla=False, prefill=[req], decode=[req])
+    try:
+        pair.wait("stalled", ("prefill", 0))
+        killed = time.monotonic()
+        pair.processes[("prefill", 0)].kill()
+        results, _ = pair.results(("decode", 0))
+        waited = time.monotonic() - killed
+    finally:
+        pair.close()
+    r = results[9001]
+    assert r.state == FAILED
+    assert "KVTransferError" in r.reason and ("PEER_GONE" in r.reason or "TRANSPORT" in r.reason), r.reason
+    assert waited < 30
