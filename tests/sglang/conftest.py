@@ -11,7 +11,16 @@ import sglang_cpu_env as cpu_env
 
 cpu_env.prepare()
 
-if importlib.util.find_spec("sglang") is not None:
+
+def _installed() -> bool:
+    """SGLang itself (with this folder on sys.path, a bare ``sglang`` may name the folder)."""
+    try:
+        return importlib.util.find_spec("sglang.srt") is not None
+    except ImportError:
+        return False
+
+
+if _installed():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import sglang.srt.disaggregation.decode  # noqa: F401

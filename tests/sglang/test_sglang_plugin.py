@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-sglang = pytest.importorskip("sglang")
+sglang = pytest.importorskip("sglang.srt")  # (a bare "sglang" may be this folder)
 
 from sglang_harness import TINY_MODEL, model_dir, server_args  # noqa: E402
 

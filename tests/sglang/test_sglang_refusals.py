@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("sglang")
+pytest.importorskip("sglang.srt")  # (a bare "sglang" may be this folder)
 
 from sglang_harness import TINY_MODEL, model_dir, server_args  # noqa: E402
 
