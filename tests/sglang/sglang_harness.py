@@ -40,6 +40,10 @@ from typing import Any
 
 import numpy as np
 
+import sglang_cpu_env
+
+sglang_cpu_env.prepare()  # before anything imports SGLang (this module is the spawned ranks' entry)
+
 os.environ["SGLANG_HOST_IP"] = "127.0.0.1"  # every socket on loopback (SGLang's rank address, kvproto's)
 
 PAGE = 16
@@ -147,16 +151,13 @@ class RankSpec:
     mla: bool = False
     requests: list[Request] = field(default_factory=list)
     seed: int = 0
-    deadline_s: float = 90.0
+    deadline_s: float = 150.0
 
 
 class Rank:
     """One scheduler rank's SGLang objects (module docstring)."""
 
-    def __init__(self, spec: RankSpec) -> None:
-        import sglang_cpu_env as cpu_env
-
-        cpu_env.prepare()
+    def __init__(self, spec: RankSpec, *, manager: bool = True) -> None:
         import torch
         from sglang.srt.plugins import load_plugins
 
@@ -191,7 +192,13 @@ class Rank:
                                          enable_memory_saver=False)
         self.metadata = MetadataBuffers(SLOTS, hidden_size=32, hidden_states_dtype=torch.bfloat16,
                                         max_sampling_mask_tokens=4, max_top_logprobs_num=4)
-        self.manager = self._kv_manager()
+        if manager:
+            self.attach(self._kv_manager())
+
+    def attach(self, manager: Any) -> None:
+        """The rank's KV manager (built here, or by SGLang's queue): where its memory is."""
+        spec = self.spec
+        self.manager = manager
         ptrs, lens, items = self.manager.kv_args.kv_data_ptrs, self.manager.kv_args.kv_data_lens, \
             self.manager.kv_args.kv_item_lens
         self.planes = [ptrs[p * LAYERS:(p + 1) * LAYERS] for p in range(1 if spec.mla else 2)]
@@ -373,7 +380,8 @@ def run_rank(spec: RankSpec, conn: Any) -> None:
         deadline = time.monotonic() + spec.deadline_s
         while active:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"rooms {[a[1].bootstrap_room for a in active]} did not end in {spec.deadline_s} s")
+                raise TimeoutError(f"{spec.role} rank {spec.rank}: rooms did not end in {spec.deadline_s} s: "
+                                   f"{_stuck(rank, [a[1] for a in active])}")
             pollers = [a[1] for a in active]
             if spec.role == "prefill":
                 polls = poll_and_all_reduce_attn_cp_tp_group(pollers, rank.parallel.attn_cp_group.cpu_group,
@@ -404,6 +412,20 @@ def run_rank(spec: RankSpec, conn: Any) -> None:
         conn.send(("error", traceback.format_exc()))
 
 
+def _stuck(rank: Rank, parties: list[Any]) -> str:
+    """What each unfinished room's objects say (for a test that timed out)."""
+    out = []
+    for party in parties:
+        room = getattr(party, "_room", None)
+        handle = getattr(room, "_handle", None)
+        core = rank.manager.endpoint._endpoint.core if rank.manager.endpoint is not None else None
+        state = core.room_state(party.bootstrap_room) if core is not None else None
+        out.append(f"room {party.bootstrap_room}: poll={party.poll()} kvproto={state} handle={handle is not None} "
+                   f"error={getattr(room, '_error', None)!r}")
+    out.append(f"prefill_info_table={list(getattr(rank.manager, 'prefill_info_table', {}))}")
+    return "; ".join(out)
+
+
 @dataclass
 class Pair:
     """A prefill and a decode server of real rank processes (the test's side of the harness)."""
@@ -425,7 +447,7 @@ class Pair:
                 return msg
             assert msg[0] in ("ready", "stalled"), msg
 
-    def results(self, who: tuple[str, int], timeout: float = 150.0) -> tuple[dict[int, Result], bool]:
+    def results(self, who: tuple[str, int], timeout: float = 240.0) -> tuple[dict[int, Result], bool]:
         msg = self.wait("results", who, timeout)
         return {r["room"]: Result(**r) for r in msg[1]}, msg[2]
 
@@ -445,7 +467,7 @@ class Pair:
 
 
 def start_pair(tmp: Path, *, p_tp: int, d_tp: int, mla: bool, prefill: list[Request], decode: list[Request],
-               seed: int = 0) -> Pair:
+               seed: int = 0, entry: Any = None) -> Pair:
     """Start the bootstrap registry here and every rank process (module docstring)."""
     from kvproto.integrations.sglang.bootstrap import KVProtoBootstrapServer
 
@@ -459,7 +481,8 @@ def start_pair(tmp: Path, *, p_tp: int, d_tp: int, mla: bool, prefill: list[Requ
         for rank in range(tp):
             spec = RankSpec(role, rank, tp, str(model), port, bport, dist, mla, reqs, seed)
             ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=run_rank, args=(spec, theirs), name=f"sglang-{role}-{rank}", daemon=True)
+            proc = ctx.Process(target=entry or run_rank, args=(spec, theirs), name=f"sglang-{role}-{rank}",
+                               daemon=True)
             proc.start()
             processes[(role, rank)], conns[(role, rank)] = proc, ours
     return Pair(processes, conns, server)
