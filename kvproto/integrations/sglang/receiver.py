@@ -31,8 +31,12 @@ from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferDestination
 from sglang.srt.disaggregation.common.conn import CommonKVReceiver, KVTransferError
 
 from kvproto.core import RoomState
+from kvproto.wire import ErrorCode
 from kvproto.integrations.sglang.sender import _reason
 from kvproto.sync import KVReceiver
+
+
+_PEER_LOST = frozenset({ErrorCode.PEER_GONE, ErrorCode.BOOTSTRAP_TIMEOUT, ErrorCode.TRANSPORT_ERROR})
 
 
 def placeholder_pages(count: int, pages: Sequence[int], num_blocks: int) -> list[int]:
@@ -56,6 +60,7 @@ class KVProtoReceiver(CommonKVReceiver):
         super().__init__(mgr, bootstrap_addr, bootstrap_room)
         self._room: KVReceiver | None = None
         self.bootstrap_infos: list[dict[str, Any]] | None = None
+        self.prefill_dp_rank = 0
 
     @property
     def supports_host_destination(self) -> bool:
@@ -129,6 +134,9 @@ class KVProtoReceiver(CommonKVReceiver):
         with self.kv_mgr.failure_lock:
             recorded = self.kv_mgr.failure_records.pop(self.bootstrap_room, None)
         reason = recorded or (_reason(self._room) if self._room is not None else "kvproto: no room")
+        if self._room is not None and self._room.code in _PEER_LOST:
+            # the prefill server may have restarted elsewhere: read its address anew next time
+            self.kv_mgr.forget_bootstrap(self.bootstrap_addr, self.prefill_dp_rank)
         self.conclude_state = KVPoll.Failed
         self.clear()
         raise KVTransferError(self.bootstrap_room, reason)
