@@ -37,7 +37,7 @@ from sglang.srt.runtime_context import get_device, get_disagg, get_parallel, get
 from sglang.srt.utils.network import NetworkAddress
 
 from kvproto.aio import EndpointConfig
-from kvproto.core import Timeouts
+from kvproto.core import RoomState, Timeouts
 from kvproto.integrations.sglang.cache import cache_from_kvargs, refusal
 from kvproto.sync import EngineLoop, SyncDecode, SyncPrefill
 
@@ -79,6 +79,8 @@ class KVProtoManager(CommonKVManager):
         self._engine_loop: EngineLoop | None = None
         self._bootstraps: dict[tuple[str, int], str] = {}
         self._bootstraps_lock = threading.Lock()
+        self._decode_rooms: dict[int, Any] = {}
+        """Decode rooms SGLang may still hold pages for (``is_abort_release_safe``)."""
         self.kvproto_cache = cache_from_kvargs(
             args, mla=bool(is_mla_backend), tp_size=parallel.attn_tp_size, tp_rank=parallel.attn_tp_rank,
             total_kv_heads=_total_kv_heads(args, server_args, bool(is_mla_backend)),
@@ -171,6 +173,29 @@ class KVProtoManager(CommonKVManager):
         with self._bootstraps_lock:
             self._bootstraps[key] = address
         return address
+
+    # --- deferred release of a failed room's pages (SGLang's decode transfer queue) ---------------
+    supports_deferred_decode_kv_release = True
+    """A room's pages are safe to free once its kvproto room has ended (no write can land then)."""
+
+    def watch_room(self, room_id: int, room: Any) -> None:
+        self._decode_rooms[room_id] = room
+
+    def forget_room(self, room_id: int) -> None:
+        self._decode_rooms.pop(room_id, None)
+
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
+        """Whether no write into the room's pages can still land: its kvproto room has ended (SGLang
+        asks this for a failed room whose pages it holds; kvproto needs no acks of its own)."""
+        room = self._decode_rooms.get(bootstrap_room)
+        if room is None or room.poll() in (RoomState.SUCCESS, RoomState.FAILED):
+            self._decode_rooms.pop(bootstrap_room, None)
+            return True
+        return False
+
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        super().clear_deferred_abort_state(bootstrap_room)
+        self._decode_rooms.pop(bootstrap_room, None)
 
     def forget_bootstrap(self, bootstrap_addr: str, prefill_dp_rank: int) -> None:
         """Drop a cached address (its prefill server restarted: the next receiver reads it anew)."""

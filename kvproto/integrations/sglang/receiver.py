@@ -18,7 +18,11 @@ prefill (``sender``).
 
 A decode room reports FAILED only once no write into its pages can still land (kvproto's
 guarantee), so SGLang may free the pages as soon as ``poll()`` says FAILED; after ``abort()``
-the room says TRANSFERRING until its prefill ranks have answered (or the drain deadline).
+the room says TRANSFERRING until its prefill ranks have answered (or the drain deadline). The
+poll SGLang acts on is MIN-reduced over the TP group, so a room may fail on another rank while
+this rank's is still live: ``failure_exception`` then aborts it, and with SGLang's deferred
+release (``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=1``) the manager's
+``is_abort_release_safe`` holds the pages until that room has ended too.
 """
 
 from __future__ import annotations
@@ -28,11 +32,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferDestination
-from sglang.srt.disaggregation.common.conn import CommonKVReceiver, KVTransferError
+from sglang.srt.disaggregation.common.conn import CommonKVReceiver
 
 from kvproto.core import RoomState
 from kvproto.wire import ErrorCode
-from kvproto.integrations.sglang.sender import _reason
+from kvproto.integrations.sglang.sender import failure
 from kvproto.sync import KVReceiver
 
 
@@ -77,6 +81,7 @@ class KVProtoReceiver(CommonKVReceiver):
         self.prefill_dp_rank = prefill_dp_rank
         self.bootstrap_infos = [{"kvproto_bootstrap": address, "is_dummy": False}]
         self._room = self.kv_mgr.endpoint.receiver(self.bootstrap_room, address)
+        self.kv_mgr.watch_room(self.bootstrap_room, self._room)
 
     def send_metadata(self, kv_indices: Any, aux_index: int | None = None, state_indices: list | None = None,
                       decode_prefix_len: int | None = None,
@@ -107,6 +112,8 @@ class KVProtoReceiver(CommonKVReceiver):
         if self._room is None:
             return KVPoll.Bootstrapping
         state = self._room.poll()
+        if state is RoomState.SUCCESS:
+            self.kv_mgr.forget_room(self.bootstrap_room)
         if state is RoomState.SUCCESS or state is RoomState.FAILED:
             self.conclude_state = int(state)
         return int(state)
@@ -133,13 +140,15 @@ class KVProtoReceiver(CommonKVReceiver):
     def failure_exception(self) -> None:
         with self.kv_mgr.failure_lock:
             recorded = self.kv_mgr.failure_records.pop(self.bootstrap_room, None)
-        reason = recorded or (_reason(self._room) if self._room is not None else "kvproto: no room")
+        error = failure(self.bootstrap_room, self._room, recorded)
         if self._room is not None and self._room.code in _PEER_LOST:
             # the prefill server may have restarted elsewhere: read its address anew next time
             self.kv_mgr.forget_bootstrap(self.bootstrap_addr, self.prefill_dp_rank)
+        if not self.kv_mgr.enable_deferred_decode_kv_release:
+            self.kv_mgr.forget_room(self.bootstrap_room)  # SGLang frees the pages now, whatever we say
         self.conclude_state = KVPoll.Failed
         self.clear()
-        raise KVTransferError(self.bootstrap_room, reason)
+        raise error
 
     def _fail(self, reason: str) -> None:
         self.kv_mgr.record_failure(self.bootstrap_room, reason)

@@ -16,8 +16,9 @@ the last page's tail included, as SGLang's own backends do), starts its first ch
 prefix (``first_token``: no page is named for it) and gives each chunk the end of its pages.
 SGLang's ``state_indices`` are ``[]`` for a cache without states (states are refused at
 start). ``poll`` maps kvproto's state to ``KVPoll`` (equal values); ``failure_exception`` raises
-SGLang's ``KVTransferError`` with kvproto's code and reason; ``abort`` fails the room and tells
-the decode.
+SGLang's ``KVTransferError`` with kvproto's code and reason (a failure SGLang saw on another
+rank of the TP group, through the MIN-reduced poll, aborts this rank's room and is marked
+``is_from_another_rank``); ``abort`` fails the room and tells the decode.
 """
 
 from __future__ import annotations
@@ -31,12 +32,23 @@ from kvproto.core import RoomState
 from kvproto.sync import KVSender
 
 
-def _reason(room: Any) -> str:
+ANOTHER_RANK = "kvproto: the room failed on another rank of this TP group"
+
+
+def failure(room_id: int, room: Any, recorded: str | None) -> KVTransferError:
+    """SGLang's exception for a room SGLang saw fail: this rank's reason, or (the poll is
+    MIN-reduced over the TP group) another rank's, in which case this rank's room, which may still
+    be live, is aborted here (SGLang releases the request next) and the exception says so."""
+    if recorded is not None:
+        return KVTransferError(room_id, recorded)
+    if room is None:
+        return KVTransferError(room_id, "kvproto: no room was opened")
     try:
         room.failure_exception()
     except Exception as exc:  # TransferFailed or the LocalProtocolError that refused a call
-        return f"kvproto: {exc}"
-    return "kvproto: the room failed"
+        return KVTransferError(room_id, f"kvproto: {exc}")
+    room.abort()
+    return KVTransferError(room_id, ANOTHER_RANK, is_from_another_rank=True)
 
 
 class KVProtoSender(CommonKVSender):
@@ -100,9 +112,9 @@ class KVProtoSender(CommonKVSender):
         self.conclude_state = KVPoll.Failed
         with self.kv_mgr.failure_lock:
             recorded = self.kv_mgr.failure_records.pop(self.bootstrap_room, None)
-        reason = recorded or (_reason(self._room) if self._room is not None else "kvproto: no room")
+        error = failure(self.bootstrap_room, self._room, recorded)
         self.clear()
-        raise KVTransferError(self.bootstrap_room, reason)
+        raise error
 
     def clear(self) -> None:
         super().clear()
