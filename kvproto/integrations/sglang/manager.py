@@ -179,7 +179,11 @@ class KVProtoManager(CommonKVManager):
     """A room's pages are safe to free once its kvproto room has ended (no write can land then)."""
 
     def watch_room(self, room_id: int, room: Any) -> None:
-        self._decode_rooms[room_id] = room
+        rooms = self._decode_rooms
+        if len(rooms) >= 4096 and not len(rooms) % 1024:  # rooms SGLang dropped without asking: ended ones go
+            for ended in [r for r, h in rooms.items() if h.poll() in (RoomState.SUCCESS, RoomState.FAILED)]:
+                del rooms[ended]
+        rooms[room_id] = room
 
     def forget_room(self, room_id: int) -> None:
         self._decode_rooms.pop(room_id, None)

@@ -150,6 +150,11 @@ class KVProtoReceiver(CommonKVReceiver):
         self.clear()
         raise error
 
+    def clear(self) -> None:
+        if not self.kv_mgr.enable_deferred_decode_kv_release or self.is_abort_release_safe():
+            self.kv_mgr.forget_room(self.bootstrap_room)  # else held for is_abort_release_safe
+        super().clear()
+
     def _fail(self, reason: str) -> None:
         self.kv_mgr.record_failure(self.bootstrap_room, reason)
         self.kv_mgr.update_status(self.bootstrap_room, KVPoll.Failed)

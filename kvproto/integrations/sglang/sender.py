@@ -60,7 +60,6 @@ class KVProtoSender(CommonKVSender):
         self._room: KVSender | None = None
         self._prefix: int | None = None
         self._pages = 0
-        self._total: int | None = None
         if self.conclude_state is None:
             self._room = mgr.endpoint.sender(bootstrap_room)
 
@@ -88,8 +87,7 @@ class KVProtoSender(CommonKVSender):
         if self._room is None:
             return
         prefix = self.pop_decode_prefix_len()
-        self._total = int(num_kv_indices)
-        self._room.init(prefix + self._total * self.kv_mgr.kv_args.page_size, aux_index, start_token=prefix)
+        self._room.init(prefix + int(num_kv_indices) * self.kv_mgr.kv_args.page_size, aux_index, start_token=prefix)
 
     def send(self, kv_indices: Any, state_indices: list | None = None, num_kv_tokens: int | None = None,
              indices_event: Any = None) -> None:
@@ -115,9 +113,6 @@ class KVProtoSender(CommonKVSender):
         error = failure(self.bootstrap_room, self._room, recorded)
         self.clear()
         raise error
-
-    def clear(self) -> None:
-        super().clear()
 
     def get_transfer_metric(self) -> KVTransferMetric:
         metric = KVTransferMetric()
