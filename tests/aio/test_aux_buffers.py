@@ -1,4 +1,5 @@
-"""Aux buffers sharing one slot index, and rooms whose prefill skips the decode's prefix."""
+"""What an engine that gives raw addresses and pages needs of kvproto (SGLang's backend): aux buffers sharing
+one slot index, rooms whose prefill skips the decode's prefix, caches given as raw addresses."""
 
 from __future__ import annotations
 
@@ -95,3 +96,44 @@ async def test_endpoint_first_token_sends_only_past_the_decode_prefix(transport:
             assert torch.equal(dst.planes[plane][layer][21], src.planes[plane][layer][31])
             assert torch.equal(dst.planes[plane][layer][0], before[plane][layer][0])
             assert torch.equal(dst.planes[plane][layer][1], before[plane][layer][1])
+
+
+def pointer_cache(cache, *, tp: int = 1, rank: int = 0, heads: int = 2) -> KVCache:
+    """The same memory as ``cache`` described from raw addresses (``KVCache.from_pointers``)."""
+    k, v = cache.planes
+    page = k[0][0].numel() * k[0].element_size()
+    return KVCache.from_pointers([[t.data_ptr() for t in k], [t.data_ptr() for t in v]], page_bytes=page,
+                                 region_bytes=k[0].numel() * k[0].element_size(), block_size=k[0].shape[1],
+                                 tp_size=tp, tp_rank=rank, num_kv_heads=heads * tp,
+                                 aux=AuxBuffer.from_tensor(cache.aux), owner=cache)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_from_pointers_cache_moves_like_the_tensors(transport: str) -> None:
+    """A cache given as raw layer addresses (pages as bytes) pairs with another such cache and
+    moves every byte of the room's pages, aux slot included."""
+    src, dst = make_cache(seed=1), make_cache(seed=2)
+    async with PrefillEndpoint(pointer_cache(src), config=config(transport, staging_bytes=0)) as prefill, \
+            DecodeEndpoint(pointer_cache(dst), config=config(transport, staging_bytes=0)) as decode:
+        rx = decode.open_room(5, prefill.address, pages=[7, 3, 9], num_tokens=10, aux_slot=1)
+        tx = prefill.open_room(5)
+        tx.send([2, 40, 41], 10, last=True, aux_slot=3)
+        await rx.wait()
+    for plane in range(2):
+        for layer in range(2):
+            for s_page, d_page in ((2, 7), (40, 3)):
+                assert torch.equal(dst.planes[plane][layer][d_page], src.planes[plane][layer][s_page])
+            assert torch.equal(dst.planes[plane][layer][9][:2], src.planes[plane][layer][41][:2])
+    assert torch.equal(dst.aux[1], src.aux[3])
+
+
+def test_from_pointers_describes_pages_as_bytes() -> None:
+    """Heads and head bytes come from the page size; pages that do not tile a layer are refused."""
+    kv = KVCache.from_pointers([[1000, 2000], [3000, 4000]], page_bytes=1024, region_bytes=8192, block_size=16,
+                               tp_size=2, tp_rank=1, num_kv_heads=4)
+    g = kv.geometry
+    assert (g.num_layers, g.local_heads, g.head_bytes, g.num_blocks, g.head_start) == (2, 2, 32, 8, 2)
+    assert kv.region_addresses == (1000, 3000, 2000, 4000)
+    with pytest.raises(ValueError, match="do not hold"):
+        KVCache.from_pointers([[1], [2]], page_bytes=1000, region_bytes=8000, block_size=16, num_kv_heads=2)
