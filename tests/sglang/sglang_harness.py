@@ -110,6 +110,8 @@ class Result:
     reason: str = ""
     checked_bytes: int = 0
     mismatches: int = 0
+    holds: int = 0
+    """(The queue test's summary row) the most requests SGLang held for deferred release at once."""
 
 
 def _mix(*parts: np.ndarray) -> np.ndarray:

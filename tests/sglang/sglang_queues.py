@@ -19,11 +19,16 @@ polling in-flight senders through ``poll_and_all_reduce_attn_cp_tp_group``. The 
 ``add`` / ``pop_preallocated`` / ``DecodeTransferQueue.extend`` / ``pop_transferred``; a
 transferred request carries the first token SGLang read from the metadata slot
 (``_commit_transfer_to_req``, which also checks the room id written there), and its KV, found
-through its own ``req_to_token`` row, is checked byte for byte.
+through its own ``req_to_token`` row, is checked byte for byte. A request the prefill aborts
+between chunks fails on both sides through SGLang's own failure paths; the decode runs with
+SGLang's deferred release on (``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=1``), so its
+pages are held until kvproto's manager says no write can land, and then released: at the end the
+decode's allocator holds exactly the pages of the requests that succeeded.
 """
 
 from __future__ import annotations
 
+import os
 import time
 import traceback
 from array import array
@@ -96,6 +101,7 @@ def decode_scheduler(rank: Rank) -> tuple[Any, Any, Any]:
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
     allocator, model_config, size = _common(rank)
+    streamed: list[Any] = []
     req_to_token = DecodeReqToTokenPool(size=SLOTS, max_context_len=1024, device="cpu", enable_memory_saver=False,
                                         pre_alloc_size=SLOTS)
     tree = UnifiedRadixCache(CacheInitParams(disable=True, req_to_token_pool=req_to_token,
@@ -107,7 +113,7 @@ def decode_scheduler(rank: Rank) -> tuple[Any, Any, Any]:
         kv_checksum_computer=None, random_seed=0, spec_algorithm=SimpleNamespace(is_none=lambda: True),
         running_batch=SimpleNamespace(reqs=[]), waiting_queue=[], last_batch=None, enable_priority_scheduling=False,
         enable_lora=False, enable_decode_hicache=False, metrics_reporter=SimpleNamespace(enable_metrics=False),
-        output_streamer=SimpleNamespace(stream_output=lambda *a, **k: None),
+        output_streamer=SimpleNamespace(stream_output=lambda reqs, *a, **k: streamed.extend(reqs)),
         batch_result_processor=SimpleNamespace(_maybe_update_reasoning_tokens=lambda *a, **k: None))
     slots = ReqToMetadataIdxAllocator(SLOTS)
     transfer = DecodeTransferQueue(slots, rank.metadata, sched, tree)
@@ -115,6 +121,7 @@ def decode_scheduler(rank: Rank) -> tuple[Any, Any, Any]:
                                    rank.spec.bootstrap_port, size, 0, rank.backend)
     sched.disagg_decode_prealloc_queue = prealloc
     sched.req_to_token_pool = req_to_token
+    sched.streamed = streamed
     return sched, prealloc, transfer
 
 
@@ -154,15 +161,23 @@ def run_prefill(rank: Rank, requests: list[Request], deadline: float) -> list[Re
                 _write_chunk(rank, r, row, start, end if last else end - end % PAGE)
                 sched.send_kv_chunk(req, last_chunk=last)
                 start = req.start_send_idx
+                if r.abort == "prefill-mid":  # as the scheduler's abort_request does for a request in flight
+                    req.disagg_kv_sender.abort()
+                    break
             inflight.append(req)
         if inflight:
             polls = poll_and_all_reduce_attn_cp_tp_group([q.disagg_kv_sender for q in inflight],
                                                          sched.attn_cp_cpu_group, sched.attn_tp_cpu_group)
             still = []
             for req, poll in zip(inflight, polls):
-                if poll in (KVPoll.Success, KVPoll.Failed):
+                if poll == KVPoll.Success:
                     results.append(Result(req.bootstrap_room, int(poll)))
                     req.disagg_kv_sender.clear()
+                elif poll == KVPoll.Failed:
+                    try:
+                        req.disagg_kv_sender.failure_exception()
+                    except Exception as exc:
+                        results.append(Result(req.bootstrap_room, int(poll), str(exc)))
                 else:
                     still.append(req)
             inflight = still
@@ -177,10 +192,17 @@ def run_decode(rank: Rank, requests: list[Request], deadline: float) -> list[Res
     for r in requests:
         prealloc.add(_req(r, rank.spec.bootstrap_port))
     results = []
-    while len(results) < len(requests) and time.monotonic() < deadline:
+    free_before = sched.disagg_decode_prealloc_queue.token_to_kv_pool_allocator.available_size()
+    holds = 0
+    while (len(results) < len(requests) or transfer.has_pending_deferred_releases()) and time.monotonic() < deadline:
         ready, failed = prealloc.pop_preallocated()
         results += [Result(d.req.bootstrap_room, 0, "prealloc failed") for d in failed]
         transfer.extend(ready)
+        holds = max(holds, transfer.num_pending_deferred_releases())
+        transfer.resolve_deferred_releases()
+        while sched.streamed:  # requests SGLang ended with an abort (a failed transfer)
+            req = sched.streamed.pop()
+            results.append(Result(req.bootstrap_room, 0, str(req.finished_reason.message)))
         for req in transfer.pop_transferred():
             r = by_room[req.bootstrap_room]
             row = sched.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
@@ -190,6 +212,11 @@ def run_decode(rank: Rank, requests: list[Request], deadline: float) -> list[Res
                 result.reason = f"first token {list(req.output_ids)}"
             results.append(result)
         time.sleep(0.005)
+    held = sum(-(-r.tokens // PAGE) * PAGE for r in requests if r.abort is None)
+    left = sched.disagg_decode_prealloc_queue.token_to_kv_pool_allocator.available_size()
+    results.append(Result(-1, 4 if free_before - left == held else 0,
+                          f"{free_before - left} tokens of pages held, {held} by the requests that succeeded",
+                          holds=holds))
     return results
 
 
@@ -210,6 +237,7 @@ def verify_row(rank: Rank, r: Request, row: Any) -> Result:
 def run_queue_rank(spec: RankSpec, conn: Any) -> None:
     """Process entry (``sglang_harness.start_pair(..., entry=run_queue_rank)``)."""
     try:
+        os.environ["SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"] = "1"  # held until kvproto says safe
         rank = Rank(spec, manager=False)
         conn.send(("ready", spec.rank))
         deadline = time.monotonic() + spec.deadline_s
