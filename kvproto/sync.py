@@ -196,7 +196,8 @@ class KVSender(_Room):
         return None if handle is None else handle.decode_prefix
 
     def send(self, pages: Sequence[int], end_token: int | None = None, *, layers: range | None = None,
-             ready: Any = None, group_pages: Mapping[str, Sequence[int]] | None = None) -> None:
+             ready: Any = None, group_pages: Mapping[str, Sequence[int]] | None = None,
+             state_slots: Mapping[str, int] | None = None) -> None:
         """The KV of the next chunk is in ``pages``; ``end_token`` defaults to where those pages
         end (the prompt's end for the last chunk). The chunk that reaches the prompt's end is the
         last: the aux slot goes with it (with its last layer, when streaming layers).
@@ -204,7 +205,10 @@ class KVSender(_Room):
         ``layers``/``ready``: only those layers are written, once the CUDA event ``ready`` has
         fired (``SenderRoomHandle.send``); the next layers of the same tokens come with
         ``pages=[]``. ``group_pages``: a hybrid cache's new pages of each paged group beyond the
-        first, by name (``SenderRoomHandle.send``)."""
+        first, by name (``SenderRoomHandle.send``). ``state_slots``: the state groups' slots, for an
+        engine that knows them only with the last chunk (else given to ``init``)."""
+        if state_slots is not None:
+            self._state_slots = dict(state_slots)
         if self._num_tokens is None:
             raise LocalProtocolError("KVSender.send() before init(num_tokens)")
         first, self._start_token_sent = (0 if self._start_token_sent else self._start_token), True

@@ -154,6 +154,26 @@ class StateCache:
                    (device.index or 0) if is_cuda else 0, None if model_layers is None else tuple(model_layers),
                    owner=layers)
 
+    @classmethod
+    def from_pointers(cls, name: str, layers: Sequence[Sequence[int]], *, slot_bytes: Sequence[int], num_slots: int,
+                      tp_size: int = 1, tp_rank: int = 0, model_layers: Sequence[int] | None = None,
+                      mem_kind: MemKind = MemKind.DRAM, device_id: int = 0, owner: Any = None) -> StateCache:
+        """A state group an engine gives as raw addresses (SGLang's ``KVArgs`` state entries):
+        ``layers[l][t]`` is the address of tensor ``t`` of layer ``l``, ``num_slots`` slots of
+        ``slot_bytes[t]`` bytes. Each tensor is described as this rank's bytes of a vector split
+        over TP in rank order (``shard_dim`` 0), so that rank ``r`` of one side pairs with rank ``r``
+        of the other; between different TP sizes that split is the bytes', which matches a state
+        only where its split axis is outermost and whole (the caller refuses the rest)."""
+        if not layers or not layers[0] or len(slot_bytes) != len(layers[0]):
+            raise ValueError(f"state group {name!r}: {len(slot_bytes)} slot sizes for "
+                             f"{len(layers[0]) if layers else 0} tensors per layer")
+        if any(len(layer) != len(slot_bytes) for layer in layers):
+            raise ValueError(f"state group {name!r}: every layer lists {len(slot_bytes)} tensors")
+        tensors = tuple(StateTensor((int(n) * tp_size,), DType.UINT8, 0) for n in slot_bytes)
+        group = StateGroup(name, len(layers), tensors, int(num_slots))
+        return cls(group, tp_size, tp_rank, tuple(int(a) for layer in layers for a in layer), mem_kind, device_id,
+                   None if model_layers is None else tuple(model_layers), owner=owner)
+
     def region_lengths(self) -> list[int]:
         sizes = [self.group.num_slots * b for b in self.group.slot_bytes(self.tp_size)]
         return [sizes[i % len(sizes)] for i in range(len(self.region_addresses))]
@@ -404,13 +424,15 @@ class KVCache:
         device_id: int = 0,
         aux: AuxBuffer | None = None,
         owner: Any = None,
+        model_layers: Sequence[int] | None = None,
     ) -> KVCache:
         """Describe a cache an engine gives as raw addresses (SGLang's ``KVArgs``): ``planes`` is
         ``[k_addresses, v_addresses]`` (``[latent_addresses]`` for MLA), one per layer; each layer
         of each plane is ``region_bytes`` of pages of ``page_bytes``, a page holding ``block_size``
         tokens of this rank's heads, token-major (NHD). The head size is what the page holds per
         token and head, in bytes (the cache is described as bytes: both sides describe it so, and
-        the engine checks the element type); ``num_kv_heads`` is the model's total. The memory is the
+        the engine checks the element type); ``num_kv_heads`` is the model's total; ``model_layers``
+        the model layer of each layer (a hybrid model's first group). The memory is the
         caller's (keep it alive, or pass it as ``owner``). The staged path needs tensors, so such a
         cache moves direct or sliced (``EndpointConfig.staging_bytes=0``)."""
         if not planes or not planes[0] or len(planes) != (1 if mla else 2):
@@ -429,7 +451,7 @@ class KVCache:
         )
         addresses = tuple(int(plane[layer]) for layer in range(layers) for plane in planes)
         return cls(geometry=geometry, region_addresses=addresses, mem_kind=mem_kind, device_id=device_id, aux=aux,
-                   owner=owner)
+                   owner=owner, layers=None if model_layers is None else tuple(model_layers))
 
     # --- what gets registered and advertised ------------------------------------------------
     def memory_regions(self) -> list[MemoryRegion]:

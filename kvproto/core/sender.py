@@ -378,8 +378,8 @@ class SenderCore(CoreBase):
             if room.chunks or first_token < 0 or first_token % self.block_size:
                 raise LocalProtocolError(f"first_token {first_token} needs the room's first chunk and whole blocks of "
                                          f"{self.block_size}")
-            if self.groups:
-                raise LocalProtocolError("first_token: a cache with groups beyond the first names every page")
+            if any(not g.state for g in self.groups):
+                raise LocalProtocolError("first_token: a cache with paged groups beyond the first names every page")
             start, skip = first_token, first_token // self.block_size
         if end_token < start or (end_token == start and not last):
             raise LocalProtocolError(f"chunk end token {end_token} does not advance past {start}")
