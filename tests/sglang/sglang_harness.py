@@ -53,6 +53,7 @@ HEAD_DIM = 16
 KV_LORA, ROPE = 24, 8
 POOL_PAGES = 48
 SLOTS = 8
+FULL_LAYERS, MAMBA_LAYERS = [0, 2, 4], [1, 3]
 UNTOUCHED = 0xEE
 RESERVED = 4
 """Pages at the pool's end that no request is given: no write may reach them."""
@@ -112,14 +113,22 @@ class Result:
     mismatches: int = 0
     holds: int = 0
     """(The queue test's summary row) the most requests SGLang held for deferred release at once."""
+    state_bytes: int = 0
+    """Of ``checked_bytes``, those of the request's Mamba state slot."""
 
 
 def _mix(*parts: np.ndarray) -> np.ndarray:
     x = np.zeros(np.broadcast_shapes(*(np.shape(p) for p in parts)), dtype=np.uint64)
-    for i, p in enumerate(parts):
-        x ^= (np.asarray(p, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15 + i)) * np.uint64(0xBF58476D1CE4E5B9)
-        x ^= x >> np.uint64(31)
+    with np.errstate(over="ignore"):  # arithmetic modulo 2**64 is the point
+        for i, p in enumerate(parts):
+            x ^= (np.asarray(p, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15 + i)) * np.uint64(0xBF58476D1CE4E5B9)
+            x ^= x >> np.uint64(31)
     return (x & np.uint64(0xFF)).astype(np.uint8)
+
+
+def state_slot(req: Request, side: str) -> int:
+    """The request's Mamba state slot on each side (different, as two servers' allocators give)."""
+    return (req.room + (3 if side == "decode" else 0)) % SLOTS
 
 
 def chunk_of(req: Request, tokens: np.ndarray) -> np.ndarray:
@@ -154,6 +163,9 @@ class RankSpec:
     requests: list[Request] = field(default_factory=list)
     seed: int = 0
     deadline_s: float = 150.0
+    mamba: bool = False
+    """A hybrid model: SGLang's HybridLinearKVPool, full attention on model layers 0, 2, 4 and a
+    Mamba2 state (conv and temporal tensors, one slot per request) on layers 1 and 3."""
 
 
 class Rank:
@@ -177,7 +189,20 @@ class Rank:
         initialize_model_parallel(backend="gloo")
         self.parallel = get_parallel()
         self.backend = TransferBackend("kvproto")
-        if spec.mla:
+        if spec.mamba:
+            from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+            from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool
+
+            self.local_heads = max(1, HEADS // spec.tp)
+            self.head_start = spec.rank * self.local_heads if spec.tp <= HEADS else spec.rank * HEADS // spec.tp
+            shape = Mamba2StateShape.create(tp_world_size=spec.tp, intermediate_size=32, n_groups=2, num_heads=4,
+                                            head_dim=8, state_size=4, conv_kernel=4)
+            mamba = MambaPool(size=SLOTS, spec_state_size=0, cache_params=Mamba2CacheParams(shape=shape,
+                              layers=MAMBA_LAYERS), mamba_layer_ids=MAMBA_LAYERS, device="cpu")
+            self.pool = HybridLinearKVPool(size=POOL_PAGES * PAGE - PAGE, dtype=torch.bfloat16, page_size=PAGE,
+                                           head_num=self.local_heads, head_dim=HEAD_DIM,
+                                           full_attention_layer_ids=FULL_LAYERS, device="cpu", mamba_pool=mamba)
+        elif spec.mla:
             from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
             self.pool = MLATokenToKVPool(size=POOL_PAGES * PAGE - PAGE, page_size=PAGE, dtype=torch.bfloat16,
@@ -207,6 +232,9 @@ class Rank:
         self.region_bytes, self.page_bytes = lens[0], items[0]
         self.head_bytes = self.page_bytes // (PAGE * self.local_heads)
         self.aux = list(zip(self.manager.kv_args.aux_data_ptrs, self.manager.kv_args.aux_item_lens))
+        args = self.manager.kv_args
+        self.states = list(zip(args.state_data_ptrs[0], args.state_item_lens[0])) if args.state_types else []
+        """(address, bytes per slot) of every Mamba state entry (SGLang's order: tensor-major)."""
         for plane in self.planes:
             for address in plane:
                 raw(address, self.region_bytes)[:] = UNTOUCHED
@@ -218,7 +246,8 @@ class Rank:
         from sglang.srt.disaggregation.decode import DecodePreallocQueue
         from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
 
-        model_config = SimpleNamespace(hf_text_config=SimpleNamespace(), num_hidden_layers=LAYERS,
+        model_config = SimpleNamespace(hf_text_config=SimpleNamespace(full_attention_layer_ids=FULL_LAYERS),
+                                       num_hidden_layers=LAYERS + len(MAMBA_LAYERS) if self.spec.mamba else LAYERS,
                                        get_total_num_kv_heads=lambda: HEADS)
         scheduler = SimpleNamespace(rust_server=None, server_args=self.args, model_config=model_config,
                                     tp_worker=SimpleNamespace(model_runner=SimpleNamespace(kv_cache_dtype_str="bfloat16")),
@@ -276,11 +305,16 @@ def prefill_steps(rank: Rank, req: Request, free: list[int], conn: Any, results:
                     for page in set((tokens // PAGE).tolist()):
                         sel = tokens // PAGE == page
                         rank.page_view(plane, layer, pages[page])[tokens[sel] % PAGE, h] = data[sel]
+        states = None
         if last:
             for b, (address, nbytes) in enumerate(rank.aux):
                 raw(address + slot * nbytes, nbytes)[:] = aux_expected(req.room, b, nbytes)
+            for e, (address, nbytes) in enumerate(rank.states):  # this rank's share of the request's state
+                raw(address + state_slot(req, "prefill") * nbytes, nbytes)[:] = \
+                    aux_expected(req.room, 1000 + e * 64 + rank.spec.rank, nbytes)
+            states = [np.asarray([state_slot(req, "prefill")])] if rank.states else []
         chunk_pages = pages[start // PAGE:(-(-end // PAGE)) if last else end // PAGE]
-        sender.send(np.asarray(chunk_pages, dtype=np.int64), [] if last else None, num_kv_tokens=end - start)
+        sender.send(np.asarray(chunk_pages, dtype=np.int64), states, num_kv_tokens=end - start)
         start, sent = end, sent + 1
         if req.stall_after is not None and sent == req.stall_after:
             conn.send(("stalled", req.room))
@@ -328,7 +362,8 @@ def decode_steps(rank: Rank, req: Request, free: list[int], conn: Any, results: 
             receiver.abort()
         else:
             pages = [free.pop() for _ in range(-(-(req.tokens - req.prefix) // PAGE))]
-            receiver.send_metadata(np.asarray(pages, dtype=np.int64), req.room % SLOTS, [],
+            states = [np.asarray([state_slot(req, "decode")])] if rank.states else []
+            receiver.send_metadata(np.asarray(pages, dtype=np.int64), req.room % SLOTS, states,
                                    decode_prefix_len=req.prefix)
             if req.abort == "decode-after-metadata":
                 receiver.abort()
@@ -360,7 +395,13 @@ def verify(rank: Rank, req: Request, pages: list[int]) -> Result:
         got = raw(address + slot * nbytes, nbytes)
         checked += nbytes
         mismatches += int((got != aux_expected(req.room, b, nbytes)).any())
-    return Result(req.room, 4, checked_bytes=checked, mismatches=mismatches)
+    states = 0
+    for e, (address, nbytes) in enumerate(rank.states):  # (equal TP: decode rank r holds prefill rank r's)
+        got = raw(address + state_slot(req, "decode") * nbytes, nbytes)
+        checked += nbytes
+        states += nbytes
+        mismatches += int((got != aux_expected(req.room, 1000 + e * 64 + rank.spec.rank, nbytes)).any())
+    return Result(req.room, 4, checked_bytes=checked, mismatches=mismatches, state_bytes=states)
 
 
 # --- a rank's main loop -------------------------------------------------------------------------
@@ -469,7 +510,7 @@ class Pair:
 
 
 def start_pair(tmp: Path, *, p_tp: int, d_tp: int, mla: bool, prefill: list[Request], decode: list[Request],
-               seed: int = 0, entry: Any = None) -> Pair:
+               seed: int = 0, entry: Any = None, mamba: bool = False) -> Pair:
     """Start the bootstrap registry here and every rank process (module docstring)."""
     from kvproto.integrations.sglang.bootstrap import KVProtoBootstrapServer
 
@@ -481,7 +522,7 @@ def start_pair(tmp: Path, *, p_tp: int, d_tp: int, mla: bool, prefill: list[Requ
     for role, tp, reqs in (("prefill", p_tp, prefill), ("decode", d_tp, decode)):
         dist = free_port()
         for rank in range(tp):
-            spec = RankSpec(role, rank, tp, str(model), port, bport, dist, mla, reqs, seed)
+            spec = RankSpec(role, rank, tp, str(model), port, bport, dist, mla, reqs, seed, mamba=mamba)
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(target=entry or run_rank, args=(spec, theirs), name=f"sglang-{role}-{rank}",
                                daemon=True)

@@ -90,3 +90,44 @@ def test_sglang_pair_prefill_killed_mid_transfer(tmp_path):
     assert r.state == FAILED
     assert "KVTransferError" in r.reason and ("PEER_GONE" in r.reason or "TRANSPORT" in r.reason), r.reason
     assert waited < 30
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1-1", "tp2-2"])
+def test_sglang_pair_mamba_hybrid_moves_kv_and_state(tmp_path, tp):
+    """A hybrid model (SGLang's HybridLinearKVPool: full attention on layers 0, 2, 4, a Mamba2
+    state on 1, 3): every KV byte of the attention layers, every byte of the request's state slot
+    (conv and temporal tensors, each rank's share, moved from prefill slot to a different decode
+    slot), and the metadata slot land; with a decode prefix too, and aborted rooms fail."""
+    requests = [r for r in rooms(7000 + tp) if r.abort in (None, "decode-after-metadata")]
+    pair = start_pair(tmp_path, p_tp=tp, d_tp=tp, mla=False, prefill=requests, decode=requests, mamba=True)
+    try:
+        decode = [pair.results(("decode", r)) for r in range(tp)]
+        prefill = [pair.results(("prefill", r)) for r in range(tp)]
+    finally:
+        pair.close()
+    for side, ranks in (("decode", decode), ("prefill", prefill)):
+        for results, untouched in ranks:
+            assert untouched
+            for req in requests:
+                r = results[req.room]
+                if req.abort:
+                    assert r.state == FAILED, (side, r)
+                else:
+                    assert r.state == SUCCESS, (side, r)
+                    # per layer (2): conv (32 + 2*2*4)/tp x 3 bf16, temporal 4/tp x 8 x 4 float32
+                    assert side == "prefill" or (r.mismatches == 0 and r.state_bytes == 2 * (48 * 3 * 2 + 4 * 8 * 4 * 4)
+                                                 // tp and r.checked_bytes > r.state_bytes), r
+
+
+def test_sglang_pair_mamba_between_tp_sizes_is_refused(tmp_path):
+    """A hybrid model's decode of TP 2 meeting a prefill of TP 1: refused when the decode first
+    reads the prefill's parallel info (where SGLang refuses a page size or KV dtype mismatch), with
+    the reason, before any room; never a hang."""
+    req = Request(8001, 2 * PAGE, [2 * PAGE])
+    pair = start_pair(tmp_path, p_tp=1, d_tp=2, mla=False, prefill=[req], decode=[req], mamba=True)
+    try:
+        with pytest.raises(AssertionError, match="moves a Mamba state between equal attention TP sizes only: "
+                                                 "prefill 1, decode 2"):
+            pair.results(("decode", 0))
+    finally:
+        pair.close()

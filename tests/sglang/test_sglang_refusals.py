@@ -43,11 +43,13 @@ def published(tmp_path, mode: str, extra: list[str]):
 
 @pytest.mark.parametrize("mode, extra, fields, reason", [
     ("prefill", ["--pp-size", "2"], {}, "pipeline parallelism (--pp-size 2); kvproto moves TP ranks only"),
-    ("decode", [], {"state_types": ["MAMBA"]}, "the cache states ['mamba'] (hybrid models: kvproto maps no SGLang state type yet)"),
-    ("prefill", [], {"state_types": ["SWA", "DSA"]}, "the cache states ['swa', 'dsa'] (hybrid models: kvproto maps no SGLang state type yet)"),
+    ("decode", [], {"state_types": ["MAMBA", "SWA"]},
+     "the cache states ['mamba', 'swa'] (hybrid models: kvproto maps SGLang's 'mamba' state only)"),
+    ("prefill", [], {"state_types": ["SWA", "DSA"]},
+     "the cache states ['swa', 'dsa'] (hybrid models: kvproto maps SGLang's 'mamba' state only)"),
     ("decode", [], {"num_draft_entries": 2}, "speculative decoding's draft KV cache"),
     ("prefill", [], {"kv_layout": "dsv4"}, "the KV layout 'dsv4'"),
-], ids=["pp", "mamba", "swa-dsa", "draft", "layout"])
+], ids=["pp", "mamba-swa", "swa-dsa", "draft", "layout"])
 def test_sglang_refusal_at_start_names_the_reason(sglang_env, tmp_path, mode, extra, fields, reason):
     """The manager SGLang builds refuses at once with a ValueError naming what is not supported."""
     manager, KVArgs, StateType, Mode = sglang_env

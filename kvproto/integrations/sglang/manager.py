@@ -151,6 +151,19 @@ class KVProtoManager(CommonKVManager):
         raise RuntimeError(f"kvproto: prefill rank {self.attn_tp_rank} found no row of attention-TP rank 0 of DP "
                            f"group {self._dp_group()} at {url} ({last})")
 
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """SGLang's (its checks: page size, KV dtype, ...), and for a hybrid model's Mamba state the
+        same attention TP size on both servers (kvproto moves that state as bytes per rank)."""
+        known = bootstrap_addr in self.prefill_info_table
+        if not super().try_ensure_parallel_info(bootstrap_addr):
+            return False
+        info = self.prefill_info_table[bootstrap_addr]
+        if not known and self.kvproto_cache.groups and info.attn_tp_size != self.attn_tp_size:
+            del self.prefill_info_table[bootstrap_addr]
+            raise RuntimeError(f"--disaggregation-transfer-backend kvproto moves a Mamba state between equal "
+                               f"attention TP sizes only: prefill {info.attn_tp_size}, decode {self.attn_tp_size}")
+        return True
+
     def kvproto_bootstrap(self, bootstrap_addr: str, prefill_dp_rank: int) -> str | None:
         """The kvproto bootstrap address of DP group ``prefill_dp_rank`` of the prefill server at
         ``bootstrap_addr`` (its rank-0 row in SGLang's registry); None if it cannot be read."""

@@ -36,6 +36,7 @@ from sglang.srt.disaggregation.common.conn import CommonKVReceiver
 
 from kvproto.core import RoomState
 from kvproto.wire import ErrorCode
+from kvproto.integrations.sglang.cache import state_slots
 from kvproto.integrations.sglang.sender import failure
 from kvproto.sync import KVReceiver
 
@@ -93,8 +94,7 @@ class KVProtoReceiver(CommonKVReceiver):
             if self.conclude_state is None:
                 self._fail("kvproto: send_metadata before the room was bootstrapped")
             return
-        if state_indices:
-            raise ValueError("kvproto: this cache has no states to receive (state types are refused at start)")
+        slots = state_slots(self.kv_mgr.kv_args, state_indices)
         block = self.kv_mgr.kv_args.page_size
         prefix = int(decode_prefix_len or 0)
         if prefix % block:
@@ -103,7 +103,8 @@ class KVProtoReceiver(CommonKVReceiver):
             return
         pages = kv_indices.tolist() if hasattr(kv_indices, "tolist") else list(kv_indices)
         skipped = placeholder_pages(prefix // block, pages, self.kv_mgr.kvproto_cache.geometry.num_blocks)
-        self._room.init(skipped + pages, prefix + len(pages) * block, prefix_tokens=prefix, aux_slot=aux_index)
+        self._room.init(skipped + pages, prefix + len(pages) * block, prefix_tokens=prefix, aux_slot=aux_index,
+                        state_slots=slots)
         self.init_time = time.time()
 
     def poll(self) -> int:

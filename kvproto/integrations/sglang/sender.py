@@ -14,8 +14,8 @@ kvproto knows a room by tokens; SGLang by pages. The sender counts the room as t
 prefix plus ``num_pages`` whole pages (the decode does the same: both sides move whole pages,
 the last page's tail included, as SGLang's own backends do), starts its first chunk at the
 prefix (``first_token``: no page is named for it) and gives each chunk the end of its pages.
-SGLang's ``state_indices`` are ``[]`` for a cache without states (states are refused at
-start). ``poll`` maps kvproto's state to ``KVPoll`` (equal values); ``failure_exception`` raises
+SGLang's ``state_indices`` (``[]`` for a cache without states) give a hybrid model's Mamba slot
+with the last chunk (``cache.state_slots``). ``poll`` maps kvproto's state to ``KVPoll`` (equal values); ``failure_exception`` raises
 SGLang's ``KVTransferError`` with kvproto's code and reason (a failure SGLang saw on another
 rank of the TP group, through the MIN-reduced poll, aborts this rank's room and is marked
 ``is_from_another_rank``); ``abort`` fails the room and tells the decode.
@@ -29,6 +29,7 @@ from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferMetric
 from sglang.srt.disaggregation.common.conn import CommonKVSender, KVTransferError
 
 from kvproto.core import RoomState
+from kvproto.integrations.sglang.cache import state_slots
 from kvproto.sync import KVSender
 
 
@@ -95,11 +96,10 @@ class KVProtoSender(CommonKVSender):
         ``indices_event`` only to senders with ``supports_host_tensor_indices``, which this is not."""
         if self.conclude_state in (KVPoll.Success, KVPoll.Failed) or self._room is None:
             return
-        if state_indices:
-            raise ValueError("kvproto: this cache has no states to send (state types are refused at start)")
+        slots = state_slots(self.kv_mgr.kv_args, state_indices)  # the last chunk's (a hybrid model's)
         pages = kv_indices.tolist() if hasattr(kv_indices, "tolist") else list(kv_indices)
         self._pages += len(pages)
-        self._room.send(pages, (self._prefix or 0) + self._pages * self.kv_mgr.kv_args.page_size)
+        self._room.send(pages, (self._prefix or 0) + self._pages * self.kv_mgr.kv_args.page_size, state_slots=slots)
 
     def abort(self) -> None:
         if self._room is not None:
