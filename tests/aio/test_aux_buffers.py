@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from kvproto.aio import AuxBuffer, DecodeEndpoint, KVCache, PrefillEndpoint, TransferFailed
+from kvproto.aio import AuxBuffer, DecodeEndpoint, KVCache, PrefillEndpoint, StateCache, TransferFailed
 from kvproto.core import RoomState
 from kvproto.wire import ErrorCode
 
@@ -137,3 +137,38 @@ def test_from_pointers_describes_pages_as_bytes() -> None:
     assert kv.region_addresses == (1000, 3000, 2000, 4000)
     with pytest.raises(ValueError, match="do not hold"):
         KVCache.from_pointers([[1], [2]], page_bytes=1000, region_bytes=8000, block_size=16, num_kv_heads=2)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_from_pointers_state_group_slot_moves_with_the_last_chunk(transport: str) -> None:
+    """A hybrid cache given as addresses: the first group on model layers 0 and 2, a state group of
+    two tensors (bytes per slot) on layer 1; a room whose prefill skips the decode's prefix moves
+    its pages and its state slot (given with the last chunk) into another slot."""
+    src, dst = make_cache(seed=1), make_cache(seed=2)
+    gen = torch.Generator().manual_seed(5)
+    states = [[torch.randint(0, 256, (4, n), dtype=torch.uint8, generator=gen) for n in (24, 40)] for _ in range(2)]
+
+    def hybrid(cache, tensors):
+        k, v = cache.planes
+        kv = KVCache.from_pointers([[t.data_ptr() for t in k], [t.data_ptr() for t in v]],
+                                   page_bytes=k[0][0].numel(), region_bytes=k[0].numel(), block_size=k[0].shape[1],
+                                   num_kv_heads=2, owner=cache, model_layers=[0, 2])
+        state = StateCache.from_pointers("mamba", [[t.data_ptr() for t in tensors]], slot_bytes=[24, 40], num_slots=4,
+                                         model_layers=[1], owner=tensors)
+        return kv.with_groups(state)
+
+    async with PrefillEndpoint(hybrid(src, states[0]), config=config(transport, staging_bytes=0)) as prefill, \
+            DecodeEndpoint(hybrid(dst, states[1]), config=config(transport, staging_bytes=0)) as decode:
+        tx = prefill.open_room(6)
+        rx = decode.open_room(6, prefill.address, pages=[0, 11, 12], num_tokens=12, prefix_tokens=4,
+                              state_slots={"mamba": 3})
+        while tx.poll() is not RoomState.WAITING_FOR_INPUT:
+            await asyncio.sleep(0.005)
+        tx.send([20, 21], 12, last=True, first_token=4, state_slots={"mamba": 1})
+        await rx.wait()
+    for t in range(2):
+        assert torch.equal(states[1][t][3], states[0][t][1])
+    for plane in range(2):
+        for layer in range(2):
+            assert torch.equal(dst.planes[plane][layer][11], src.planes[plane][layer][20])
