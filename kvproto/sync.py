@@ -180,16 +180,31 @@ class KVSender(_Room):
         self._num_layers = facade._endpoint.core.num_layers  # the model's layers (every group's)
         self._state_slots: dict[str, int] | None = None
         self._slots_sent = False
+        self._start_token = 0
+        self._start_token_sent = False
 
-    def init(self, num_tokens: int, aux_slot: int | None = None, *, state_slots: Mapping[str, int] | None = None
-             ) -> None:
+    def init(self, num_tokens: int, aux_slot: int | None = None, *, state_slots: Mapping[str, int] | None = None,
+             start_token: int = 0) -> None:
         """The room's prompt length in tokens, this rank's aux slot to copy with the last chunk, and
-        (a hybrid cache) its slot of each state group, sent with the first last chunk."""
+        (a hybrid cache) its slot of each state group, sent with the first last chunk.
+
+        ``start_token`` (whole blocks): the chunks' pages start there; the tokens before it are the
+        decode's prefix (``decode_prefix``), neither sent nor named. An engine that knows a room by
+        its page count gives ``num_tokens = start_token + pages * block_size``."""
         self._num_tokens, self._aux_slot = num_tokens, aux_slot
         self._state_slots = None if state_slots is None else dict(state_slots)
+        self._start_token = start_token
+
+    @property
+    def decode_prefix(self) -> int | None:
+        """Tokens the decode holds already (``SenderRoomHandle.decode_prefix``): known once the room
+        is WAITING_FOR_INPUT, None before (read without waiting, like ``poll``)."""
+        handle = self._handle
+        return None if handle is None else handle.decode_prefix
 
     def send(self, pages: Sequence[int], end_token: int | None = None, *, layers: range | None = None,
-             ready: Any = None, group_pages: Mapping[str, Sequence[int]] | None = None) -> None:
+             ready: Any = None, group_pages: Mapping[str, Sequence[int]] | None = None,
+             state_slots: Mapping[str, int] | None = None) -> None:
         """The KV of the next chunk is in ``pages``; ``end_token`` defaults to where those pages
         end (the prompt's end for the last chunk). The chunk that reaches the prompt's end is the
         last: the aux slot goes with it (with its last layer, when streaming layers).
@@ -197,11 +212,16 @@ class KVSender(_Room):
         ``layers``/``ready``: only those layers are written, once the CUDA event ``ready`` has
         fired (``SenderRoomHandle.send``); the next layers of the same tokens come with
         ``pages=[]``. ``group_pages``: a hybrid cache's new pages of each paged group beyond the
-        first, by name (``SenderRoomHandle.send``)."""
+        first, by name (``SenderRoomHandle.send``). ``state_slots``: the state groups' slots, for an
+        engine that knows them only with the last chunk (else given to ``init``)."""
+        if state_slots is not None:
+            self._state_slots = dict(state_slots)
         if self._num_tokens is None:
             raise LocalProtocolError("KVSender.send() before init(num_tokens)")
+        first, self._start_token_sent = (0 if self._start_token_sent else self._start_token), True
         self._pages_given += len(pages)
-        end = end_token if end_token is not None else min(self._num_tokens, self._pages_given * self._block)
+        end = end_token if end_token is not None else \
+            min(self._num_tokens, self._start_token + self._pages_given * self._block)
         last = end >= self._num_tokens
         completes = layers is None or layers.stop >= self._num_layers
         aux = self._aux_slot if last and completes else None
@@ -210,7 +230,8 @@ class KVSender(_Room):
         slots = self._state_slots if last and not self._slots_sent else None
         self._slots_sent = self._slots_sent or last
         self._facade._post(self._do, lambda: self._handle.send(chunk, end, last=last, aux_slot=aux, layers=layers,
-                                                               ready=ready, group_pages=groups, state_slots=slots))
+                                                               ready=ready, group_pages=groups, state_slots=slots,
+                                                               first_token=first))
 
 
 class KVReceiver(_Room):

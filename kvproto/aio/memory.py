@@ -52,10 +52,22 @@ _TORCH_DTYPES = {
 
 @dataclass(frozen=True, slots=True)
 class AuxBuffer:
+    """Fixed-size per-request slots moved with a room's last chunk. One buffer (``address``,
+    ``slot_bytes`` per slot), or several that share one slot index (``parts``: SGLang's metadata
+    buffers, one for the first token, one for logprobs, one for hidden states, ...): slot ``s`` of
+    the room is slot ``s`` of every part, moved in one write, and ``slot_bytes`` is their sum."""
+
     address: int
     slot_bytes: int
     slots: int
     owner: Any = field(default=None, compare=False, repr=False)
+    parts: tuple[tuple[int, int], ...] = ()
+    """(address, bytes per slot) of each buffer when there are several (the first is ``address``)."""
+
+    @property
+    def buffers(self) -> tuple[tuple[int, int], ...]:
+        """(address, bytes per slot) of every buffer, in order."""
+        return self.parts or ((self.address, self.slot_bytes),)
 
     @classmethod
     def from_tensor(cls, tensor: Any) -> AuxBuffer:
@@ -64,6 +76,33 @@ class AuxBuffer:
             raise ValueError("aux tensor must be contiguous with slots along dim 0")
         slots = tensor.shape[0]
         return cls(tensor.data_ptr(), tensor.numel() * tensor.element_size() // slots, slots, tensor)
+
+    @classmethod
+    def from_tensors(cls, tensors: Sequence[Any]) -> AuxBuffer:
+        """Several contiguous tensors of ``(slots, ...)`` (any dtype and shape beyond the first
+        dimension, the same ``slots``) as one aux slot index."""
+        if not tensors:
+            raise ValueError("no aux tensors given")
+        parts = [cls.from_tensor(t) for t in tensors]
+        slots = {p.slots for p in parts}
+        if len(slots) != 1:
+            raise ValueError(f"aux tensors hold different numbers of slots: {sorted(slots)}")
+        if len(parts) == 1:
+            return parts[0]
+        return cls.from_pointers([(p.address, p.slot_bytes) for p in parts], slots.pop(), owner=tuple(tensors))
+
+    @classmethod
+    def from_pointers(cls, buffers: Sequence[tuple[int, int]], slots: int, *, owner: Any = None) -> AuxBuffer:
+        """Buffers given as (address, bytes per slot), each holding ``slots`` slots, as one aux
+        slot index (the memory is the caller's: keep it alive, or pass it as ``owner``)."""
+        buffers = tuple((int(a), int(n)) for a, n in buffers)
+        if not buffers or slots <= 0 or any(n <= 0 for _, n in buffers):
+            raise ValueError(f"aux buffers {buffers} of {slots} slots describe no slot")
+        return cls(buffers[0][0], sum(n for _, n in buffers), slots, owner, buffers if len(buffers) > 1 else ())
+
+    def regions(self) -> list[tuple[int, int]]:
+        """(address, length) of every buffer."""
+        return [(a, n * self.slots) for a, n in self.buffers]
 
 
 def _torch_dtype(dtype: Any) -> DType:
@@ -162,6 +201,26 @@ class StateCache:
         return cls(group, tp_size, tp_rank, tuple(addresses), MemKind.VRAM if is_cuda else MemKind.DRAM,
                    (device.index or 0) if is_cuda else 0, None if model_layers is None else tuple(model_layers),
                    owner=layers)
+
+    @classmethod
+    def from_pointers(cls, name: str, layers: Sequence[Sequence[int]], *, slot_bytes: Sequence[int], num_slots: int,
+                      tp_size: int = 1, tp_rank: int = 0, model_layers: Sequence[int] | None = None,
+                      mem_kind: MemKind = MemKind.DRAM, device_id: int = 0, owner: Any = None) -> StateCache:
+        """A state group an engine gives as raw addresses (SGLang's ``KVArgs`` state entries):
+        ``layers[l][t]`` is the address of tensor ``t`` of layer ``l``, ``num_slots`` slots of
+        ``slot_bytes[t]`` bytes. Each tensor is described as this rank's bytes of a vector split
+        over TP in rank order (``shard_dim`` 0), so that rank ``r`` of one side pairs with rank ``r``
+        of the other; between different TP sizes that split is the bytes', which matches a state
+        only where its split axis is outermost and whole (the caller refuses the rest)."""
+        if not layers or not layers[0] or len(slot_bytes) != len(layers[0]):
+            raise ValueError(f"state group {name!r}: {len(slot_bytes)} slot sizes for "
+                             f"{len(layers[0]) if layers else 0} tensors per layer")
+        if any(len(layer) != len(slot_bytes) for layer in layers):
+            raise ValueError(f"state group {name!r}: every layer lists {len(slot_bytes)} tensors")
+        tensors = tuple(StateTensor((int(n) * tp_size,), DType.UINT8, 0) for n in slot_bytes)
+        group = StateGroup(name, len(layers), tensors, int(num_slots))
+        return cls(group, tp_size, tp_rank, tuple(int(a) for layer in layers for a in layer), mem_kind, device_id,
+                   None if model_layers is None else tuple(model_layers), owner=owner)
 
     def region_lengths(self) -> list[int]:
         sizes = self.group.region_bytes(self.tp_size)
@@ -412,6 +471,51 @@ class KVCache:
             layers=None if model_layers is None else tuple(model_layers),
         )
 
+    @classmethod
+    def from_pointers(
+        cls,
+        planes: Sequence[Sequence[int]],
+        *,
+        page_bytes: int,
+        region_bytes: int,
+        block_size: int,
+        tp_size: int = 1,
+        tp_rank: int = 0,
+        num_kv_heads: int = 1,
+        mla: bool = False,
+        mem_kind: MemKind = MemKind.DRAM,
+        device_id: int = 0,
+        aux: AuxBuffer | None = None,
+        owner: Any = None,
+        model_layers: Sequence[int] | None = None,
+    ) -> KVCache:
+        """Describe a cache an engine gives as raw addresses (SGLang's ``KVArgs``): ``planes`` is
+        ``[k_addresses, v_addresses]`` (``[latent_addresses]`` for MLA), one per layer; each layer
+        of each plane is ``region_bytes`` of pages of ``page_bytes``, a page holding ``block_size``
+        tokens of this rank's heads, token-major (NHD). The head size is what the page holds per
+        token and head, in bytes (the cache is described as bytes: both sides describe it so, and
+        the engine checks the element type); ``num_kv_heads`` is the model's total; ``model_layers``
+        the model layer of each layer (a hybrid model's first group). The memory is the
+        caller's (keep it alive, or pass it as ``owner``). The staged path needs tensors, so such a
+        cache moves direct or sliced (``EndpointConfig.staging_bytes=0``)."""
+        if not planes or not planes[0] or len(planes) != (1 if mla else 2):
+            raise ValueError(f"expected {'1 plane (MLA)' if mla else '2 planes (K, V)'} of layer addresses")
+        layers = len(planes[0])
+        if any(len(p) != layers for p in planes):
+            raise ValueError("every plane needs one address per layer")
+        heads = 1 if mla else max(1, num_kv_heads // tp_size)
+        if page_bytes <= 0 or region_bytes % page_bytes or page_bytes % (block_size * heads):
+            raise ValueError(f"pages of {page_bytes} bytes do not hold {block_size} tokens of {heads} heads, or "
+                             f"do not tile a {region_bytes}-byte layer")
+        geometry = KVGeometry(
+            tp_size=tp_size, tp_rank=tp_rank, num_layers=layers, num_kv_heads=1 if mla else num_kv_heads,
+            head_dim=page_bytes // (block_size * heads), dtype=DType.UINT8, block_size=block_size,
+            layout=Layout.NHD, mla=mla, num_blocks=region_bytes // page_bytes,
+        )
+        addresses = tuple(int(plane[layer]) for layer in range(layers) for plane in planes)
+        return cls(geometry=geometry, region_addresses=addresses, mem_kind=mem_kind, device_id=device_id, aux=aux,
+                   owner=owner, layers=None if model_layers is None else tuple(model_layers))
+
     # --- what gets registered and advertised ------------------------------------------------
     def regions(self) -> list[MemoryRegion]:
         """This group's regions (layer x plane), in order."""
@@ -423,7 +527,7 @@ class KVCache:
         overlap (groups overlaying one buffer) joined into their union (``merge_regions``)."""
         regions = self.regions()
         if self.aux is not None:
-            regions.append(MemoryRegion(self.aux.address, self.aux.slot_bytes * self.aux.slots, 0, MemKind.DRAM))
+            regions += [MemoryRegion(a, n, 0, MemKind.DRAM) for a, n in self.aux.regions()]
         for extra in self.groups:
             regions += extra.regions()
         return merge_regions(regions)
@@ -439,10 +543,9 @@ class KVCache:
                        mem_kind=self.mem_kind)
             for i, a in enumerate(self.region_addresses)
         ]
-        if self.aux is not None:
-            rows.append(WireRegion(kind=RegionKind.AUX, index=0, address=self.aux.address,
-                                   length=self.aux.slot_bytes * self.aux.slots, device_id=0,
-                                   mem_kind=MemKind.DRAM))
+        if self.aux is not None:  # one AUX region per aux buffer, in order (messages.md, REGISTER)
+            rows += [WireRegion(kind=RegionKind.AUX, index=i, address=a, length=n, device_id=0, mem_kind=MemKind.DRAM)
+                     for i, (a, n) in enumerate(self.aux.regions())]
         for number, extra in enumerate(self.groups, start=1):
             for r, region in enumerate(extra.regions()):
                 rows.append(WireRegion(kind=RegionKind.GROUP, index=number << 24 | r, address=region.address,

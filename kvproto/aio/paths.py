@@ -74,6 +74,17 @@ def slot_rows(address: int, slot_bytes: int, slots: int) -> np.ndarray:
     return rows
 
 
+def aux_rows(buffers: Sequence[tuple[int, int]], slots: int) -> np.ndarray:
+    """Every slot of every aux buffer ((address, bytes per slot) each): buffer ``b``'s slot ``s`` is
+    row ``b * slots + s``."""
+    return np.concatenate([slot_rows(a, n, slots) for a, n in buffers])
+
+
+def aux_indices(slot: int, parts: int, slots: int) -> np.ndarray:
+    """The rows of ``aux_rows`` that hold ``slot`` of every buffer."""
+    return slot + slots * np.arange(parts, dtype=np.int64)
+
+
 class LocalLists:
     """This rank's memory, prepared once for direct and aux writes (lazily)."""
 
@@ -94,7 +105,7 @@ class LocalLists:
         if self._aux is None:
             aux = self.kv.aux
             assert aux is not None
-            self._aux = self.transport.prepare(None, slot_rows(aux.address, aux.slot_bytes, aux.slots), MemKind.DRAM)
+            self._aux = self.transport.prepare(None, aux_rows(aux.buffers, aux.slots), MemKind.DRAM)
         return self._aux
 
     def release(self) -> None:
@@ -271,7 +282,7 @@ class LinkPath:
         remote_bases: Sequence[int],
         remote_kind: MemKind,
         remote_device: int,
-        remote_aux: tuple[int, int, int] | None,
+        remote_aux: tuple[tuple[tuple[int, int], ...], int] | None,
         kind: str | None = None,
         remote_staging: tuple[int, int, MemKind, int] | None = None,
         route: Route | None = None,
@@ -462,13 +473,17 @@ class LinkPath:
         return Posted(self.transport.post_descs(self.peer, local_rows, local[1], remote_rows, kind, tag), nbytes, 1)
 
     def post_aux(self, tag: bytes, src_slot: int, dst_slot: int) -> Posted:
-        assert self.remote_aux is not None and self.local.kv.aux is not None
+        local = self.local.kv.aux
+        assert self.remote_aux is not None and local is not None
+        buffers, slots = self.remote_aux
         if self._remote_aux is None:
-            self._remote_aux = self.transport.prepare(self.peer, slot_rows(*self.remote_aux), MemKind.DRAM)
+            self._remote_aux = self.transport.prepare(self.peer, aux_rows(buffers, slots), MemKind.DRAM)
+        parts = len(buffers)  # one descriptor per buffer, one write (registration matched the buffers)
         xfer = self.transport.post_prepared(
-            self.peer, self.local.aux(), np.asarray([src_slot]), self._remote_aux, np.asarray([dst_slot]), tag
+            self.peer, self.local.aux(), aux_indices(src_slot, parts, local.slots), self._remote_aux,
+            aux_indices(dst_slot, parts, slots), tag
         )
-        return Posted(xfer, self.remote_aux[1], 1)
+        return Posted(xfer, local.slot_bytes, parts)
 
     def release(self) -> None:
         for dlist in (self._remote_pages, self._remote_aux):

@@ -217,14 +217,15 @@ class PrefillEndpoint(EndpointBase):
 
     def _submit_chunk(self, room_id: int, pages: Sequence[int], end_token: int, last: bool, aux_slot: int | None,
                       layers: tuple[int, int] | None = None, ready: Any = None,
-                      group_pages: Any = None, state_slots: Any = None) -> None:
+                      group_pages: Any = None, state_slots: Any = None, first_token: int = 0) -> None:
         self._check_open()
         first = list(pages)
         # a group given the first group's very list gets ``first``: the core takes it by identity
         pages_by_group, slots = self.kv.group_args(group_pages, state_slots, first=(pages, first))
         try:
             self.core.submit_chunk(room_id, first, end_token, self._now(), last=last, aux_slot=aux_slot,
-                                   layers=layers, ready=ready, group_pages=pages_by_group, state_slots=slots)
+                                   layers=layers, ready=ready, group_pages=pages_by_group, state_slots=slots,
+                                   first_token=first_token)
         finally:
             self._flush()
             self._kick()

@@ -48,7 +48,8 @@ class Remote:
     bases: list[int]
     kind: MemKind
     device: int
-    aux: tuple[int, int, int] | None
+    aux: tuple[tuple[tuple[int, int], ...], int] | None
+    """The decode rank's aux buffers ((address, bytes per slot) each) and their slot count."""
     staging: tuple[int, int, MemKind, int] | None
     cache: CacheGeometry
     """The decode rank's cache as groups (one group unless it sent CACHE_GROUPS)."""
@@ -112,15 +113,23 @@ def check_register(msg: Register, wire_groups: Sequence[WireGroup], *, config: E
     if remote_kind not in reachable:
         raise Reject(ErrorCode.TRANSPORT_ERROR, f"transport cannot reach {remote_kind.name} memory")
     remote_aux = None
-    aux_rows = [r for r in msg.regions if r.kind == RegionKind.AUX]
+    aux_rows = sorted((r for r in msg.regions if r.kind == RegionKind.AUX), key=lambda r: r.index)
     if msg.aux_slots:
         local_aux = kv.aux
-        if len(aux_rows) != 1 or aux_rows[0].length < msg.aux_slots * msg.aux_slot_bytes:
-            raise Reject(ErrorCode.INDEX_OUT_OF_RANGE, "aux slots do not fit the registered aux region")
-        if local_aux is not None and local_aux.slot_bytes != msg.aux_slot_bytes:
+        if len(aux_rows) == 1:  # one buffer: its slots are aux_slot_bytes each
+            parts = [(aux_rows[0].address, msg.aux_slot_bytes)]
+            fits = aux_rows[0].length >= msg.aux_slots * msg.aux_slot_bytes
+        else:  # several buffers sharing the slot index: each region holds aux_slots slots exactly
+            parts = [(r.address, r.length // msg.aux_slots) for r in aux_rows]
+            fits = [r.index for r in aux_rows] == list(range(len(aux_rows))) and \
+                all(r.length % msg.aux_slots == 0 for r in aux_rows) and sum(n for _, n in parts) == msg.aux_slot_bytes
+        if not aux_rows or not fits:
+            raise Reject(ErrorCode.INDEX_OUT_OF_RANGE, "aux slots do not fit the registered aux regions")
+        if local_aux is not None and [n for _, n in local_aux.buffers] != [n for _, n in parts]:
             raise Reject(ErrorCode.INCOMPATIBLE_GEOMETRY,
-                          f"aux slots of {msg.aux_slot_bytes} bytes, prefill uses {local_aux.slot_bytes}")
-        remote_aux = (aux_rows[0].address, msg.aux_slot_bytes, msg.aux_slots)
+                          f"aux buffers of {[n for _, n in parts]} bytes per slot, prefill uses "
+                          f"{[n for _, n in local_aux.buffers]}")
+        remote_aux = (tuple(parts), msg.aux_slots)
     group_bases = _group_regions(msg, decode_cache, remote_kind)
     staging_rows = [r for r in msg.regions if r.kind == RegionKind.STAGING]
     staging = None

@@ -96,7 +96,7 @@ class SenderRoomHandle(_Handle):
     def send(self, pages: Sequence[int], end_token: int, *, last: bool = True, aux_slot: int | None = None,
              layers: range | tuple[int, int] | None = None, ready: Any = None,
              group_pages: Mapping[str, Sequence[int]] | None = None,
-             state_slots: Mapping[str, int] | None = None) -> None:
+             state_slots: Mapping[str, int] | None = None, first_token: int = 0) -> None:
         """The KV of tokens up to ``end_token`` is ready in ``pages`` (this chunk's new pages).
 
         Call once per prefill chunk; ``last=True`` on the final one, whose ``end_token`` must
@@ -117,6 +117,10 @@ class SenderRoomHandle(_Handle):
         ``pages`` does); ``state_slots`` gives this rank's slot of each state group, once, with the
         first call whose ``last`` is set. ``layers`` then counts the model's layers, each group
         moving those of its layers that lie in the range.
+
+        ``first_token`` (first call only, whole blocks): ``pages`` start at that token; the tokens
+        before it are the decode's prefix (``decode_prefix``), which this rank neither sends nor
+        names pages for.
         """
         span = None
         if layers is not None:
@@ -124,7 +128,15 @@ class SenderRoomHandle(_Handle):
             if isinstance(layers, range) and layers.step != 1:
                 raise LocalProtocolError(f"layers {layers} must be consecutive")
         self._endpoint._submit_chunk(self.room_id, pages, end_token, last, aux_slot, span, ready, group_pages,
-                                     state_slots)
+                                     state_slots, first_token)
+
+    @property
+    def decode_prefix(self) -> int | None:
+        """Tokens the decode already holds (the least prefix its paired ranks named), once every
+        paired decode rank's request has come (WAITING_FOR_INPUT); None before that or once the
+        room has ended."""
+        room = self._endpoint.core.rooms.get(self.room_id)
+        return None if room is None else room.decode_prefix
 
     def abort(self) -> None:
         self._endpoint._abort(self.room_id)

@@ -211,6 +211,12 @@ class SenderRoom(RoomBase):
     copy: its checks and writes then take it by identity."""
     state_slots: tuple[int, ...] | None = None
     """This rank's slot of each state group (paged groups: NO_SLOT), given with the first last chunk."""
+    first_page: int = 0
+    """Pages of the room this rank never names (its first chunk's ``first_token`` over the block
+    size): tokens the decode holds already. ``src_pages`` begins with that many placeholders."""
+    decode_prefix: int | None = None
+    """The decode's prefix in tokens (the least any paired decode rank named) once every paired
+    rank's request has come: what the application may skip (``first_token``)."""
 
     @property
     def end_token(self) -> int:
@@ -346,8 +352,14 @@ class SenderCore(SenderHolds, CoreBase):
         ready: object | None = None,
         group_pages: Sequence[Sequence[int]] = (),
         state_slots: Sequence[int] | None = None,
+        first_token: int = 0,
     ) -> None:
         """The KV of tokens up to ``end_token`` is ready in ``pages`` (this chunk's new pages).
+
+        ``first_token`` (the room's first chunk only, whole blocks): the chunk's pages start at that
+        token; the tokens before it are the decode's prefix (``decode_prefix``), never sent, and
+        this rank names no page for them. Engines that send only what the decode lacks (SGLang's)
+        give the decode's prefix here.
 
         ``group_pages``: the chunk's new pages of each group beyond the first (a state group's
         entry empty); ``state_slots``: this rank's slot of each such group (a paged group's entry
@@ -374,13 +386,21 @@ class SenderCore(SenderHolds, CoreBase):
             self._continue_layers(room, pages, end_token, last, aux_slot, span, ready, now)
             return
         start = room.end_token
+        skip = 0
+        if first_token:
+            if room.chunks or first_token < 0 or first_token % self.block_size:
+                raise LocalProtocolError(f"first_token {first_token} needs the room's first chunk and whole blocks of "
+                                         f"{self.block_size}")
+            if any(not g.state for g in self.groups):
+                raise LocalProtocolError("first_token: a cache with paged groups beyond the first names every page")
+            start, skip = first_token, first_token // self.block_size
         if end_token < start or (end_token == start and not last):
             raise LocalProtocolError(f"chunk end token {end_token} does not advance past {start}")
         if not last and end_token % self.block_size:
             raise LocalProtocolError(
                 f"a non-last chunk must end on a page boundary (block size {self.block_size}), got {end_token}"
             )
-        total = len(room.src_pages) + len(pages)
+        total = len(room.src_pages) + skip + len(pages)
         if total != _pages_for(end_token, self.block_size):
             raise LocalProtocolError(
                 f"{end_token} tokens need {_pages_for(end_token, self.block_size)} pages, the room has {total}"
@@ -388,7 +408,8 @@ class SenderCore(SenderHolds, CoreBase):
         bad = page_outside(pages, self.num_blocks)
         if bad is not None:
             raise LocalProtocolError(f"page {bad} outside [0, {self.num_blocks})", ErrorCode.INDEX_OUT_OF_RANGE)
-        twice = duplicate_page([*room.src_pages, *pages] if room.src_pages else pages)
+        named = room.src_pages[room.first_page:] if room.first_page else room.src_pages
+        twice = duplicate_page([*named, *pages] if named else pages)
         if twice is not None:
             raise LocalProtocolError(f"page {twice} is listed twice in room {room_id}: two token ranges would share it",
                                      ErrorCode.INDEX_OUT_OF_RANGE)
@@ -407,7 +428,11 @@ class SenderCore(SenderHolds, CoreBase):
         completes = span is None or span[1] == self.num_layers
         if aux_slot is not None and not completes:
             raise LocalProtocolError("the aux slot goes with the chunk that gives the last layer")
-        src, before = room.src_pages, len(room.src_pages)
+        src = room.src_pages
+        if skip:  # placeholders for the prefix's pages: no write reaches them (every peer's prefix covers them)
+            room.first_page = skip
+            src.extend([0] * skip)
+        before = len(src)
         src.extend(pages)
         for g, new in enumerate(group_pages):
             held = room.group_pages[g]
@@ -547,7 +572,9 @@ class SenderCore(SenderHolds, CoreBase):
             return
         if len(room.peers) < len(room.expected):
             self.apply(room, Input.REQUEST_PARTIAL, now)
-        elif room.chunks:
+            return
+        room.decode_prefix = min(p.request.prefix_tokens for p in room.peers.values())
+        if room.chunks:
             self.apply(room, Input.REQUEST_COMPLETE_WITH_INPUT, now)
         else:
             self.apply(room, Input.REQUEST_COMPLETE, now)
@@ -601,6 +628,12 @@ class SenderCore(SenderHolds, CoreBase):
         counts = {p.request.num_tokens for p in room.peers.values()}
         if len(counts) > 1:
             return f"decode ranks disagree on the token count: {sorted(counts)}"
+        if room.first_page and room.chunks:
+            skipped = room.chunks[0].start
+            short = [p.request.prefix_tokens for p in room.peers.values() if p.request.prefix_tokens < skipped]
+            if short:
+                return (f"the prefill sends tokens from {skipped} on (first_token), a decode rank's prefix holds "
+                        f"only {min(short)}")
         if counts and room.chunks:
             (n,) = counts
             if room.end_token > n:

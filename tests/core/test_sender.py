@@ -434,6 +434,59 @@ def test_sender_full_prefix_hit_completes_with_zero_writes():
     assert [e.state for e in o.ended] == [RoomState.SUCCESS]
 
 
+def test_sender_first_token_skips_the_decode_prefix():
+    """A room whose chunks start at the decode's prefix (``first_token``): the prefill names no page
+    for the prefix, the decode prefix is known once the request came, only [32, 48) moves."""
+    core, _ = ready_core(1, 48, prefix=32)
+    assert core.rooms[1].decode_prefix == 32
+    core.submit_chunk(1, [7], 48, T0, last=True, first_token=32)
+    (w,) = pop(core).writes
+    assert (w.start_token, w.end_token) == (32, 48)
+    assert list(w.src_pages)[2:] == [7] and len(w.src_pages) == 3
+
+
+def test_sender_first_token_chunks_then_last():
+    """Chunked after a skipped prefix: the page count is reckoned from ``first_token``."""
+    core, _ = ready_core(1, 64, prefix=16)
+    core.submit_chunk(1, [4], 32, T0, last=False, first_token=16)
+    core.submit_chunk(1, [5, 6], 64, T0, last=True)
+    assert [(w.start_token, w.end_token) for w in pop(core).writes] == [(16, 32), (32, 64)]
+
+
+@pytest.mark.parametrize("first, kw, message", [
+    (8, {}, "whole blocks"),
+    (16, {"later": True}, "first chunk"),
+])
+def test_sender_first_token_misuse_raises(first, kw, message):
+    """``first_token`` must be whole blocks and come with the room's first chunk."""
+    core, _ = ready_core(1, 64, prefix=16)
+    if kw.get("later"):
+        core.submit_chunk(1, [1], 16, T0, last=False)
+    with pytest.raises(LocalProtocolError, match=message):
+        core.submit_chunk(1, [4], 32, T0, last=False, first_token=first)
+
+
+def test_sender_first_token_beyond_decode_prefix_fails_room():
+    """Skipping more than a decode rank holds would leave tokens unsent: TOKEN_COUNT_MISMATCH."""
+    core, _ = ready_core(1, 64, prefix=16)
+    core.submit_chunk(1, [4], 48, T0, last=False, first_token=32)
+    o = pop(core)
+    assert core.room_state(1) is None or o.ended[0].state is RoomState.FAILED
+    assert o.ended and o.ended[0].code is ErrorCode.TOKEN_COUNT_MISMATCH
+
+
+def test_sender_first_token_pages_checked_for_duplicates():
+    """The placeholders of the skipped prefix never count as a page named twice."""
+    core, _ = ready_core(1, 64, prefix=32)
+    core.submit_chunk(1, [0], 48, T0, last=False, first_token=32)
+    core.submit_chunk(1, [1], 64, T0, last=True)
+    assert [(w.start_token, w.end_token) for w in pop(core).writes] == [(32, 48), (48, 64)]
+    with pytest.raises(LocalProtocolError):
+        core2, _ = ready_core(2, 64, prefix=32)
+        core2.submit_chunk(2, [3], 48, T0, last=False, first_token=32)
+        core2.submit_chunk(2, [3], 64, T0, last=True)
+
+
 def test_sender_non_writer_link_succeeds_without_writes():
     """A paired non-writer rank posts nothing, sends no TRANSFER_DONE, and succeeds."""
     core, _ = ready_core(1, 40, link=make_link(writer=False, aux_owner=False), aux=0)

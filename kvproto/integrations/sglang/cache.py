@@ -1,0 +1,129 @@
+"""SGLang's ``KVArgs`` as a kvproto cache, and what kvproto refuses at start.
+
+Theory of operation
+-------------------
+A backend is given the rank's memory as raw addresses (``KVArgs``): ``kv_data_ptrs`` lists every
+layer's K buffer, then every layer's V buffer (MHA) or every layer's latent (MLA), each
+``kv_data_lens`` bytes of pages of ``kv_item_lens`` bytes; ``aux_data_ptrs`` lists SGLang's
+metadata buffers (first token, cached-token counts, logprobs, hidden states, the room id), which
+share one slot index. kvproto describes the pages as bytes (``KVCache.from_pointers``): a
+page holds ``page_size`` tokens of this rank's heads, token-major, each head
+``item_len / (page_size x heads)`` bytes; the head count is the model's (``KVArgs`` carries it
+on the prefill; the decode reads the model config, as SGLang's pool did). SGLang itself checks
+that both servers use the same page size and KV dtype; kvproto's registration checks the rest
+(heads, head bytes, layers, MLA) and converts TP sizes both ways.
+
+A hybrid model's Mamba state (``StateType.MAMBA``: conv and temporal tensors per layer, one slot
+per request) becomes a kvproto state group named ``mamba`` after the attention layers' group,
+each group carrying the model layers SGLang names (``kv_layer_ids``, ``state_layer_ids``); the
+request's slot comes with the last chunk (prefill) and the metadata (decode) as SGLang's
+``state_indices``. Its tensors are described as bytes per slot, so both servers must use the same
+attention TP size (checked when the decode first meets the prefill).
+
+What kvproto cannot do is refused here, before any room, with the reason (``refusal``):
+pipeline parallelism, attention or decode context parallelism, KV cache sharding, speculative
+decoding's draft KV, cache states other than Mamba's (SWA, DSA, ...), compressed/custom KV
+layouts, and the ``prefill_complete`` decode allocation policy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvproto.aio import AuxBuffer, KVCache, StateCache
+from kvproto.transport import MemKind
+
+
+def refusal(kv_args: Any, *, parallel: Any, disagg: Any) -> str | None:
+    """Why kvproto cannot serve this SGLang configuration (None: it can)."""
+    if parallel.pp_size > 1:
+        return f"pipeline parallelism (--pp-size {parallel.pp_size}); kvproto moves TP ranks only"
+    if parallel.attn_cp_size > 1:
+        return f"attention context parallelism (attention CP size {parallel.attn_cp_size})"
+    if getattr(parallel, "attn_dcp_size", 1) > 1:
+        return f"decode context parallelism (--dcp-size {parallel.attn_dcp_size})"
+    if getattr(parallel, "enable_kv_cache_sharding", False):
+        return "KV cache sharding (--enable-kv-cache-sharding)"
+    if getattr(kv_args, "num_draft_entries", 0):
+        return "speculative decoding's draft KV cache"
+    states = [getattr(s, "value", str(s)) for s in getattr(kv_args, "state_types", None) or []]
+    if states and states != [MAMBA]:
+        return f"the cache states {states} (hybrid models: kvproto maps SGLang's 'mamba' state only)"
+    if states and getattr(kv_args, "is_hybrid_mla_backend", False):
+        return "a Mamba state beside an MLA cache"
+    if getattr(kv_args, "kv_layout", None) is not None:
+        return f"the KV layout {kv_args.kv_layout!r}"
+    if getattr(disagg, "disaggregation_decode_allocation_policy", "early") != "early":
+        return f"--disaggregation-decode-allocation-policy {disagg.disaggregation_decode_allocation_policy}"
+    return None
+
+
+MAMBA = "mamba"
+"""SGLang's ``StateType.MAMBA`` (Mamba2, GDN, Kimi linear attention: conv and temporal state per
+request slot), the kvproto state group of that name."""
+
+
+def mamba_group(kv_args: Any, *, tp_size: int, tp_rank: int, on_gpu: bool) -> StateCache:
+    """SGLang's Mamba state entries (tensor-major: every layer of the first tensor, then the next
+    tensor's) as a kvproto state group, layer-major, each tensor its slot's bytes (same TP on both
+    sides: ``KVProtoManager.try_ensure_parallel_info`` refuses other pairs)."""
+    i = [getattr(s, "value", str(s)) for s in kv_args.state_types].index(MAMBA)
+    ptrs, lens, items = kv_args.state_data_ptrs[i], kv_args.state_data_lens[i], kv_args.state_item_lens[i]
+    layer_ids = list(kv_args.state_layer_ids[i])
+    layers = list(dict.fromkeys(layer_ids))
+    if not ptrs or len(ptrs) % len(layers):
+        raise ValueError(f"kvproto: {len(ptrs)} Mamba state entries for {len(layers)} layers")
+    tensors = len(ptrs) // len(layers)
+    slots = {n // b for n, b in zip(lens, items)}
+    if len(slots) != 1:
+        raise ValueError(f"kvproto: Mamba state tensors hold different numbers of slots: {sorted(slots)}")
+    rows = [[ptrs[t * len(layers) + l] for t in range(tensors)] for l in range(len(layers))]
+    return StateCache.from_pointers(MAMBA, rows, slot_bytes=[items[t * len(layers)] for t in range(tensors)],
+                                    num_slots=slots.pop(), tp_size=tp_size, tp_rank=tp_rank, model_layers=layers,
+                                    mem_kind=MemKind.VRAM if on_gpu else MemKind.DRAM,
+                                    device_id=int(getattr(kv_args, "gpu_id", 0) or 0) if on_gpu else 0)
+
+
+def state_slots(kv_args: Any, state_indices: list | None) -> dict[str, int] | None:
+    """The request's slot of each kvproto state group, from SGLang's ``state_indices`` (one entry
+    per ``KVArgs.state_types``; for Mamba a one-element array of the request's state slot)."""
+    if not state_indices:
+        return None
+    names = [getattr(s, "value", str(s)) for s in kv_args.state_types]
+    out = {}
+    for name, indices in zip(names, state_indices):
+        values = [int(v) for v in (indices.tolist() if hasattr(indices, "tolist") else indices)]
+        if name != MAMBA or len(values) != 1:
+            raise ValueError(f"kvproto: state {name!r} with indices {values}: one Mamba slot expected")
+        out[name] = values[0]
+    return out
+
+
+def cache_from_kvargs(kv_args: Any, *, mla: bool, tp_size: int, tp_rank: int, total_kv_heads: int,
+                      on_gpu: bool) -> KVCache:
+    """kvproto's description of the rank's KV and aux memory as ``KVArgs`` gives it (with a Mamba
+    state group after the attention layers' KV, for a hybrid model)."""
+    ptrs, lens, items = list(kv_args.kv_data_ptrs), list(kv_args.kv_data_lens), list(kv_args.kv_item_lens)
+    planes = 1 if mla else 2
+    if not ptrs or len(ptrs) % planes or len(set(lens)) != 1 or len(set(items)) != 1:
+        raise ValueError(f"kvproto: KVArgs lists {len(ptrs)} KV buffers of lengths {sorted(set(lens))} and pages of "
+                         f"{sorted(set(items))} bytes; expected {'one latent' if mla else 'K and V'} per layer, alike")
+    layers = len(ptrs) // planes
+    aux = None
+    aux_ptrs = list(getattr(kv_args, "aux_data_ptrs", None) or [])
+    if aux_ptrs:
+        slot_bytes = list(kv_args.aux_item_lens)
+        slots = {n // b for n, b in zip(kv_args.aux_data_lens, slot_bytes)}
+        if len(slots) != 1:
+            raise ValueError(f"kvproto: the metadata buffers hold different numbers of slots: {sorted(slots)}")
+        aux = AuxBuffer.from_pointers(list(zip(aux_ptrs, slot_bytes)), slots.pop())
+    hybrid = bool(getattr(kv_args, "state_types", None))
+    ids = list(getattr(kv_args, "kv_layer_ids", None) or [])
+    kv = KVCache.from_pointers(
+        [ptrs[p * layers:(p + 1) * layers] for p in range(planes)], page_bytes=items[0], region_bytes=lens[0],
+        block_size=int(kv_args.page_size), tp_size=tp_size, tp_rank=tp_rank, num_kv_heads=1 if mla else total_kv_heads,
+        mla=mla, mem_kind=MemKind.VRAM if on_gpu else MemKind.DRAM, device_id=int(getattr(kv_args, "gpu_id", 0) or 0)
+        if on_gpu else 0, aux=aux, owner=kv_args, model_layers=ids[:layers] if hybrid and ids else None)
+    if not hybrid:
+        return kv
+    return kv.with_groups(mamba_group(kv_args, tp_size=tp_size, tp_rank=tp_rank, on_gpu=on_gpu))

@@ -1,0 +1,532 @@
+"""Real SGLang scheduler ranks, one process each, moving KV through kvproto's backend.
+
+Theory of operation
+-------------------
+Each rank process does what an SGLang scheduler process does before serving, with SGLang's own
+code: ``load_plugins()``, ``prepare_server_args`` (a tiny local model config, offline), ``publish``
+with its rank, a gloo world of the side's TP ranks (``init_distributed_environment`` and
+``initialize_model_parallel``, so ``poll`` is MIN-reduced over the attention TP group as SGLang
+does it), its KV pool on CPU memory (``MHATokenToKVPool`` or ``MLATokenToKVPool``),
+``MetadataBuffers``, and the KV manager built by SGLang's own ``PrefillBootstrapQueue`` /
+``DecodePreallocQueue._init_kv_manager`` on a stub of the scheduler (so ``KVArgs`` is filled by
+SGLang's helpers and the manager class comes from ``get_kv_class``). The prefill server's
+bootstrap registry (``KVProtoBootstrapServer``, SGLang's HTTP ``/route``) runs in the test
+process, as it runs in the prefill server's main process.
+
+Then every rank steps its requests as SGLang's scheduler does (``prefill_steps`` /
+``decode_steps``), all requests of a rank in one loop whose polls go through SGLang's
+``poll_and_all_reduce*``. The prefill writes each chunk's bytes, a function of (room, chunk,
+layer, plane, global head, token, byte) (``expected``), into its pages just before that chunk's
+``send``, and the request's metadata slot (every buffer, every byte) before the last; pages of
+later chunks hold other bytes until then, so a backend that read ahead would move wrong bytes.
+The decode checks every byte of every token past its prefix in every layer, plane and head it
+holds, and every byte of the metadata slot, and at the end that no page it never handed out
+was written. Results go back to the test over a pipe.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import multiprocessing as mp
+import os
+import random
+import socket
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import sglang_cpu_env
+
+sglang_cpu_env.prepare()  # before anything imports SGLang (this module is the spawned ranks' entry)
+
+os.environ["SGLANG_HOST_IP"] = "127.0.0.1"  # every socket on loopback (SGLang's rank address, kvproto's)
+
+PAGE = 16
+LAYERS = 3
+HEADS = 2
+HEAD_DIM = 16
+KV_LORA, ROPE = 24, 8
+POOL_PAGES = 48
+SLOTS = 8
+FULL_LAYERS, MAMBA_LAYERS = [0, 2, 4], [1, 3]
+UNTOUCHED = 0xEE
+RESERVED = 4
+"""Pages at the pool's end that no request is given: no write may reach them."""
+
+TINY_MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": HEADS,
+              "head_dim": HEAD_DIM, "num_hidden_layers": LAYERS, "vocab_size": 256,
+              "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16"}
+
+
+def model_dir(root: Path, config: dict[str, Any]) -> Path:
+    path = Path(root) / "model"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_args(model: Path, mode: str, *, tp: int = 1, port: int = 30000, bootstrap_port: int = 8998,
+                extra: list[str] | None = None) -> Any:
+    """SGLang's ServerArgs as its CLI parses them (load_plugins() must have run)."""
+    from sglang.srt.server_args import prepare_server_args
+
+    return prepare_server_args([
+        "--model-path", str(model), "--disaggregation-mode", mode, "--disaggregation-transfer-backend", "kvproto",
+        "--device", "cpu", "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port),
+        "--disaggregation-bootstrap-port", str(bootstrap_port), "--tp-size", str(tp), "--page-size", str(PAGE),
+        *(extra or [])])
+
+
+# --- what a request is and what its bytes are -----------------------------------------------------
+@dataclass
+class Request:
+    room: int
+    tokens: int
+    chunks: list[int]
+    """End token of each prefill chunk (the last: ``tokens``)."""
+    prefix: int = 0
+    """Tokens the decode holds already (whole pages), sent as decode_prefix_len."""
+    abort: str | None = None
+    """``decode-before-metadata``, ``decode-after-metadata``, ``prefill-mid``: who aborts, when."""
+    stall_after: int | None = None
+    """Prefill: after sending this many chunks, tell the test and stop stepping (to be killed)."""
+
+
+@dataclass
+class Result:
+    room: int
+    state: int
+    reason: str = ""
+    checked_bytes: int = 0
+    mismatches: int = 0
+    holds: int = 0
+    """(The queue test's summary row) the most requests SGLang held for deferred release at once."""
+    state_bytes: int = 0
+    """Of ``checked_bytes``, those of the request's Mamba state slot."""
+
+
+def _mix(*parts: np.ndarray) -> np.ndarray:
+    x = np.zeros(np.broadcast_shapes(*(np.shape(p) for p in parts)), dtype=np.uint64)
+    with np.errstate(over="ignore"):  # arithmetic modulo 2**64 is the point
+        for i, p in enumerate(parts):
+            x ^= (np.asarray(p, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15 + i)) * np.uint64(0xBF58476D1CE4E5B9)
+            x ^= x >> np.uint64(31)
+    return (x & np.uint64(0xFF)).astype(np.uint8)
+
+
+def state_slot(req: Request, side: str) -> int:
+    """The request's Mamba state slot on each side (different, as two servers' allocators give)."""
+    return (req.room + (3 if side == "decode" else 0)) % SLOTS
+
+
+def chunk_of(req: Request, tokens: np.ndarray) -> np.ndarray:
+    return np.searchsorted(np.asarray(req.chunks), tokens, side="right")
+
+
+def expected(req: Request, layer: int, plane: int, head: int, tokens: np.ndarray, head_bytes: int) -> np.ndarray:
+    """The bytes of ``tokens`` of one head of one layer and plane: (len(tokens), head_bytes)."""
+    t = tokens[:, None]
+    return _mix(req.room, chunk_of(req, t), layer, plane, head, t, np.arange(head_bytes)[None, :])
+
+
+def aux_expected(room: int, buffer: int, nbytes: int) -> np.ndarray:
+    return _mix(room, 7777, buffer, np.arange(nbytes))
+
+
+def raw(address: int, nbytes: int) -> np.ndarray:
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
+
+
+# --- a rank: SGLang's scheduler set-up, on CPU ------------------------------------------------------
+@dataclass
+class RankSpec:
+    role: str
+    rank: int
+    tp: int
+    model: str
+    port: int
+    bootstrap_port: int
+    dist_port: int
+    mla: bool = False
+    requests: list[Request] = field(default_factory=list)
+    seed: int = 0
+    deadline_s: float = 150.0
+    mamba: bool = False
+    """A hybrid model: SGLang's HybridLinearKVPool, full attention on model layers 0, 2, 4 and a
+    Mamba2 state (conv and temporal tensors, one slot per request) on layers 1 and 3."""
+
+
+class Rank:
+    """One scheduler rank's SGLang objects (module docstring)."""
+
+    def __init__(self, spec: RankSpec, *, manager: bool = True) -> None:
+        import torch
+        from sglang.srt.plugins import load_plugins
+
+        load_plugins()
+        from sglang.srt.disaggregation.utils import MetadataBuffers, TransferBackend
+        from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+        from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
+
+        self.spec = spec
+        self.args = server_args(Path(spec.model), spec.role, tp=spec.tp, port=spec.port,
+                                bootstrap_port=spec.bootstrap_port)
+        publish(self.args, role="scheduler", ranks=SpawnRanks(world_rank=spec.rank, dp_rank=None, gpu_id=None))
+        init_distributed_environment(world_size=spec.tp, rank=spec.rank, local_rank=spec.rank, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{spec.dist_port}")
+        initialize_model_parallel(backend="gloo")
+        self.parallel = get_parallel()
+        self.backend = TransferBackend("kvproto")
+        if spec.mamba:
+            from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+            from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool
+
+            self.local_heads = max(1, HEADS // spec.tp)
+            self.head_start = spec.rank * self.local_heads if spec.tp <= HEADS else spec.rank * HEADS // spec.tp
+            shape = Mamba2StateShape.create(tp_world_size=spec.tp, intermediate_size=32, n_groups=2, num_heads=4,
+                                            head_dim=8, state_size=4, conv_kernel=4)
+            mamba = MambaPool(size=SLOTS, spec_state_size=0, cache_params=Mamba2CacheParams(shape=shape,
+                              layers=MAMBA_LAYERS), mamba_layer_ids=MAMBA_LAYERS, device="cpu")
+            self.pool = HybridLinearKVPool(size=POOL_PAGES * PAGE - PAGE, dtype=torch.bfloat16, page_size=PAGE,
+                                           head_num=self.local_heads, head_dim=HEAD_DIM,
+                                           full_attention_layer_ids=FULL_LAYERS, device="cpu", mamba_pool=mamba)
+        elif spec.mla:
+            from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+            self.pool = MLATokenToKVPool(size=POOL_PAGES * PAGE - PAGE, page_size=PAGE, dtype=torch.bfloat16,
+                                         kv_lora_rank=KV_LORA, qk_rope_head_dim=ROPE, layer_num=LAYERS, device="cpu",
+                                         enable_memory_saver=False)
+            self.local_heads, self.head_start = 1, 0
+        else:
+            from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+            self.local_heads = max(1, HEADS // spec.tp)
+            self.head_start = spec.rank * self.local_heads if spec.tp <= HEADS else spec.rank * HEADS // spec.tp
+            self.pool = MHATokenToKVPool(size=POOL_PAGES * PAGE - PAGE, page_size=PAGE, dtype=torch.bfloat16,
+                                         head_num=self.local_heads, head_dim=HEAD_DIM, layer_num=LAYERS, device="cpu",
+                                         enable_memory_saver=False)
+        self.metadata = MetadataBuffers(SLOTS, hidden_size=32, hidden_states_dtype=torch.bfloat16,
+                                        max_sampling_mask_tokens=4, max_top_logprobs_num=4)
+        if manager:
+            self.attach(self._kv_manager())
+
+    def attach(self, manager: Any) -> None:
+        """The rank's KV manager (built here, or by SGLang's queue): where its memory is."""
+        spec = self.spec
+        self.manager = manager
+        ptrs, lens, items = self.manager.kv_args.kv_data_ptrs, self.manager.kv_args.kv_data_lens, \
+            self.manager.kv_args.kv_item_lens
+        self.planes = [ptrs[p * LAYERS:(p + 1) * LAYERS] for p in range(1 if spec.mla else 2)]
+        self.region_bytes, self.page_bytes = lens[0], items[0]
+        self.head_bytes = self.page_bytes // (PAGE * self.local_heads)
+        self.aux = list(zip(self.manager.kv_args.aux_data_ptrs, self.manager.kv_args.aux_item_lens))
+        args = self.manager.kv_args
+        self.states = list(zip(args.state_data_ptrs[0], args.state_item_lens[0])) if args.state_types else []
+        """(address, bytes per slot) of every Mamba state entry (SGLang's order: tensor-major)."""
+        for plane in self.planes:
+            for address in plane:
+                raw(address, self.region_bytes)[:] = UNTOUCHED
+        self.rng = random.Random(spec.seed * 1000 + spec.rank)
+
+    def _kv_manager(self) -> Any:
+        from types import SimpleNamespace
+
+        from sglang.srt.disaggregation.decode import DecodePreallocQueue
+        from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
+
+        model_config = SimpleNamespace(hf_text_config=SimpleNamespace(full_attention_layer_ids=FULL_LAYERS),
+                                       num_hidden_layers=LAYERS + len(MAMBA_LAYERS) if self.spec.mamba else LAYERS,
+                                       get_total_num_kv_heads=lambda: HEADS)
+        scheduler = SimpleNamespace(rust_server=None, server_args=self.args, model_config=model_config,
+                                    tp_worker=SimpleNamespace(model_runner=SimpleNamespace(kv_cache_dtype_str="bfloat16")),
+                                    enable_hisparse=False, req_to_token_pool=None)
+        stub = SimpleNamespace(transfer_backend=self.backend, tp_rank=self.spec.rank, pp_rank=0, scheduler=scheduler,
+                               token_to_kv_pool=self.pool, draft_token_to_kv_pool=None, is_mla_backend=self.spec.mla,
+                               metadata_buffers=self.metadata, tree_cache=None, enable_staging=False)
+        queue = PrefillBootstrapQueue if self.spec.role == "prefill" else DecodePreallocQueue
+        return queue._init_kv_manager(stub)
+
+    def page_view(self, plane: int, layer: int, page: int) -> np.ndarray:
+        """(PAGE, local heads, head bytes) of one page."""
+        region = raw(self.planes[plane][layer], self.region_bytes)
+        return region[page * self.page_bytes:(page + 1) * self.page_bytes].reshape(PAGE, self.local_heads,
+                                                                                  self.head_bytes)
+
+    def bootstrap_addr(self) -> str:
+        return f"127.0.0.1:{self.spec.bootstrap_port}"
+
+
+# --- the prefill scheduler's calls, per request -------------------------------------------------
+def prefill_steps(rank: Rank, req: Request, free: list[int], conn: Any, results: list[Result]):
+    """A generator stepping one request as SGLang's prefill does; yields the sender to poll and
+    is sent the poll MIN-reduced over the TP group."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.utils import KVClassType, get_kv_class
+
+    sender = get_kv_class(rank.backend, KVClassType.SENDER)(mgr=rank.manager, bootstrap_addr=rank.bootstrap_addr(),
+                                                             bootstrap_room=req.room)
+    pages = [free.pop() for _ in range(-(-req.tokens // PAGE))]
+    for page in pages:  # bytes no chunk has written yet: what a read-ahead would move
+        for plane in range(len(rank.planes)):
+            for layer in range(LAYERS):
+                rank.page_view(plane, layer, page)[:] = rank.rng.randrange(256)
+    slot = free_slot = req.room % SLOTS
+    poll = yield sender
+    while poll == KVPoll.Bootstrapping:
+        poll = yield sender
+    if poll == KVPoll.Failed:
+        results.append(_failed(req.room, sender))
+        return
+    prefix = sender.pop_decode_prefix_len()
+    sender.init(-(-(req.tokens - prefix) // PAGE), free_slot)
+    start, sent = prefix, 0
+    for i, end in enumerate(req.chunks):
+        last = i == len(req.chunks) - 1
+        end = end if last else end - end % PAGE
+        if end <= start and not last:
+            continue
+        tokens = np.arange(start, end)
+        for plane in range(len(rank.planes)):
+            for layer in range(LAYERS):
+                for h in range(rank.local_heads):
+                    data = expected(req, layer, plane, rank.head_start + h, tokens, rank.head_bytes)
+                    for page in set((tokens // PAGE).tolist()):
+                        sel = tokens // PAGE == page
+                        rank.page_view(plane, layer, pages[page])[tokens[sel] % PAGE, h] = data[sel]
+        states = None
+        if last:
+            for b, (address, nbytes) in enumerate(rank.aux):
+                raw(address + slot * nbytes, nbytes)[:] = aux_expected(req.room, b, nbytes)
+            for e, (address, nbytes) in enumerate(rank.states):  # this rank's share of the request's state
+                raw(address + state_slot(req, "prefill") * nbytes, nbytes)[:] = \
+                    aux_expected(req.room, 1000 + e * 64 + rank.spec.rank, nbytes)
+            states = [np.asarray([state_slot(req, "prefill")])] if rank.states else []
+        chunk_pages = pages[start // PAGE:(-(-end // PAGE)) if last else end // PAGE]
+        sender.send(np.asarray(chunk_pages, dtype=np.int64), states, num_kv_tokens=end - start)
+        start, sent = end, sent + 1
+        if req.stall_after is not None and sent == req.stall_after:
+            conn.send(("stalled", req.room))
+            while True:  # the test kills this process now
+                time.sleep(1)
+        if req.abort == "prefill-mid" and not last:
+            sender.abort()
+        poll = yield sender
+        if poll == KVPoll.Failed:
+            break
+    while poll not in (KVPoll.Success, KVPoll.Failed):
+        poll = yield sender
+    results.append(Result(req.room, int(poll)) if poll == KVPoll.Success else _failed(req.room, sender))
+    sender.clear()
+    free.extend(pages)
+
+
+def _failed(room: int, party: Any) -> Result:
+    try:
+        party.failure_exception()
+    except Exception as exc:
+        return Result(room, 0, f"{type(exc).__name__}: {exc}")
+    return Result(room, 0, "failure_exception() did not raise")
+
+
+# --- the decode scheduler's calls, per request --------------------------------------------------
+def decode_steps(rank: Rank, req: Request, free: list[int], conn: Any, results: list[Result]):
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.utils import KVClassType, get_kv_class
+
+    addr = rank.bootstrap_addr()
+    receiver = get_kv_class(rank.backend, KVClassType.RECEIVER)(mgr=rank.manager, bootstrap_addr=addr,
+                                                                 bootstrap_room=req.room)
+    while not rank.manager.try_ensure_parallel_info(addr):  # SGLang retries once a second
+        next_try = time.monotonic() + 0.5
+        while time.monotonic() < next_try:
+            yield receiver
+    receiver.init(0)
+    poll = yield receiver
+    while poll == KVPoll.Bootstrapping:
+        poll = yield receiver
+    pages: list[int] = []
+    if poll != KVPoll.Failed:
+        if req.abort == "decode-before-metadata":
+            receiver.abort()
+        else:
+            pages = [free.pop() for _ in range(-(-(req.tokens - req.prefix) // PAGE))]
+            states = [np.asarray([state_slot(req, "decode")])] if rank.states else []
+            receiver.send_metadata(np.asarray(pages, dtype=np.int64), req.room % SLOTS, states,
+                                   decode_prefix_len=req.prefix)
+            if req.abort == "decode-after-metadata":
+                receiver.abort()
+        poll = yield receiver
+        while poll not in (KVPoll.Success, KVPoll.Failed):
+            poll = yield receiver
+    if poll == KVPoll.Success:
+        results.append(verify(rank, req, pages))
+    else:
+        results.append(_failed(req.room, receiver))
+    receiver.clear()
+    free.extend(pages)
+
+
+def verify(rank: Rank, req: Request, pages: list[int]) -> Result:
+    """Every byte of every token past the prefix, every layer, plane and held head; the metadata slot."""
+    tokens = np.arange(req.prefix, req.tokens)
+    local = tokens - req.prefix
+    checked = mismatches = 0
+    for plane in range(len(rank.planes)):
+        for layer in range(LAYERS):
+            for h in range(rank.local_heads):
+                want = expected(req, layer, plane, rank.head_start + h, tokens, rank.head_bytes)
+                got = np.stack([rank.page_view(plane, layer, pages[t // PAGE])[t % PAGE, h] for t in local.tolist()])
+                checked += want.size
+                mismatches += int((want != got).any(axis=1).sum())
+    slot = req.room % SLOTS
+    for b, (address, nbytes) in enumerate(rank.aux):
+        got = raw(address + slot * nbytes, nbytes)
+        checked += nbytes
+        mismatches += int((got != aux_expected(req.room, b, nbytes)).any())
+    states = 0
+    for e, (address, nbytes) in enumerate(rank.states):  # (equal TP: decode rank r holds prefill rank r's)
+        got = raw(address + state_slot(req, "decode") * nbytes, nbytes)
+        checked += nbytes
+        states += nbytes
+        mismatches += int((got != aux_expected(req.room, 1000 + e * 64 + rank.spec.rank, nbytes)).any())
+    return Result(req.room, 4, checked_bytes=checked, mismatches=mismatches, state_bytes=states)
+
+
+# --- a rank's main loop -------------------------------------------------------------------------
+def run_rank(spec: RankSpec, conn: Any) -> None:
+    """Process entry: set up, step every request to its end, report results (or the error)."""
+    try:
+        rank = Rank(spec)
+        conn.send(("ready", spec.rank))
+        from sglang.srt.disaggregation.utils import poll_and_all_reduce, poll_and_all_reduce_attn_cp_tp_group
+
+        steps = prefill_steps if spec.role == "prefill" else decode_steps
+        free = list(range(1, POOL_PAGES - RESERVED))
+        rank.rng.shuffle(free)
+        results: list[Result] = []
+        active = []
+        for req in spec.requests:
+            gen = steps(rank, req, free, conn, results)
+            active.append([gen, next(gen)])
+        deadline = time.monotonic() + spec.deadline_s
+        while active:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{spec.role} rank {spec.rank}: rooms did not end in {spec.deadline_s} s: "
+                                   f"{_stuck(rank, [a[1] for a in active])}")
+            pollers = [a[1] for a in active]
+            if spec.role == "prefill":
+                polls = poll_and_all_reduce_attn_cp_tp_group(pollers, rank.parallel.attn_cp_group.cpu_group,
+                                                             rank.parallel.attn_tp_group.cpu_group)
+            else:
+                polls = poll_and_all_reduce(pollers, rank.parallel.attn_tp_group.cpu_group)
+            still = []
+            for entry, poll in zip(active, polls):
+                try:
+                    entry[1] = entry[0].send(poll)
+                    still.append(entry)
+                except StopIteration:
+                    pass
+            active = still
+            time.sleep(0.002)
+        untouched = True
+        if spec.role == "decode":  # pages never handed out were never written
+            never = range(POOL_PAGES - RESERVED, POOL_PAGES)
+            for plane in range(len(rank.planes)):
+                for layer in range(LAYERS):
+                    for page in never:
+                        untouched &= bool((rank.page_view(plane, layer, page) == UNTOUCHED).all())
+        conn.send(("results", [asdict(r) for r in results], untouched))
+        conn.recv()  # the test says when to close (the peers may still need this rank)
+        rank.manager.close()
+        conn.send(("closed",))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
+def _stuck(rank: Rank, parties: list[Any]) -> str:
+    """What each unfinished room's objects say (for a test that timed out)."""
+    out = []
+    for party in parties:
+        room = getattr(party, "_room", None)
+        handle = getattr(room, "_handle", None)
+        core = rank.manager.endpoint._endpoint.core if rank.manager.endpoint is not None else None
+        state = core.room_state(party.bootstrap_room) if core is not None else None
+        out.append(f"room {party.bootstrap_room}: poll={party.poll()} kvproto={state} handle={handle is not None} "
+                   f"error={getattr(room, '_error', None)!r}")
+    out.append(f"prefill_info_table={list(getattr(rank.manager, 'prefill_info_table', {}))}")
+    return "; ".join(out)
+
+
+@dataclass
+class Pair:
+    """A prefill and a decode server of real rank processes (the test's side of the harness)."""
+
+    processes: dict[tuple[str, int], Any]
+    conns: dict[tuple[str, int], Any]
+    server: Any
+
+    def wait(self, kind: str, who: tuple[str, int], timeout: float = 120.0) -> tuple:
+        conn = self.conns[who]
+        deadline = time.monotonic() + timeout
+        while True:
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"{who} sent no {kind!r} in {timeout} s")
+            msg = conn.recv()
+            if msg[0] == "error":
+                raise AssertionError(f"{who} failed:\n{msg[1]}")
+            if msg[0] == kind:
+                return msg
+            assert msg[0] in ("ready", "stalled"), msg
+
+    def results(self, who: tuple[str, int], timeout: float = 240.0) -> tuple[dict[int, Result], bool]:
+        msg = self.wait("results", who, timeout)
+        return {r["room"]: Result(**r) for r in msg[1]}, msg[2]
+
+    def close(self) -> None:
+        for who, conn in self.conns.items():
+            if self.processes[who].is_alive():
+                try:
+                    conn.send("close")
+                except (BrokenPipeError, OSError):
+                    pass
+        for who, proc in self.processes.items():
+            proc.join(20)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        self.server.close()
+
+
+def start_pair(tmp: Path, *, p_tp: int, d_tp: int, mla: bool, prefill: list[Request], decode: list[Request],
+               seed: int = 0, entry: Any = None, mamba: bool = False) -> Pair:
+    """Start the bootstrap registry here and every rank process (module docstring)."""
+    from kvproto.integrations.sglang.bootstrap import KVProtoBootstrapServer
+
+    model = model_dir(tmp, TINY_MODEL)
+    bport, port = free_port(), free_port()
+    server = KVProtoBootstrapServer("127.0.0.1", bport)
+    ctx = mp.get_context("spawn")
+    processes, conns = {}, {}
+    for role, tp, reqs in (("prefill", p_tp, prefill), ("decode", d_tp, decode)):
+        dist = free_port()
+        for rank in range(tp):
+            spec = RankSpec(role, rank, tp, str(model), port, bport, dist, mla, reqs, seed, mamba=mamba)
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(target=entry or run_rank, args=(spec, theirs), name=f"sglang-{role}-{rank}",
+                               daemon=True)
+            proc.start()
+            processes[(role, rank)], conns[(role, rank)] = proc, ours
+    return Pair(processes, conns, server)
+

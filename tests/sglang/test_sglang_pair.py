@@ -1,0 +1,133 @@
+"""Real prefill and decode rank processes on SGLang's own CPU memory pools, metadata buffers and
+KVArgs, moving every K/V and metadata byte through kvproto (``sglang_harness``)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("sglang.srt")  # (a bare "sglang" may be this folder)
+
+from sglang_harness import PAGE, Request, start_pair  # noqa: E402
+
+from kvproto.integrations.sglang.sender import ANOTHER_RANK  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.nixl]
+
+SUCCESS, FAILED = 4, 0
+
+
+def rooms(base: int) -> list[Request]:
+    """Chunked prompts of whole and partial pages, one with a decode prefix, and one room aborted
+    by each side at each point, all run concurrently."""
+    return [
+        Request(base + 1, 5 * PAGE + 3, [2 * PAGE, 4 * PAGE, 5 * PAGE + 3]),
+        Request(base + 2, 3 * PAGE, [3 * PAGE]),
+        Request(base + 3, 6 * PAGE + 9, [3 * PAGE, 6 * PAGE + 9], prefix=2 * PAGE),
+        Request(base + 4, 7, [7]),
+        Request(base + 5, 4 * PAGE, [2 * PAGE, 4 * PAGE], abort="decode-before-metadata"),
+        Request(base + 6, 4 * PAGE, [PAGE, 2 * PAGE, 4 * PAGE], abort="decode-after-metadata"),
+        Request(base + 7, 4 * PAGE + 1, [PAGE, 2 * PAGE, 4 * PAGE + 1], abort="prefill-mid"),
+    ]
+
+
+def run(tmp_path, p_tp: int, d_tp: int, *, mla: bool = False, requests: list[Request] | None = None):
+    requests = requests or rooms(1000 * (p_tp * 10 + d_tp) + (500 if mla else 0))
+    pair = start_pair(tmp_path, p_tp=p_tp, d_tp=d_tp, mla=mla, prefill=requests, decode=requests)
+    try:
+        decode = [pair.results(("decode", r)) for r in range(d_tp)]
+        prefill = [pair.results(("prefill", r)) for r in range(p_tp)]
+    finally:
+        pair.close()
+    return requests, prefill, decode
+
+
+@pytest.mark.parametrize("p_tp, d_tp, mla", [(1, 1, False), (1, 2, False), (2, 1, False), (1, 2, True),
+                                             (2, 1, True)],
+                         ids=["tp1-1", "tp1-2", "tp2-1", "mla-tp1-2", "mla-tp2-1"])
+def test_sglang_pair_rooms_byte_exact_and_aborts(tmp_path, p_tp, d_tp, mla):
+    """Every room not aborted succeeds on every rank of both sides; every K/V (or latent) byte of
+    every token past the decode's prefix, of every head each decode rank holds, and every metadata
+    byte is the prefill's; no page the decode never handed out was written. A room aborted by the
+    decode (before or after its metadata) or by the prefill (between chunks) fails on every rank
+    of both sides, with kvproto's reason (ABORTED) through SGLang's failure_exception()."""
+    requests, prefill, decode = run(tmp_path, p_tp, d_tp, mla=mla)
+    for side, ranks in (("decode", decode), ("prefill", prefill)):
+        for results, untouched in ranks:
+            assert untouched
+        for req in requests:
+            got = [results[req.room] for results, _ in ranks]
+            if req.abort is None:
+                for r in got:
+                    assert r.state == SUCCESS, (side, r)
+                    assert side == "prefill" or (r.mismatches == 0 and r.checked_bytes > 0), r
+                continue
+            # every rank fails; a rank whose own room had not failed yet when SGLang's reduced poll
+            # said FAILED names another rank (and aborted its room); some rank names the abort
+            assert all(r.state == FAILED and "KVTransferError" in r.reason for r in got), (side, got)
+            aborted = ["ABORTED" in r.reason or "Aborted" in r.reason for r in got]
+            assert any(aborted), (side, got)
+            assert all(a or ANOTHER_RANK in r.reason for a, r in zip(aborted, got)), (side, got)
+
+
+def test_sglang_pair_prefill_killed_mid_transfer(tmp_path):
+    """The prefill rank's process is killed (SIGKILL) after the first of three chunks: the decode's
+    room fails through SGLang's poll and failure_exception(), with kvproto's reason (the prefill is
+    gone), within the heartbeat timeout; it never hangs, and the decode rank keeps serving (it
+    reports, and closes cleanly)."""
+    req = Request(9001, 4 * PAGE, [PAGE, 2 * PAGE, 4 * PAGE], stall_after=1)
+    pair = start_pair(tmp_path, p_tp=1, d_tp=1, mla=False, prefill=[req], decode=[req])
+    try:
+        pair.wait("stalled", ("prefill", 0))
+        killed = time.monotonic()
+        pair.processes[("prefill", 0)].kill()
+        results, _ = pair.results(("decode", 0))
+        waited = time.monotonic() - killed
+    finally:
+        pair.close()
+    r = results[9001]
+    assert r.state == FAILED
+    assert "KVTransferError" in r.reason and ("PEER_GONE" in r.reason or "TRANSPORT" in r.reason), r.reason
+    assert waited < 30
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1-1", "tp2-2"])
+def test_sglang_pair_mamba_hybrid_moves_kv_and_state(tmp_path, tp):
+    """A hybrid model (SGLang's HybridLinearKVPool: full attention on layers 0, 2, 4, a Mamba2
+    state on 1, 3): every KV byte of the attention layers, every byte of the request's state slot
+    (conv and temporal tensors, each rank's share, moved from prefill slot to a different decode
+    slot), and the metadata slot land; with a decode prefix too, and aborted rooms fail."""
+    requests = [r for r in rooms(7000 + tp) if r.abort in (None, "decode-after-metadata")]
+    pair = start_pair(tmp_path, p_tp=tp, d_tp=tp, mla=False, prefill=requests, decode=requests, mamba=True)
+    try:
+        decode = [pair.results(("decode", r)) for r in range(tp)]
+        prefill = [pair.results(("prefill", r)) for r in range(tp)]
+    finally:
+        pair.close()
+    for side, ranks in (("decode", decode), ("prefill", prefill)):
+        for results, untouched in ranks:
+            assert untouched
+            for req in requests:
+                r = results[req.room]
+                if req.abort:
+                    assert r.state == FAILED, (side, r)
+                else:
+                    assert r.state == SUCCESS, (side, r)
+                    # per layer (2): conv (32 + 2*2*4)/tp x 3 bf16, temporal 4/tp x 8 x 4 float32
+                    assert side == "prefill" or (r.mismatches == 0 and r.state_bytes == 2 * (48 * 3 * 2 + 4 * 8 * 4 * 4)
+                                                 // tp and r.checked_bytes > r.state_bytes), r
+
+
+def test_sglang_pair_mamba_between_tp_sizes_is_refused(tmp_path):
+    """A hybrid model's decode of TP 2 meeting a prefill of TP 1: refused when the decode first
+    reads the prefill's parallel info (where SGLang refuses a page size or KV dtype mismatch), with
+    the reason, before any room; never a hang."""
+    req = Request(8001, 2 * PAGE, [2 * PAGE])
+    pair = start_pair(tmp_path, p_tp=1, d_tp=2, mla=False, prefill=[req], decode=[req], mamba=True)
+    try:
+        with pytest.raises(AssertionError, match="moves a Mamba state between equal attention TP sizes only: "
+                                                 "prefill 1, decode 2"):
+            pair.results(("decode", 0))
+    finally:
+        pair.close()
