@@ -42,7 +42,7 @@ def _facade(process: bool) -> Any:
     """The decode facade under test: ``SyncDecode`` (endpoint on a thread of this process) or
     ``ProcessDecode`` (endpoint in a child process)."""
     if process:
-        from kvproto.sync_process import ProcessDecode
+        from kvproto.sync import ProcessDecode
 
         return ProcessDecode
     from kvproto.sync import SyncDecode
@@ -242,7 +242,7 @@ def run_prefill(rooms: int, window: int, step_ms: float, blocks: int, transport:
     from kvproto.core import RoomState
 
     if process:
-        from kvproto.sync_process import ProcessPrefill as facade
+        from kvproto.sync import ProcessPrefill as facade
     else:
         from kvproto.sync import SyncPrefill as facade  # type: ignore[assignment]
     _, kv = _cache(1, blocks)
@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-step-ms", type=float, default=20.0, help="the engine loop's model step")
     ap.add_argument("--engine-steps", type=int, default=100, help="steps per phase of the engine loop (0: skip it)")
     ap.add_argument("--process", action="store_true",
-                    help="the decode endpoint in a process of its own (kvproto.sync_process.ProcessDecode)")
+                    help="the decode endpoint in a process of its own (kvproto.sync.ProcessDecode)")
     ap.add_argument("--prefill-rooms", type=int, default=4000,
                     help="rooms of the prefill-side run (sender, init, send, abort timed; 0: skip it)")
     ap.add_argument("--json", help="write every figure to this file")

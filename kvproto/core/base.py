@@ -93,7 +93,7 @@ class CoreBase:
         self.closed = False
         self.on_state: Callable[[int, RoomState], None] | None = None
         """Called with (room id, state) whenever a live room enters a non-terminal state (its end
-        is the ``RoomEnded`` output); ``kvproto.sync_process`` forwards these to its engine."""
+        is the ``RoomEnded`` output); ``kvproto.sync.process`` forwards these to its engine."""
 
     # --- outputs -----------------------------------------------------------------------------
     def pop_outputs(self) -> list[Output]:

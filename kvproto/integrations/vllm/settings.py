@@ -85,7 +85,7 @@ class Settings:
     heartbeat_timeout_s: float = 5.0
     """A peer instance silent this long is gone: its rooms fail (``PEER_GONE``)."""
     endpoint_process: bool = False
-    """Run each worker's kvproto endpoint in a process of its own (``kvproto.sync_process``), so
+    """Run each worker's kvproto endpoint in a process of its own (``kvproto.sync.process``), so
     that its work never takes the interpreter lock from vLLM's worker thread."""
     model_id: str | None = None
     """The model both instances must serve (default: vLLM's ``model`` and ``revision``); set it when

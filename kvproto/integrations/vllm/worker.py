@@ -5,7 +5,7 @@ Theory of operation
 A vLLM worker calls its connector in a fixed order every step: ``bind_connector_metadata``, the
 forward (``save_kv_layer`` after each attention layer), ``wait_for_save``, ``get_transfer_results``,
 ``clear_connector_metadata``. This role turns the step's ``KVProtoMetadata`` into calls on kvproto's
-synchronous facade (``kvproto.sync``, or ``kvproto.sync_process`` with ``endpoint_process``), whose
+synchronous facade (``kvproto.sync``, or ``kvproto.sync.process`` with ``endpoint_process``), whose
 calls never block, and reports each room's end exactly once:
 
 * the step's aborts, opens, holds and destinations go at the first hook of the step
@@ -116,7 +116,7 @@ class Worker:
         decode_cfg = s.endpoint_config(instance=f"{instance}-decode", prefill=False, serves_bootstrap=False,
                                        **ident) if self.consumer else None
         if s.endpoint_process:
-            from kvproto.sync_process import ProcessDecode, ProcessPrefill
+            from kvproto.sync import ProcessDecode, ProcessPrefill
 
             self.prefill = prefill_cfg and ProcessPrefill(kv, bootstrap=bootstrap, config=prefill_cfg)
             self.decode = decode_cfg and ProcessDecode(kv, config=decode_cfg)

@@ -1,4 +1,4 @@
-"""Synchronous facade: kvproto for schedulers that run in a plain thread (SGLang, vLLM).
+"""The thread face of the synchronous facade: the endpoint on an event loop in a thread of the engine.
 
 Theory of operation
 -------------------
@@ -24,8 +24,9 @@ Calls from one engine thread are performed in the order they were made. The hand
 ``KVReceiver``; ``examples/README.md`` maps every engine call to kvproto's.
 
 The endpoint's thread shares the interpreter lock with the engine's: an engine whose step is
-Python (launching kernels) waits for it while rooms move. ``kvproto.sync_process`` has the same
-facade with the endpoint in a child process, for engines that cannot afford that.
+Python (launching kernels) waits for it while rooms move. ``kvproto.sync.process`` has the same
+facade with the endpoint in a child process, for engines that cannot afford that; the calls both
+faces share are in ``kvproto.sync.calls``.
 """
 
 from __future__ import annotations
@@ -40,10 +41,10 @@ from typing import Any
 
 from kvproto.aio import DecodeEndpoint, EndpointConfig, KVCache, PrefillEndpoint, TransferFailed
 from kvproto.core import RoomState
+from kvproto.sync.calls import KVPoll, FinishedRooms, group_lists, slot_dict
 from kvproto.wire import ErrorCode, LocalProtocolError
 
-KVPoll = RoomState
-"""SGLang's name for the room states; the values are the same (FAILED 0 ... SUCCESS 4)."""
+__all__ = ["EngineLoop", "KVPoll", "KVReceiver", "KVSender", "SyncDecode", "SyncPrefill"]
 
 
 class EngineLoop:
@@ -192,7 +193,7 @@ class KVSender(_Room):
         decode's prefix (``decode_prefix``), neither sent nor named. An engine that knows a room by
         its page count gives ``num_tokens = start_token + pages * block_size``."""
         self._num_tokens, self._aux_slot = num_tokens, aux_slot
-        self._state_slots = None if state_slots is None else dict(state_slots)
+        self._state_slots = slot_dict(state_slots)
         self._start_token = start_token
 
     @property
@@ -215,7 +216,7 @@ class KVSender(_Room):
         first, by name (``SenderRoomHandle.send``). ``state_slots``: the state groups' slots, for an
         engine that knows them only with the last chunk (else given to ``init``)."""
         if state_slots is not None:
-            self._state_slots = dict(state_slots)
+            self._state_slots = slot_dict(state_slots)
         if self._num_tokens is None:
             raise LocalProtocolError("KVSender.send() before init(num_tokens)")
         first, self._start_token_sent = (0 if self._start_token_sent else self._start_token), True
@@ -226,7 +227,7 @@ class KVSender(_Room):
         completes = layers is None or layers.stop >= self._num_layers
         aux = self._aux_slot if last and completes else None
         chunk = list(pages)
-        groups = None if group_pages is None else {k: list(v) for k, v in group_pages.items()}
+        groups = group_lists(group_pages)
         slots = self._state_slots if last and not self._slots_sent else None
         self._slots_sent = self._slots_sent or last
         self._facade._post(self._do, lambda: self._handle.send(chunk, end, last=last, aux_slot=aux, layers=layers,
@@ -242,14 +243,14 @@ class KVReceiver(_Room):
              state_slots: Mapping[str, int] | None = None) -> None:
         """Where the room's KV goes (see ``ReceiverRoomHandle.set_destination``)."""
         page_list = list(pages)
-        groups = None if group_pages is None else {k: list(v) for k, v in group_pages.items()}
-        slots = None if state_slots is None else dict(state_slots)
+        groups = group_lists(group_pages)
+        slots = slot_dict(state_slots)
         self._facade._post(self._do, lambda: self._handle.set_destination(
             page_list, num_tokens, prefix_tokens=prefix_tokens, aux_slot=aux_slot, group_pages=groups,
             state_slots=slots))
 
 
-class _Facade:
+class _Facade(FinishedRooms):
     """A started endpoint on an ``EngineLoop``, driven from other threads."""
 
     _endpoint: Any
@@ -288,10 +289,7 @@ class _Facade:
 
     def get_finished(self) -> list[tuple[int, RoomState, ErrorCode | int | None]]:
         """(room id, final state, code) of every room that ended since the last call, in order."""
-        out = []
-        while self._finished:
-            out.append(self._finished.popleft())
-        return out
+        return self._take_finished()
 
     def close(self) -> None:
         """Close the endpoint (its live rooms fail ENDPOINT_CLOSED, peers are told), and the
@@ -302,12 +300,6 @@ class _Facade:
         self.loop.run(self._endpoint.close())
         if self._own_loop:
             self.loop.close()
-
-    def __enter__(self) -> Any:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class SyncPrefill(_Facade):
@@ -349,8 +341,8 @@ class SyncDecode(_Facade):
         cache's ``group_pages`` and ``state_slots`` as for ``DecodeEndpoint.open_room``."""
         room = KVReceiver(self, room_id)
         page_list = None if pages is None else list(pages)
-        groups = None if group_pages is None else {k: list(v) for k, v in group_pages.items()}
-        slots = None if state_slots is None else dict(state_slots)
+        groups = group_lists(group_pages)
+        slots = slot_dict(state_slots)
         self._open(room, lambda: self._endpoint.open_room(room_id, bootstrap, pages=page_list, num_tokens=num_tokens,
                                                           prefix_tokens=prefix_tokens, aux_slot=aux_slot,
                                                           group_pages=groups, state_slots=slots))
