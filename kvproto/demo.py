@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from kvproto.reference import (  # noqa: F401 - Content, DTYPES and aux_bytes are re-exported
+from kvproto.testing.reference import (  # noqa: F401 - Content, DTYPES and aux_bytes are re-exported
     DTYPES,
     PRESETS,
     Content,

@@ -1,4 +1,6 @@
-"""Fault injection for tests: a simulated transport, control-frame faults, a jumping clock.
+"""What tests need of kvproto: fault injection (a simulated transport, control-frame faults, a
+jumping clock), the adapters' conformance suite (``kvproto.testing.conformance``) and reference
+caches whose every byte is a function of what it is (``kvproto.testing.reference``).
 
 Nothing here is used in production; the endpoints only accept these through
 ``EndpointConfig(transport="simulated", transport_options={"faults": FaultPlan(...)},
