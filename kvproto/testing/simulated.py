@@ -30,8 +30,6 @@ whose plan sets ``record_landed`` keeps every write that landed in its memory, i
 
 from __future__ import annotations
 
-import ctypes
-import json
 import random
 import time
 import weakref
@@ -41,18 +39,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvproto.transport.base import BAD_METADATA, MemKind, Notification, TransportError, XferState
-from kvproto.transport.loopback import (
-    _FORMAT as _LOOPBACK_FORMAT,
-)
-from kvproto.transport.loopback import (
-    LoopbackTransport,
-    LoopbackXfer,
-    _first_outside,
-    _live,
-)
+from kvproto.transport.base import MemKind, Notification, TransportError, XferState
+from kvproto.transport.loopback import LoopbackTransport, LoopbackXfer
 
-_FORMAT = "kvproto-simulated/1"
 _AGENTS: weakref.WeakValueDictionary[str, SimulatedTransport] = weakref.WeakValueDictionary()
 
 # Fates of a write, decided at post time.
@@ -204,6 +193,9 @@ def pending_writes(target: str) -> list[PendingWrite]:
 class SimulatedTransport(LoopbackTransport):
     """A loopback ``Transport`` with seeded faults (``faults``; see the module docstring)."""
 
+    FORMAT = "kvproto-simulated/1"
+    """Simulated agents peer only with simulated agents."""
+
     def __init__(self, name: str, *, faults: FaultPlan | None = None, bandwidth: float | None = None) -> None:
         """``bandwidth``: bytes per second of this agent's one simulated link: each write runs no
         sooner than its bytes could have crossed it after the writes posted before it (a link of
@@ -216,29 +208,10 @@ class SimulatedTransport(LoopbackTransport):
         self._queue: list[_Queued] = []
         _AGENTS[name] = self
 
-    # --- metadata: simulated agents peer only with simulated agents ---------------------------
-    def metadata(self) -> bytes:
-        doc = json.loads(super().metadata())
-        doc["format"] = _FORMAT
-        return json.dumps(doc).encode()
-
-    def add_peer(self, metadata: bytes) -> str:
-        self._check_open()
-        try:
-            doc = json.loads(metadata)
-            if doc["format"] != _FORMAT:
-                raise ValueError(f"format {doc['format']!r}")
-            doc["format"] = _LOOPBACK_FORMAT
-        except BAD_METADATA as e:
-            raise TransportError(f"add_peer: not simulated metadata ({e})") from e
-        return super().add_peer(json.dumps(doc).encode())
-
     # --- writes ------------------------------------------------------------------------------
     def _post(self, peer: str, local: np.ndarray, local_kind: MemKind, remote: np.ndarray,
               remote_kind: MemKind, tag: bytes, nbytes: int) -> SimulatedXfer:
-        self.stats.writes += 1
-        self.stats.descriptors += len(local)
-        self.stats.bytes += nbytes
+        self._count(len(local), nbytes)
         fate, delay = self.faults.write_fate(peer, tag)
         xfer = SimulatedXfer(peer, local, local_kind, remote, remote_kind, bytes(tag), fate=fate, delay=delay)
         if self.bandwidth:
@@ -247,20 +220,12 @@ class SimulatedTransport(LoopbackTransport):
         self._outstanding.add(xfer)
         return xfer
 
-    def poll(self, xfer: SimulatedXfer) -> XferState:  # type: ignore[override]
-        self._check_open()
-        if xfer.released:
-            raise TransportError("poll: the write was released")
-        if xfer.state is XferState.PENDING:
-            if xfer.delay > 0:
-                xfer.delay -= 1
-                return XferState.PENDING
-            if xfer.due and time.monotonic() < xfer.due:
-                return XferState.PENDING
-            xfer.error = self._run(xfer)
-            xfer.state = XferState.DONE if xfer.error is None else XferState.ERROR
-            self._outstanding.discard(xfer)
-        return xfer.state
+    def _due(self, xfer: SimulatedXfer) -> bool:  # type: ignore[override]
+        """A delayed write waits out its polls, a write on a capped link its time."""
+        if xfer.delay > 0:
+            xfer.delay -= 1
+            return False
+        return not (xfer.due and time.monotonic() < xfer.due)
 
     def release(self, xfer: SimulatedXfer) -> None:  # type: ignore[override]
         super().release(xfer)
@@ -268,46 +233,30 @@ class SimulatedTransport(LoopbackTransport):
 
     def _run(self, xfer: SimulatedXfer) -> str | None:  # type: ignore[override]
         """Copy a write's bytes and send its tag, as its fate says; returns why it failed, or None."""
+        self._outstanding.discard(xfer)
         if xfer.peer in self.faults.lost:
             self.faults._record("lost_write", xfer.peer, xfer.tag)
             return f"injected: peer {xfer.peer!r} is lost"
         if xfer.fate == FAIL:
             return "injected: the write failed"
-        peer = self._peers.get(xfer.peer)
-        if peer is None:
-            return f"peer {xfer.peer!r} was removed before the write ran"
-        target = _live(xfer.peer, peer.token)
-        if not isinstance(target, SimulatedTransport):
-            return f"peer {xfer.peer!r} closed before the write ran"
-        pos = _first_outside(xfer.local, xfer.local_kind, self._regions())
-        if pos is not None:
-            return f"local row {pos} is no longer registered"
-        pos = _first_outside(xfer.remote, xfer.remote_kind, target._regions())
-        if pos is not None:
-            return f"remote row {pos} is no longer registered by {xfer.peer!r}"
-        pairs = zip(xfer.local.tolist(), xfer.remote.tolist(), strict=True)
-        for (src, length, _), (dst, _, _) in pairs:
-            ctypes.memmove(dst, src, length)
+        target, why = self._target(xfer)
+        if target is None:
+            return why
+        assert isinstance(target, SimulatedTransport)  # simulated agents peer with simulated agents only
+        self._copy(xfer)
         if target.faults.record_landed:
             target.faults.landed.append(PendingWrite(self.name, target.name, xfer.tag, xfer.remote))
         if xfer.fate == FAIL_AFTER_COPY:
             return "injected: the write failed after its bytes landed"
         if xfer.tag:
-            self._send_tag(target, xfer.tag)
+            self._deliver(target, xfer.tag)
         if xfer.fate == FAIL_AFTER_TAG:
             return "injected: the write failed after its bytes and tag landed"
         return None
 
     # --- notifications -------------------------------------------------------------------------
-    def notify(self, peer: str, tag: bytes) -> None:
-        target = _live(peer, self._peer(peer, "notify").token)
-        if not isinstance(target, SimulatedTransport):
-            raise TransportError(f"notify: peer {peer!r} has closed")
-        if not tag:
-            raise TransportError("notify: the tag is empty")
-        self._send_tag(target, bytes(tag))
-
-    def _send_tag(self, target: SimulatedTransport, tag: bytes) -> None:
+    def _deliver(self, target: LoopbackTransport, tag: bytes) -> None:
+        assert isinstance(target, SimulatedTransport)
         if target.name in self.faults.lost:
             self.faults._record("lost_tag", target.name, tag)
             return

@@ -18,36 +18,26 @@ Consecutive pairs are merged as NIXL 1.5 merges prepared lists: both indices adv
 both memories continue the previous row within the same registered region, and the row has
 the previous row's length. Merged runs are copied with one memmove each and counted in
 ``stats.descriptors``; ``post_descs`` rows are not merged. Nothing here sleeps, retries or
-blocks.
+blocks. What every adapter keeps alike (registrations, peers, prepared lists tracked by peer,
+the checks the conformance suite asks for) is the adapter kit's (``kvproto.transport.kit``).
+
+``kvproto.testing.simulated`` is this adapter with faults: it decides when a write runs
+(``_due``), what running it does (``_run``, from ``_target``, ``_copy`` and ``_deliver``), and how
+a tag arrives (``_deliver``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import itertools
-import json
 import weakref
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvproto.transport.base import (
-    BAD_METADATA,
-    MemKind,
-    MemoryRegion,
-    Notification,
-    TransportClosed,
-    TransportError,
-    TransportStats,
-    XferState,
-    as_descs,
-    check_pairs,
-    merge_regions,
-    take_rows,
-)
+from kvproto.transport.base import MemKind, MemoryRegion, Notification, TransportError, XferState, as_descs
+from kvproto.transport.kit import AdapterKit, TrackedList, TrackedLists
 
-_FORMAT = "kvproto-loopback/1"
 _REGISTRY: weakref.WeakValueDictionary[str, LoopbackTransport] = weakref.WeakValueDictionary()
 _TOKENS = itertools.count(1)
 
@@ -60,19 +50,11 @@ class LoopbackRegistration:
 
 
 @dataclass(eq=False, slots=True)
-class LoopbackDescList:
+class LoopbackDescList(TrackedList):
     """Prepared rows of this agent's memory (``peer is None``) or of one peer's memory."""
 
-    peer: str | None
-    kind: MemKind
-    rows: np.ndarray
     region: np.ndarray
     """For each row, the index of the registered region that holds it (merging stays inside)."""
-    invalid: str | None = None
-    """Why the list can no longer be used, once released or its peer was removed or reloaded."""
-
-    def __len__(self) -> int:
-        return len(self.rows)
 
 
 @dataclass(eq=False, slots=True)
@@ -151,79 +133,37 @@ def _merge(
     return merged_local, merged_remote
 
 
-class LoopbackTransport:
+class LoopbackTransport(TrackedLists, AdapterKit):
     """An in-process ``Transport``: DRAM only, bytes moved by ``ctypes.memmove``."""
+
+    KIND = "loopback"
+    FORMAT = "kvproto-loopback/1"
 
     def __init__(self, name: str) -> None:
         if name in _REGISTRY:
             raise TransportError(f"a loopback agent named {name!r} is already alive here")
-        self.name = name
-        self.stats = TransportStats()
+        super().__init__(name)
         self._token = next(_TOKENS)
-        self._closed = False
-        self._registrations: list[LoopbackRegistration] = []
-        self._peers: dict[str, _Peer] = {}
-        self._dlists: set[LoopbackDescList] = set()
+        self._lists: set[LoopbackDescList] = set()
         self._inbox: list[Notification] = []
         _REGISTRY[name] = self
 
-    def memory_kinds(self) -> frozenset[MemKind]:
-        self._check_open()
-        return frozenset({MemKind.DRAM})
-
-    def register(self, regions: Sequence[MemoryRegion]) -> LoopbackRegistration:
-        self._check_open()
-        if not regions:
-            raise TransportError("register: no regions given")
-        for r in regions:
-            if r.kind is not MemKind.DRAM:
-                raise TransportError(f"register: loopback agents cannot register {r.kind.name}")
-            if r.length <= 0:
-                raise TransportError(f"register: region at {r.address:#x} has length {r.length}")
-        reg = LoopbackRegistration(  # overlapping ranges as their union (transport.base)
-            np.array([(r.address, r.length, r.device_id, r.kind) for r in merge_regions(regions)], dtype=np.int64)
+    def _register(self, regions: list[MemoryRegion]) -> LoopbackRegistration:
+        return LoopbackRegistration(
+            np.array([(r.address, r.length, r.device_id, r.kind) for r in regions], dtype=np.int64)
         )
-        self._registrations.append(reg)
-        return reg
-
-    def deregister(self, registration: LoopbackRegistration) -> None:
-        self._check_open()
-        if registration not in self._registrations:
-            raise TransportError("deregister: registration is not registered with this agent")
-        self._registrations.remove(registration)
 
     def metadata(self) -> bytes:
         self._check_open()
-        doc = {
-            "format": _FORMAT,
-            "agent": self.name,
-            "token": self._token,
-            "regions": self._regions().tolist(),
-        }
-        return json.dumps(doc).encode()
+        return self._write_metadata(token=self._token, regions=self._regions().tolist())
 
     def add_peer(self, metadata: bytes) -> str:
         self._check_open()
-        try:
-            doc = json.loads(metadata)
-            if doc["format"] != _FORMAT:
-                raise ValueError(f"format {doc['format']!r}")
-            name, token = str(doc["agent"]), int(doc["token"])
-            regions = np.array(doc["regions"], dtype=np.int64).reshape(-1, 4)
-        except BAD_METADATA as e:
-            raise TransportError(f"add_peer: not loopback metadata ({e})") from e
-        if name == self.name:
-            raise TransportError(f"add_peer: metadata names this agent {name!r} itself")
-        if _live(name, token) is None:
+        name, peer = self._read_metadata(metadata, lambda doc: _Peer(
+            int(doc["token"]), np.array(doc["regions"], dtype=np.int64).reshape(-1, 4)))
+        if _live(name, peer.token) is None:
             raise TransportError(f"add_peer: agent {name!r} is not alive in this process")
-        self._invalidate(name, f"peer {name!r} was reloaded by add_peer")
-        self._peers[name] = _Peer(token, regions)
-        return name
-
-    def remove_peer(self, peer: str) -> None:
-        self._peer(peer, "remove_peer")
-        self._invalidate(peer, f"peer {peer!r} was removed")
-        del self._peers[peer]
+        return self._new_peer(name, peer)
 
     def prepare(self, peer: str | None, rows: np.ndarray, kind: MemKind) -> LoopbackDescList:
         self._check_open()
@@ -231,84 +171,39 @@ class LoopbackTransport:
         if len(arr) == 0:
             raise TransportError("prepare: cannot prepare an empty descriptor list")
         region = self._check_inside("prepare", arr, kind, peer)
-        dlist = LoopbackDescList(peer, kind, arr, region)
-        self._dlists.add(dlist)
-        return dlist
+        return self._track(LoopbackDescList(peer, kind, arr, region))
 
-    def release_prepared(self, dlist: LoopbackDescList) -> None:
-        self._check_open()
-        if dlist in self._dlists:
-            dlist.invalid = "it was released"
-            self._dlists.discard(dlist)
-        elif dlist.invalid is None:
-            raise TransportError("release_prepared: the list was not prepared by this agent")
-
-    def post_prepared(
-        self,
-        peer: str,
-        local: LoopbackDescList,
-        local_idx: np.ndarray,
-        remote: LoopbackDescList,
-        remote_idx: np.ndarray,
-        tag: bytes,
-    ) -> LoopbackXfer:
-        self._peer(peer, "post_prepared")
-        for dlist, want, side in ((local, None, "local"), (remote, peer, "remote")):
-            if dlist.invalid is not None:
-                raise TransportError(f"post_prepared: the {side} list is unusable: {dlist.invalid}")
-            if dlist.peer != want or dlist not in self._dlists:
-                raise TransportError(
-                    f"post_prepared: the {side} list was not prepared by this agent for"
-                    f" {'local memory' if want is None else repr(want)}"
-                )
-        nbytes = check_pairs(
-            take_rows(local.rows, local_idx, "local"), take_rows(remote.rows, remote_idx, "remote")
-        )
-        merged_local, merged_remote = _merge(
-            local, np.asarray(local_idx), remote, np.asarray(remote_idx)
-        )
+    def _post_prepared(self, peer: str, local: LoopbackDescList, local_idx: np.ndarray, remote: LoopbackDescList,
+                       remote_idx: np.ndarray, tag: bytes, nbytes: int) -> LoopbackXfer:
+        merged_local, merged_remote = _merge(local, np.asarray(local_idx), remote, np.asarray(remote_idx))
         return self._post(peer, merged_local, local.kind, merged_remote, remote.kind, tag, nbytes)
 
-    def post_descs(
-        self,
-        peer: str,
-        local_rows: np.ndarray,
-        local_kind: MemKind,
-        remote_rows: np.ndarray,
-        remote_kind: MemKind,
-        tag: bytes,
-    ) -> LoopbackXfer:
-        self._peer(peer, "post_descs")
-        lrows, rrows = as_descs(local_rows), as_descs(remote_rows)
-        nbytes = check_pairs(lrows, rrows)
-        self._check_inside("post_descs", lrows, local_kind, None)
-        self._check_inside("post_descs", rrows, remote_kind, peer)
-        return self._post(peer, lrows, local_kind, rrows, remote_kind, tag, nbytes)
+    def _post_descs(self, peer: str, local: np.ndarray, local_kind: MemKind, remote: np.ndarray,
+                    remote_kind: MemKind, tag: bytes, nbytes: int) -> LoopbackXfer:
+        self._check_inside("post_descs", local, local_kind, None)
+        self._check_inside("post_descs", remote, remote_kind, peer)
+        return self._post(peer, local, local_kind, remote, remote_kind, tag, nbytes)
 
     def poll(self, xfer: LoopbackXfer) -> XferState:
         self._check_open()
         if xfer.released:
             raise TransportError("poll: the write was released")
-        if xfer.state is XferState.PENDING:
+        if xfer.state is XferState.PENDING and self._due(xfer):
             xfer.error = self._run(xfer)
             xfer.state = XferState.DONE if xfer.error is None else XferState.ERROR
         return xfer.state
 
     def release(self, xfer: LoopbackXfer) -> None:
         self._check_open()
-        if xfer.state is XferState.PENDING and xfer.peer in self._peers and not xfer.released:
-            raise TransportError(
-                f"release: the write to {xfer.peer!r} is still pending and its peer is present"
-            )
+        self._check_release(xfer, xfer.peer, xfer.peer in self._peers)
         xfer.released = True
 
     def notify(self, peer: str, tag: bytes) -> None:
         target = _live(peer, self._peer(peer, "notify").token)
         if target is None:
             raise TransportError(f"notify: peer {peer!r} has closed")
-        if not tag:
-            raise TransportError("notify: the tag is empty")
-        target._inbox.append(Notification(self.name, bytes(tag)))
+        self._check_tag(tag)
+        self._deliver(target, bytes(tag))
 
     def drain_notifications(self) -> list[Notification]:
         self._check_open()
@@ -319,15 +214,16 @@ class LoopbackTransport:
         if self._closed:
             return
         self._closed = True
-        for dlist in self._dlists:
+        for dlist in self._lists:
             dlist.invalid = "the agent was closed"
-        self._dlists.clear()
+        self._lists.clear()
         self._peers.clear()
         self._registrations.clear()
         self._inbox.clear()
         if _REGISTRY.get(self.name) is self:
             del _REGISTRY[self.name]
 
+    # --- a write's life: posted, then run at its first poll (when ``_due``) ----------------------
     def _post(
         self,
         peer: str,
@@ -338,32 +234,50 @@ class LoopbackTransport:
         tag: bytes,
         nbytes: int,
     ) -> LoopbackXfer:
-        self.stats.writes += 1
-        self.stats.descriptors += len(local)
-        self.stats.bytes += nbytes
+        self._count(len(local), nbytes)
         return LoopbackXfer(peer, local, local_kind, remote, remote_kind, bytes(tag))
+
+    def _due(self, xfer: LoopbackXfer) -> bool:
+        """Whether a pending write runs at this poll (always, here)."""
+        return True
 
     def _run(self, xfer: LoopbackXfer) -> str | None:
         """Copy a write's bytes and deliver its tag; returns why it could not, or None."""
+        target, why = self._target(xfer)
+        if target is None:
+            return why
+        self._copy(xfer)
+        if xfer.tag:
+            self._deliver(target, xfer.tag)
+        return None
+
+    def _target(self, xfer: LoopbackXfer) -> tuple[LoopbackTransport | None, str]:
+        """The live agent a write goes to, both of its sides still registered; else (None, why)."""
         peer = self._peers.get(xfer.peer)
         if peer is None:
-            return f"peer {xfer.peer!r} was removed before the write ran"
+            return None, f"peer {xfer.peer!r} was removed before the write ran"
         target = _live(xfer.peer, peer.token)
         if target is None:
-            return f"peer {xfer.peer!r} closed before the write ran"
+            return None, f"peer {xfer.peer!r} closed before the write ran"
         pos = _first_outside(xfer.local, xfer.local_kind, self._regions())
         if pos is not None:
-            return f"local row {pos} is no longer registered"
+            return None, f"local row {pos} is no longer registered"
         pos = _first_outside(xfer.remote, xfer.remote_kind, target._regions())
         if pos is not None:
-            return f"remote row {pos} is no longer registered by {xfer.peer!r}"
+            return None, f"remote row {pos} is no longer registered by {xfer.peer!r}"
+        return target, ""
+
+    @staticmethod
+    def _copy(xfer: LoopbackXfer) -> None:
         pairs = zip(xfer.local.tolist(), xfer.remote.tolist(), strict=True)
         for (src, length, _), (dst, _, _) in pairs:
             ctypes.memmove(dst, src, length)
-        if xfer.tag:
-            target._inbox.append(Notification(self.name, xfer.tag))
-        return None
 
+    def _deliver(self, target: LoopbackTransport, tag: bytes) -> None:
+        """A tag from this agent arrives at ``target``."""
+        target._inbox.append(Notification(self.name, tag))
+
+    # --- checks ------------------------------------------------------------------------------------
     def _regions(self) -> np.ndarray:
         if not self._registrations:
             return np.zeros((0, 4), dtype=np.int64)
@@ -388,20 +302,3 @@ class LoopbackTransport:
                 f" outside the {kind.name} memory registered by {owner!r}"
             )
         return region
-
-    def _invalidate(self, peer: str, why: str) -> None:
-        stale = [d for d in self._dlists if d.peer == peer]
-        for dlist in stale:
-            dlist.invalid = why
-            self._dlists.discard(dlist)
-
-    def _peer(self, peer: str, op: str) -> _Peer:
-        self._check_open()
-        try:
-            return self._peers[peer]
-        except KeyError:
-            raise TransportError(f"{op}: unknown peer {peer!r}") from None
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransportClosed(f"loopback agent {self.name!r} is closed")

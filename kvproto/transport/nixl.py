@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
@@ -47,19 +47,8 @@ from typing import Any
 
 import numpy as np
 
-from kvproto.transport.base import (
-    MemKind,
-    MemoryRegion,
-    Notification,
-    TransportClosed,
-    TransportError,
-    TransportStats,
-    XferState,
-    as_descs,
-    check_pairs,
-    merge_regions,
-    take_rows,
-)
+from kvproto.transport.base import MemKind, MemoryRegion, Notification, TransportError, XferState, as_descs
+from kvproto.transport.kit import AdapterKit, TrackedList, TrackedLists
 
 
 def _has_infiniband() -> bool:
@@ -111,18 +100,10 @@ class NixlRegistration:
 
 
 @dataclass(eq=False, slots=True)
-class NixlDescList:
-    """A prepared list: NIXL's handle and the rows it was prepared from."""
+class NixlDescList(TrackedList):
+    """A prepared list: NIXL's handle beside the rows it was prepared from."""
 
-    peer: str | None
-    kind: MemKind
-    rows: np.ndarray
     handle: Any
-    invalid: str | None = None
-    """Why the list can no longer be used, once released or its peer was removed or reloaded."""
-
-    def __len__(self) -> int:
-        return len(self.rows)
 
 
 @dataclass(eq=False, slots=True)
@@ -137,8 +118,11 @@ class NixlXfer:
     released: bool = False
 
 
-class NixlTransport:
+class NixlTransport(TrackedLists, AdapterKit):
     """A ``Transport`` over one NIXL agent with the UCX backend."""
+
+    KIND = "NIXL"
+    KINDS = None  # what the UCX backend registers (memory_kinds)
 
     def __init__(self, name: str) -> None:
         config = _api.nixl_agent_config(
@@ -151,12 +135,8 @@ class NixlTransport:
             self._agent = _api.nixl_agent(name, config)
         if _BACKEND not in self._agent.backends:
             raise TransportError(f"create agent: NIXL has no {_BACKEND} backend plugin")
-        self.name = name
-        self.stats = TransportStats()
-        self._closed = False
-        self._registrations: list[NixlRegistration] = []
-        self._peers: set[str] = set()
-        self._dlists: set[NixlDescList] = set()
+        super().__init__(name)
+        self._lists: set[NixlDescList] = set()
         self._xfers: set[NixlXfer] = set()
 
     def memory_kinds(self) -> frozenset[MemKind]:
@@ -164,11 +144,7 @@ class NixlTransport:
         types = self._agent.get_backend_mem_types(_BACKEND)
         return frozenset(_KINDS[t] for t in types if t in _KINDS)
 
-    def register(self, regions: Sequence[MemoryRegion]) -> NixlRegistration:
-        self._check_open()
-        if not regions:
-            raise TransportError("register: no regions given")
-        regions = merge_regions(regions)  # overlapping ranges once, as their union (transport.base)
+    def _register(self, regions: list[MemoryRegion]) -> NixlRegistration:
         reg = NixlRegistration([])
         try:
             for kind in sorted({r.kind for r in regions}):
@@ -178,17 +154,14 @@ class NixlTransport:
                 with _nixl(f"register {kind.name}"):
                     reg.dlists.append(self._agent.register_memory(rows, kind.name, [_BACKEND]))
         except TransportError:
-            self._deregister_all(reg)
+            self._deregister(reg)
             raise
-        self._registrations.append(reg)
         return reg
 
-    def deregister(self, registration: NixlRegistration) -> None:
-        self._check_open()
-        if registration not in self._registrations:
-            raise TransportError("deregister: registration is not registered with this agent")
-        self._registrations.remove(registration)
-        self._deregister_all(registration)
+    def _deregister(self, reg: NixlRegistration) -> None:
+        for rd in reg.dlists:
+            with _nixl("deregister"):
+                self._agent.deregister_memory(rd, [_BACKEND])
 
     def metadata(self) -> bytes:
         self._check_open()
@@ -205,14 +178,9 @@ class NixlTransport:
             with _nixl("add_peer (undoing an agent with an undecodable name)"):
                 self._agent.remove_remote_agent(raw)
             raise TransportError(f"add_peer: the peer's agent name {raw!r} is not UTF-8") from None
-        self._invalidate(name, f"peer {name!r} was reloaded by add_peer")
-        self._peers.add(name)
-        return name
+        return self._new_peer(name, name)
 
-    def remove_peer(self, peer: str) -> None:
-        self._check_peer(peer, "remove_peer")
-        self._invalidate(peer, f"peer {peer!r} was removed")
-        self._peers.discard(peer)
+    def _removed(self, peer: str) -> None:
         with _nixl(f"remove_peer {peer!r}"):
             self._agent.remove_remote_agent(peer)
 
@@ -222,47 +190,20 @@ class NixlTransport:
         if len(arr) == 0:
             raise TransportError("prepare: cannot prepare an empty descriptor list")
         if peer is not None:
-            self._check_peer(peer, "prepare")
+            self._peer(peer, "prepare")
         side = "local memory" if peer is None else f"memory of {peer!r}"
         with _nixl(f"prepare {len(arr)} {kind.name} rows of {side}", _INSIDE):
             handle = self._agent.prep_xfer_dlist(
                 _LOCAL if peer is None else peer, arr, kind.name, [_BACKEND]
             )
-        dlist = NixlDescList(peer, kind, arr, handle)
-        self._dlists.add(dlist)
-        return dlist
+        return self._track(NixlDescList(peer, kind, arr, handle))
 
-    def release_prepared(self, dlist: NixlDescList) -> None:
-        self._check_open()
-        if dlist in self._dlists:
-            self._dlists.discard(dlist)
-            dlist.invalid = "it was released"
-            with _nixl("release_prepared"):
-                dlist.handle.release()
-        elif dlist.invalid is None:
-            raise TransportError("release_prepared: the list was not prepared by this agent")
+    def _retire(self, dlist: NixlDescList) -> None:  # type: ignore[override]
+        with _nixl(f"release a list prepared for {dlist.peer or 'local memory'!r}"):
+            dlist.handle.release()
 
-    def post_prepared(
-        self,
-        peer: str,
-        local: NixlDescList,
-        local_idx: np.ndarray,
-        remote: NixlDescList,
-        remote_idx: np.ndarray,
-        tag: bytes,
-    ) -> NixlXfer:
-        self._check_peer(peer, "post_prepared")
-        for dlist, want, side in ((local, None, "local"), (remote, peer, "remote")):
-            if dlist.invalid is not None:
-                raise TransportError(f"post_prepared: the {side} list is unusable: {dlist.invalid}")
-            if dlist.peer != want or dlist not in self._dlists:
-                raise TransportError(
-                    f"post_prepared: the {side} list was not prepared by this agent for"
-                    f" {'local memory' if want is None else repr(want)}"
-                )
-        nbytes = check_pairs(
-            take_rows(local.rows, local_idx, "local"), take_rows(remote.rows, remote_idx, "remote")
-        )
+    def _post_prepared(self, peer: str, local: NixlDescList, local_idx: np.ndarray, remote: NixlDescList,
+                       remote_idx: np.ndarray, tag: bytes, nbytes: int) -> NixlXfer:
         with _nixl(f"post_prepared to {peer!r}"):
             handle = self._agent.make_prepped_xfer(
                 "WRITE",
@@ -275,23 +216,13 @@ class NixlTransport:
             )
         return self._post(peer, handle, nbytes, "post_prepared")
 
-    def post_descs(
-        self,
-        peer: str,
-        local_rows: np.ndarray,
-        local_kind: MemKind,
-        remote_rows: np.ndarray,
-        remote_kind: MemKind,
-        tag: bytes,
-    ) -> NixlXfer:
-        self._check_peer(peer, "post_descs")
-        lrows, rrows = as_descs(local_rows), as_descs(remote_rows)
-        nbytes = check_pairs(lrows, rrows)
+    def _post_descs(self, peer: str, local: np.ndarray, local_kind: MemKind, remote: np.ndarray,
+                    remote_kind: MemKind, tag: bytes, nbytes: int) -> NixlXfer:
         with _nixl(f"post_descs to {peer!r}", _INSIDE):
             handle = self._agent.initialize_xfer(
                 "WRITE",
-                self._agent.get_xfer_descs(lrows, local_kind.name),
-                self._agent.get_xfer_descs(rrows, remote_kind.name),
+                self._agent.get_xfer_descs(local, local_kind.name),
+                self._agent.get_xfer_descs(remote, remote_kind.name),
                 peer,
                 bytes(tag),
                 [_BACKEND],
@@ -315,19 +246,15 @@ class NixlTransport:
         self._check_open()
         if xfer.released:
             return
-        if xfer.state is XferState.PENDING and xfer.peer in self._peers:
-            raise TransportError(
-                f"release: the write to {xfer.peer!r} is still pending and its peer is present"
-            )
+        self._check_release(xfer, xfer.peer, xfer.peer in self._peers)
         xfer.released = True
         self._xfers.discard(xfer)
         with _nixl("release"):
             xfer.handle.release()
 
     def notify(self, peer: str, tag: bytes) -> None:
-        self._check_peer(peer, "notify")
-        if not tag:
-            raise TransportError("notify: the tag is empty")
+        self._peer(peer, "notify")
+        self._check_tag(tag)
         with _nixl(f"notify {peer!r}"):
             self._agent.send_notif(peer, bytes(tag))
 
@@ -356,7 +283,7 @@ class NixlTransport:
         for xfer in self._xfers:
             xfer.released = True
             attempt("release write", xfer.handle.release)
-        for dlist in self._dlists:
+        for dlist in self._lists:
             dlist.invalid = "the agent was closed"
             attempt("release list", dlist.handle.release)
         for reg in self._registrations:
@@ -365,7 +292,7 @@ class NixlTransport:
         for peer in self._peers:
             attempt(f"remove peer {peer!r}", self._agent.remove_remote_agent, peer)
         self._xfers.clear()
-        self._dlists.clear()
+        self._lists.clear()
         self._registrations.clear()
         self._peers.clear()
         self._agent = None
@@ -384,8 +311,7 @@ class NixlTransport:
             raise TransportError(f"{op} to {peer!r}: NIXL refused to post the write")
         xfer = NixlXfer(peer, handle, XferState.PENDING)
         self._xfers.add(xfer)
-        self.stats.writes += 1
-        self.stats.bytes += nbytes
+        self._count(0, nbytes)  # its descriptors once NIXL says how many (_settle)
         self._settle(xfer, state)
         return xfer
 
@@ -397,24 +323,3 @@ class NixlTransport:
                 self.stats.descriptors += self._agent.get_xfer_telemetry(xfer.handle).descCount
         elif state is XferState.ERROR and xfer.error is None:
             xfer.error = "NIXL reported the write failed"
-
-    def _deregister_all(self, reg: NixlRegistration) -> None:
-        for rd in reg.dlists:
-            with _nixl("deregister"):
-                self._agent.deregister_memory(rd, [_BACKEND])
-
-    def _invalidate(self, peer: str, why: str) -> None:
-        for dlist in [d for d in self._dlists if d.peer == peer]:
-            self._dlists.discard(dlist)
-            dlist.invalid = why
-            with _nixl(f"release a list prepared for {peer!r}"):
-                dlist.handle.release()
-
-    def _check_peer(self, peer: str, op: str) -> None:
-        self._check_open()
-        if peer not in self._peers:
-            raise TransportError(f"{op}: unknown peer {peer!r}")
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransportClosed(f"NIXL agent {self.name!r} is closed")

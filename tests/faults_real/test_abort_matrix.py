@@ -301,7 +301,7 @@ async def test_room_cancelled_wait_then_abort_reports_abort(pair: Pair) -> None:
 
 def transport_maps(transport: Any) -> dict[str, int]:
     """Sizes of the adapter's internal maps (handles it still holds)."""
-    names = ("_xfers", "_dlists", "_registrations", "_peers")
+    names = ("_xfers", "_lists", "_registrations", "_peers")  # (prepared lists: the adapter kit's _lists)
     return {name: len(getattr(transport, name)) for name in names if hasattr(transport, name)}
 
 
@@ -347,7 +347,7 @@ async def test_endpoint_close_releases_everything_and_is_idempotent(transport: s
         assert await ended(pair.p(room_id)) is ErrorCode.ENDPOINT_CLOSED
     for room_id in (31, 32):  # 32's writes finish within the close's grace; its room failed at close
         assert await ended(pair.d(room_id)) is ErrorCode.ENDPOINT_CLOSED
-    assert seen.get("_xfers", 0) == 0 and seen["_dlists"] == 0 and seen["_peers"] == 0, seen
+    assert seen.get("_xfers", 0) == 0 and seen["_lists"] == 0 and seen["_peers"] == 0, seen
     assert set(transport_maps(prefill.ep.transport).values()) == {0}
     assert not prefill.ep._pending and not prefill.ep._links and not prefill.ep._handles and not prefill.ep._tasks
 
@@ -355,7 +355,7 @@ async def test_endpoint_close_releases_everything_and_is_idempotent(transport: s
     await decode.ep.close()
     await decode.ep.close()
     assert await ended(pair.d(30)) is ErrorCode.ENDPOINT_CLOSED
-    assert decode_seen["_dlists"] == 0 and decode_seen["_peers"] == 0, decode_seen
+    assert decode_seen["_lists"] == 0 and decode_seen["_peers"] == 0, decode_seen
     assert set(transport_maps(decode.ep.transport).values()) == {0}
     assert not decode.ep._links and not decode.ep._handles and not decode.ep._tasks
     if transport == "nixl":
