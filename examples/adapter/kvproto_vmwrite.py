@@ -8,6 +8,11 @@ Tags move as datagrams on an abstract Unix socket that every agent binds. ``meta
 JSON document: agent name, pid, socket name and a snapshot of the registered regions, against
 which remote rows are checked before anything is posted.
 
+Everything else is kvproto's adapter kit (``kvproto.transport.kit``): registrations, metadata,
+peers, prepared lists and the checks the conformance suite asks for (``RowsAdapter``), and tags
+sent in order once their write's bytes have landed (``OwnTags``). So this file holds only what
+``process_vm_writev`` and the socket do:
+
 A posted write is only queued (PENDING). Its first ``poll`` re-checks the local rows against
 the live registrations, copies with one syscall per 1024 rows, then queues its tag; the write
 is DONE once its tag has been handed to the socket (a full peer queue just leaves it PENDING
@@ -23,36 +28,18 @@ Registered with kvproto under the name ``vmwrite`` by this package's entry point
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import socket
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from kvproto.transport import (
-    MemKind,
-    MemoryRegion,
-    Notification,
-    TransportClosed,
-    TransportError,
-    TransportStats,
-    XferState,
-)
-from kvproto.transport.base import (
-    BAD_METADATA,
-    PreparedRows,
-    check_pairs,
-    check_rows,
-    merge_regions,
-    region_index,
-    sorted_regions,
-    take_rows,
-)
+from kvproto.transport import Notification, TransportError, XferState
+from kvproto.transport.base import check_pairs, region_index
+from kvproto.transport.kit import OwnTags, Peer, RowsAdapter
 
-_FORMAT = "kvproto-vmwrite/1"
 _IOV_MAX = 1024
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.process_vm_writev.restype = ctypes.c_ssize_t
@@ -61,14 +48,9 @@ _libc.process_vm_writev.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulon
 
 
 @dataclass(eq=False)
-class _Peer:
-    name: str
+class _Peer(Peer):
     pid: int
     sock: bytes
-    regions: np.ndarray
-    """(N, 2) rows of (address, length), sorted."""
-    gone: str = ""
-    """Why lists prepared for this snapshot no longer work ("" while it is current)."""
 
 
 @dataclass(eq=False)
@@ -83,127 +65,36 @@ class VmXfer:
     error: str | None = None
 
 
-@dataclass(eq=False)
-class VmRegistration:
-    regions: list[tuple[int, int]] = field(default_factory=list)
-
-
-class VmWriteTransport:
+class VmWriteTransport(OwnTags, RowsAdapter):
     """A ``kvproto.transport.Transport`` over ``process_vm_writev`` and Unix datagrams."""
 
+    KIND = "vmwrite"
+    FORMAT = "kvproto-vmwrite/1"
+
     def __init__(self, name: str) -> None:
-        self.name = name
-        self.stats = TransportStats()
+        super().__init__(name)
         self._sock_name = b"\0kvproto-vmwrite/" + os.urandom(8).hex().encode()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.bind(self._sock_name)
         self._sock.setblocking(False)
-        self._registrations: list[VmRegistration] = []
-        self._peers: dict[str, _Peer] = {}
-        self._outbox: deque[tuple[_Peer, bytes, VmXfer | None]] = deque()
-        self._closed = False
+        self._outbox: deque[tuple[_Peer, bytes, VmXfer | None]] = deque()  # tags waiting (OwnTags)
 
-    # --- memory ----------------------------------------------------------------------------
-    def memory_kinds(self) -> frozenset[MemKind]:
-        self._check_open()
-        return frozenset({MemKind.DRAM})
+    # --- peers: what a peer's metadata carries beside its regions ----------------------------------
+    def _metadata_fields(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "sock": self._sock_name.hex()}
 
-    def register(self, regions: Sequence[MemoryRegion]) -> VmRegistration:
-        self._check_open()
-        if any(r.kind is not MemKind.DRAM or r.device_id != 0 or r.length <= 0 for r in regions):
-            raise TransportError("vmwrite registers DRAM of device 0 with a positive length only")
-        # regions that overlap (a hybrid cache's groups overlaying one buffer) as their union
-        reg = VmRegistration([(r.address, r.length) for r in merge_regions(regions)])
-        self._registrations.append(reg)
-        return reg
+    def _peer_of(self, name: str, regions: np.ndarray, doc: dict[str, Any]) -> _Peer:
+        return _Peer(name, regions, int(doc["pid"]), bytes.fromhex(doc["sock"]))
 
-    def deregister(self, registration: VmRegistration) -> None:
-        self._check_open()
-        if registration not in self._registrations:
-            raise TransportError("deregister: registration is not registered with this agent")
-        self._registrations.remove(registration)
-
-    def _regions(self) -> np.ndarray:
-        return sorted_regions([r for reg in self._registrations for r in reg.regions])
-
-    # --- peers ----------------------------------------------------------------------------
-    def metadata(self) -> bytes:
-        self._check_open()
-        doc = {"format": _FORMAT, "agent": self.name, "pid": os.getpid(),
-               "sock": self._sock_name.hex(), "regions": self._regions().tolist()}
-        return json.dumps(doc).encode()
-
-    def add_peer(self, metadata: bytes) -> str:
-        self._check_open()
-        try:
-            doc = json.loads(metadata)
-            if doc["format"] != _FORMAT:
-                raise ValueError(f"format {doc['format']!r}")
-            peer = _Peer(str(doc["agent"]), int(doc["pid"]), bytes.fromhex(doc["sock"]),
-                         sorted_regions([(int(a), int(n)) for a, n in doc["regions"]]))
-        except BAD_METADATA as e:
-            raise TransportError(f"add_peer: not vmwrite metadata ({e})") from e
-        if peer.name == self.name:
-            raise TransportError(f"add_peer: {peer.name!r} is this agent itself")
-        if old := self._peers.get(peer.name):
-            old.gone = f"peer {peer.name!r} was reloaded by add_peer"
-        self._peers[peer.name] = peer
-        return peer.name
-
-    def remove_peer(self, peer: str) -> None:
-        self._peer(peer).gone = f"peer {peer!r} was removed"
-        del self._peers[peer]
-
-    def _peer(self, name: str) -> _Peer:
-        self._check_open()
-        try:
-            return self._peers[name]
-        except KeyError:
-            raise TransportError(f"unknown peer {name!r}") from None
-
-    # --- descriptor lists -----------------------------------------------------------------
-    def prepare(self, peer: str | None, rows: np.ndarray, kind: MemKind) -> PreparedRows:
-        self._check_open()
-        target = None if peer is None else self._peer(peer)
-        arr = self._checked(rows, kind, target)
-        if len(arr) == 0:
-            raise TransportError("prepare: a descriptor list needs at least one row")
-        return PreparedRows(arr, target)
-
-    def release_prepared(self, dlist: PreparedRows) -> None:
-        self._check_open()
-        dlist.released = True
-
-    def _checked(self, rows: np.ndarray, kind: MemKind, peer: _Peer | None) -> np.ndarray:
-        if peer is None:
-            return check_rows(rows, kind, self._regions(), "this agent's")
-        return check_rows(rows, kind, peer.regions, f"peer {peer.name!r}'s")
-
-    # --- writes ---------------------------------------------------------------------------
-    def post_prepared(self, peer: str, local: PreparedRows, local_idx: np.ndarray, remote: PreparedRows,
-                      remote_idx: np.ndarray, tag: bytes) -> VmXfer:
-        target = self._peer(peer)
-        lrows = take_rows(local.usable(None), local_idx, "local")
-        rrows = take_rows(remote.usable(target), remote_idx, "remote")
-        return self._post(target, lrows, rrows, tag)
-
-    def post_descs(self, peer: str, local_rows: np.ndarray, local_kind: MemKind,
-                   remote_rows: np.ndarray, remote_kind: MemKind, tag: bytes) -> VmXfer:
-        target = self._peer(peer)
-        return self._post(target, self._checked(local_rows, local_kind, None),
-                          self._checked(remote_rows, remote_kind, target), tag)
-
+    # --- writes ---------------------------------------------------------------------------------
     def _post(self, peer: _Peer, local: np.ndarray, remote: np.ndarray, tag: bytes) -> VmXfer:
-        nbytes = check_pairs(local, remote)
-        self.stats.writes += 1
-        self.stats.bytes += nbytes
-        self.stats.descriptors += len(local)
+        self._count(len(local), check_pairs(local, remote))
         return VmXfer(peer, local, remote, bytes(tag))
 
     def poll(self, xfer: VmXfer) -> XferState:
         self._check_open()
         if xfer.released:
-            raise TransportError("write handle was released")
+            raise TransportError("poll: the write was released")
         if xfer.state is XferState.PENDING and not xfer.copied:
             xfer.copied = True
             self._copy(xfer)
@@ -225,7 +116,7 @@ class VmWriteTransport:
                 err = os.strerror(ctypes.get_errno()) if got < 0 else f"{got} of {want} bytes"
                 return self._fail(xfer, f"process_vm_writev into pid {xfer.peer.pid}: {err}")
         if xfer.tag:
-            self._outbox.append((xfer.peer, self.name.encode() + b"\0" + xfer.tag, xfer))
+            self._queue_tag(xfer.peer, xfer.tag, xfer)
         else:
             xfer.state = XferState.DONE
 
@@ -234,36 +125,20 @@ class VmWriteTransport:
 
     def release(self, xfer: VmXfer) -> None:
         self._check_open()
-        if xfer.state is XferState.PENDING and not xfer.peer.gone and not xfer.released:
-            raise TransportError("release: the write is pending and its peer is still present")
+        self._check_release(xfer, xfer.peer.name, not xfer.peer.gone)
         xfer.released = True
 
-    # --- tags -----------------------------------------------------------------------------
-    def notify(self, peer: str, tag: bytes) -> None:
-        target = self._peer(peer)
-        if not tag:
-            raise TransportError("notify: empty tag")
-        self._outbox.append((target, self.name.encode() + b"\0" + bytes(tag), None))
-        self._flush()
+    # --- tags -----------------------------------------------------------------------------------
+    def _send_tag(self, peer: _Peer, tag: bytes) -> bool:
+        try:
+            self._sock.sendto(self.name.encode() + b"\0" + tag, peer.sock)
+        except BlockingIOError:
+            return False
+        except OSError as e:
+            raise TransportError(f"tag to {peer.name!r} not delivered: {e}") from e
+        return True
 
-    def _flush(self) -> None:
-        while self._outbox:
-            peer, payload, xfer = self._outbox[0]
-            try:
-                self._sock.sendto(payload, peer.sock)
-            except BlockingIOError:
-                return  # the peer's queue is full: try again in a later call
-            except OSError as e:
-                if xfer is not None:
-                    self._fail(xfer, f"tag to {peer.name!r} not delivered: {e}")
-            else:
-                if xfer is not None:
-                    xfer.state = XferState.DONE
-            self._outbox.popleft()
-
-    def drain_notifications(self) -> list[Notification]:
-        self._check_open()
-        self._flush()
+    def _receive_tags(self) -> list[Notification]:
         got = []
         while True:
             try:
@@ -279,7 +154,3 @@ class VmWriteTransport:
             self._sock.close()
             self._peers.clear()
             self._outbox.clear()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransportClosed(f"vmwrite agent {self.name!r} is closed")

@@ -24,6 +24,8 @@ stay allocated, bounded by the writes abandoned to a dead peer). Tags to one pee
 order they were queued; a full queue leaves a write PENDING until a later call. Every row is
 checked here against this agent's registrations and the peer's snapshot before anything is
 submitted: Mooncake's TCP transport would read unregistered local memory without complaint.
+Those checks, the registrations, peers and prepared lists are the adapter kit's
+(``kvproto.transport.kit``: ``RowsAdapter``), and so is the order in which tags leave (``OwnTags``).
 
 ``close`` destroys the engine, which takes Mooncake about a second (holding the GIL: a thread
 would not hide it); an engine with runs still in flight is kept until the process exits instead.
@@ -35,38 +37,20 @@ Mooncake's 60 s against a peer that accepts and never answers).
 
 from __future__ import annotations
 
-import json
 import os
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import zmq
 
-from kvproto.transport.base import (
-    BAD_METADATA,
-    MemKind,
-    MemoryRegion,
-    Notification,
-    PreparedRows,
-    TransportClosed,
-    TransportError,
-    TransportStats,
-    XferState,
-    check_pairs,
-    check_rows,
-    merge_regions,
-    region_index,
-    sorted_regions,
-    take_rows,
-)
+from kvproto.transport.base import MemoryRegion, Notification, TransportError, XferState, check_pairs, region_index
+from kvproto.transport.kit import OwnTags, Peer, RegionList, RowsAdapter
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 from mooncake.engine import TransferEngine  # noqa: E402  (reads the settings above)
 
-_FORMAT = "kvproto-mooncake/1"
 WINDOW = 512
 """Most runs in flight to one peer."""
 _LINGERING: list[Any] = []
@@ -74,17 +58,12 @@ _LINGERING: list[Any] = []
 
 
 @dataclass(eq=False)
-class _Peer:
-    name: str
+class _Peer(Peer):
     session: str
     tags: str
-    regions: np.ndarray
-    """(N, 2) int64 rows of (address, length), sorted by address."""
     push: zmq.Socket
     inflight: int = 0
     """Runs submitted to this peer and not yet seen to end."""
-    gone: str = ""
-    """Why lists prepared for this snapshot no longer work ("" while it is current)."""
 
 
 @dataclass(eq=False)
@@ -102,17 +81,14 @@ class MooncakeXfer:
     released: bool = False
 
 
-@dataclass(eq=False)
-class MooncakeRegistration:
-    regions: list[tuple[int, int]] = field(default_factory=list)
-
-
-class MooncakeTransport:
+class MooncakeTransport(OwnTags, RowsAdapter):
     """A ``Transport`` over Mooncake's Transfer Engine (P2P handshake), tags over ZMQ."""
 
+    KIND = "Mooncake"
+    FORMAT = "kvproto-mooncake/1"
+
     def __init__(self, name: str, *, host: str = "127.0.0.1", protocol: str = "tcp") -> None:
-        self.name = name
-        self.stats = TransportStats()
+        super().__init__(name)
         self._engine = TransferEngine()
         if self._engine.initialize(host, "P2PHANDSHAKE", protocol, "") != 0:
             raise TransportError(f"create agent: Mooncake could not start a {protocol} engine on {host!r}")
@@ -122,69 +98,33 @@ class MooncakeTransport:
         self._pull.setsockopt(zmq.LINGER, 0)
         port = self._pull.bind_to_random_port(f"tcp://{host}")
         self._tags = f"tcp://{host}:{port}"
-        self._registrations: list[MooncakeRegistration] = []
-        self._peers: dict[str, _Peer] = {}
         self._outbox: deque[tuple[_Peer, bytes, MooncakeXfer | None]] = deque()
+        """Tags waiting to leave, in order (``OwnTags``)."""
         self._inflight: dict[MooncakeXfer, None] = {}
         """Writes not yet ended (an ordered set)."""
         self._waiting: deque[MooncakeXfer] = deque()
         """Writes with runs not yet submitted, in posting order."""
-        self._closed = False
 
-    # --- memory ----------------------------------------------------------------------------
-    def memory_kinds(self) -> frozenset[MemKind]:
-        self._check_open()
-        return frozenset({MemKind.DRAM})
-
-    def register(self, regions: Sequence[MemoryRegion]) -> MooncakeRegistration:
-        self._check_open()
-        if not regions:
-            raise TransportError("register: no regions given")
-        if any(r.kind is not MemKind.DRAM or r.device_id != 0 or r.length <= 0 for r in regions):
-            raise TransportError("register: the Mooncake adapter registers DRAM of device 0 only")
-        regions = merge_regions(regions)  # overlapping ranges once, as their union (transport.base)
-        reg = MooncakeRegistration()
+    # --- memory: registered with the engine too ------------------------------------------------
+    def _register(self, regions: list[MemoryRegion]) -> RegionList:
+        reg = RegionList()
         for r in regions:
             if self._engine.register_memory(r.address, r.length, "*") != 0:
-                self._unregister(reg)
+                self._deregister(reg)
                 raise TransportError(f"register: Mooncake refused {r.length} bytes at {r.address:#x}")
             reg.regions.append((r.address, r.length))
-        self._registrations.append(reg)
         return reg
 
-    def deregister(self, registration: MooncakeRegistration) -> None:
-        self._check_open()
-        if registration not in self._registrations:
-            raise TransportError("deregister: registration is not registered with this agent")
-        self._registrations.remove(registration)
-        self._unregister(registration)
-
-    def _unregister(self, reg: MooncakeRegistration) -> None:
+    def _deregister(self, reg: RegionList) -> None:
         for address, _ in reg.regions:
             self._engine.unregister_memory(address)
 
-    def _local_regions(self) -> np.ndarray:
-        return sorted_regions([r for reg in self._registrations for r in reg.regions])
+    # --- peers: the engine's session and the tag socket ------------------------------------------
+    def _metadata_fields(self) -> dict[str, Any]:
+        return {"session": self._session, "tags": self._tags}
 
-    # --- peers ----------------------------------------------------------------------------
-    def metadata(self) -> bytes:
-        self._check_open()
-        doc = {"format": _FORMAT, "agent": self.name, "session": self._session, "tags": self._tags,
-               "regions": self._local_regions().tolist()}
-        return json.dumps(doc).encode()
-
-    def add_peer(self, metadata: bytes) -> str:
-        self._check_open()
-        try:
-            doc = json.loads(metadata)
-            if doc["format"] != _FORMAT:
-                raise ValueError(f"format {doc['format']!r}")
-            name, session, tags = str(doc["agent"]), str(doc["session"]), str(doc["tags"])
-            regions = sorted_regions([(int(a), int(n)) for a, n in doc["regions"]])
-        except BAD_METADATA as e:
-            raise TransportError(f"add_peer: not Mooncake adapter metadata ({e})") from e
-        if name == self.name:
-            raise TransportError(f"add_peer: {name!r} is this agent itself")
+    def _peer_of(self, name: str, regions: np.ndarray, doc: dict[str, Any]) -> _Peer:
+        session, tags = str(doc["session"]), str(doc["tags"])
         push = self._ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 0)
         push.setsockopt(zmq.SNDHWM, 1 << 17)
@@ -193,18 +133,10 @@ class MooncakeTransport:
         except zmq.ZMQError as e:
             push.close()
             raise TransportError(f"add_peer: bad tag address {tags!r} ({e})") from e
-        if name in self._peers:
-            self._drop(name, f"peer {name!r} was reloaded by add_peer")
-        self._peers[name] = _Peer(name, session, tags, regions, push)
-        return name
+        return _Peer(name, regions, session, tags, push)
 
-    def remove_peer(self, peer: str) -> None:
-        self._peer(peer)
-        self._drop(peer, f"peer {peer!r} was removed")
-
-    def _drop(self, name: str, why: str) -> None:
-        peer = self._peers.pop(name)
-        peer.gone = why
+    def _drop(self, peer: _Peer, why: str) -> None:  # type: ignore[override]
+        super()._drop(peer, why)
         peer.push.close()
         for xfer in [x for x in self._waiting if x.peer is peer]:
             xfer.error = why  # its unsubmitted runs never go; it polls ERROR once the others end
@@ -220,53 +152,13 @@ class MooncakeTransport:
                 kept.append(entry)
         self._outbox = kept
 
-    def _peer(self, name: str) -> _Peer:
-        self._check_open()
-        try:
-            return self._peers[name]
-        except KeyError:
-            raise TransportError(f"unknown peer {name!r}") from None
-
-    # --- descriptor lists -----------------------------------------------------------------
-    def prepare(self, peer: str | None, rows: np.ndarray, kind: MemKind) -> PreparedRows:
-        self._check_open()
-        target = None if peer is None else self._peer(peer)
-        arr = self._checked(rows, kind, target)
-        if len(arr) == 0:
-            raise TransportError("prepare: a descriptor list needs at least one row")
-        return PreparedRows(arr, target)
-
-    def release_prepared(self, dlist: PreparedRows) -> None:
-        self._check_open()
-        dlist.released = True
-
-    def _checked(self, rows: np.ndarray, kind: MemKind, peer: _Peer | None) -> np.ndarray:
-        if peer is None:
-            return check_rows(rows, kind, self._local_regions(), "this agent's")
-        return check_rows(rows, kind, peer.regions, f"peer {peer.name!r}'s")
-
     # --- writes ---------------------------------------------------------------------------
-    def post_prepared(self, peer: str, local: PreparedRows, local_idx: np.ndarray, remote: PreparedRows,
-                      remote_idx: np.ndarray, tag: bytes) -> MooncakeXfer:
-        target = self._peer(peer)
-        lrows = take_rows(local.usable(None), local_idx, "local")
-        rrows = take_rows(remote.usable(target), remote_idx, "remote")
-        return self._post(target, lrows, rrows, tag)
-
-    def post_descs(self, peer: str, local_rows: np.ndarray, local_kind: MemKind, remote_rows: np.ndarray,
-                   remote_kind: MemKind, tag: bytes) -> MooncakeXfer:
-        target = self._peer(peer)
-        return self._post(target, self._checked(local_rows, local_kind, None),
-                          self._checked(remote_rows, remote_kind, target), tag)
-
     def _post(self, peer: _Peer, local: np.ndarray, remote: np.ndarray, tag: bytes) -> MooncakeXfer:
         nbytes = check_pairs(local, remote)
         todo = deque((int(local[s, 0]), int(remote[s, 0]), int(local[s:e, 1].sum()))
                      for s, e in self._runs(local, remote, peer))
         xfer = MooncakeXfer(peer, todo, bytes(tag))
-        self.stats.writes += 1
-        self.stats.bytes += nbytes
-        self.stats.descriptors += len(todo)
+        self._count(len(todo), nbytes)
         self._inflight[xfer] = None
         self._waiting.append(xfer)
         self._submit()
@@ -295,7 +187,7 @@ class MooncakeTransport:
         n = len(local)
         if n == 1:
             return [(0, 1)]
-        lreg = region_index(local, self._local_regions())
+        lreg = region_index(local, self._regions())
         rreg = region_index(remote, peer.regions)
         joins = ((local[1:, 0] == local[:-1, 0] + local[:-1, 1]) & (remote[1:, 0] == remote[:-1, 0] + remote[:-1, 1])
                  & (local[1:, 1] == local[:-1, 1]) & (lreg[1:] == lreg[:-1]) & (rreg[1:] == rreg[:-1]))
@@ -305,7 +197,7 @@ class MooncakeTransport:
     def poll(self, xfer: MooncakeXfer) -> XferState:
         self._check_open()
         if xfer.released:
-            raise TransportError("write handle was released")
+            raise TransportError("poll: the write was released")
         if xfer.state is XferState.PENDING:
             self._advance(xfer)
         self._flush()
@@ -335,7 +227,7 @@ class MooncakeTransport:
             self._end(xfer, XferState.ERROR)
         elif xfer.tag:
             xfer.queued = True
-            self._outbox.append((xfer.peer, xfer.tag, xfer))
+            self._queue_tag(xfer.peer, xfer.tag, xfer)
         else:
             self._end(xfer, XferState.DONE)
 
@@ -351,33 +243,23 @@ class MooncakeTransport:
 
     def release(self, xfer: MooncakeXfer) -> None:
         self._check_open()
-        if xfer.state is XferState.PENDING and not xfer.peer.gone and not xfer.released:
-            raise TransportError("release: the write is pending and its peer is still present")
+        self._check_release(xfer, xfer.peer.name, not xfer.peer.gone)
         xfer.released = True
         self._forget(xfer)
 
-    # --- tags -----------------------------------------------------------------------------
-    def notify(self, peer: str, tag: bytes) -> None:
-        target = self._peer(peer)
-        if not tag:
-            raise TransportError("notify: empty tag")
-        self._outbox.append((target, bytes(tag), None))
-        self._flush()
+    # --- tags -----------------------------------------------------------------------------------
+    def _send_tag(self, peer: _Peer, tag: bytes) -> bool:
+        try:
+            peer.push.send_multipart([self.name.encode(), tag], zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
 
-    def _flush(self) -> None:
-        while self._outbox:
-            peer, tag, xfer = self._outbox[0]
-            try:
-                peer.push.send_multipart([self.name.encode(), tag], zmq.NOBLOCK)
-            except zmq.Again:
-                return  # the peer's queue is full: try again in a later call
-            self._outbox.popleft()
-            if xfer is not None and xfer.state is XferState.PENDING:
-                self._end(xfer, XferState.DONE)
+    def _tag_left(self, xfer: MooncakeXfer, error: str | None) -> None:
+        if xfer.state is XferState.PENDING:
+            self._end(xfer, XferState.DONE)
 
-    def drain_notifications(self) -> list[Notification]:
-        self._check_open()
-        self._flush()
+    def _receive_tags(self) -> list[Notification]:
         got = []
         while True:
             try:
@@ -392,9 +274,9 @@ class MooncakeTransport:
             return
         self._closed = True
         for reg in self._registrations:
-            self._unregister(reg)
+            self._deregister(reg)
         self._registrations.clear()
-        for peer in list(self._peers):
+        for peer in list(self._peers.values()):
             self._drop(peer, "the agent was closed")
         self._outbox.clear()
         self._pull.close()
@@ -405,7 +287,3 @@ class MooncakeTransport:
         self._inflight.clear()
         self._waiting.clear()
         del engine  # Mooncake's destructor runs here: about a second, holding the GIL
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransportClosed(f"Mooncake agent {self.name!r} is closed")
