@@ -392,7 +392,7 @@ def test_cuda_ipc_state_slot_rides_in_the_rows_launch(half: int, fail: bool, mon
         other = dataclasses.replace(state, src_slot=0, dst_slot=1)
         if fail:  # the fused variant fails to build: this write and later ones launch the slot apart
             from kvproto.kernels import triton_kernels
-            from kvproto.transport import cuda_ipc
+            from kvproto.transport.cuda_ipc import launches as cuda_ipc  # where _FUSE_SLOTS lives
 
             real = triton_kernels.copy_paged
 
@@ -521,7 +521,7 @@ def test_cuda_ipc_page_rows_as_integers_and_as_an_array_agree(data, count: int, 
     """The two ways ``_page_rows`` checks a write's lists (plain integers up to ``_FEW_PAGES``, one
     array past it) give the same answer for any lists: the same table, or both None for a list of
     another length or a page outside ``[0, limit)`` (negative ones included)."""
-    from kvproto.transport import cuda_ipc
+    from kvproto.transport.cuda_ipc import launches as cuda_ipc  # the page-list checks
 
     limits = data.draw(st.lists(st.integers(1, 1 << 40), min_size=lists, max_size=lists))
     listed = []
@@ -560,7 +560,7 @@ def test_cuda_ipc_prepared_rows_of_many_pages_are_one_table_checked_list_by_list
 
     from kvproto.aio.paths import Part
     from kvproto.geometry import plan_pair
-    from kvproto.transport import cuda_ipc
+    from kvproto.transport.cuda_ipc import launches as cuda_ipc  # the page-list checks
     from kvproto.transport.cuda_ipc import part_values
 
     if few is not None:
