@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvproto.transport.base import MemKind, Notification, TransportError, XferState
+from kvproto.transport.base import MemKind, Notification, XferState
 from kvproto.transport.loopback import LoopbackTransport, LoopbackXfer
 
 _AGENTS: weakref.WeakValueDictionary[str, SimulatedTransport] = weakref.WeakValueDictionary()
