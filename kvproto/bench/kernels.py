@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kvproto.geometry.model import Layout
-from kvproto.kernels import Regions, reference
+from kvproto.kernels import Regions
 from kvproto.kernels import gather as dispatch_gather
 from kvproto.kernels import scatter as dispatch_scatter
 
@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                 t_copy = timer(lambda: setup.copy_dst.copy_(setup.staging), args.iters).device
                 gather = timer(lambda: dispatch_gather(setup.src, out=setup.staging, **gather_args), args.iters)
                 scatter = timer(lambda: dispatch_scatter(setup.staging, setup.dst, **scatter_args), args.iters)
-                naive = timer(lambda: reference.gather(setup.src, out=setup.staging, **gather_args), args.iters)
+                naive = timer(lambda: dispatch_gather(setup.src, out=setup.staging, backend="torch", **gather_args),
+                              args.iters)
                 t_gather, t_scatter, t_naive = gather.device, scatter.device, naive.device
                 gbps = lambda t: 2 * setup.nbytes / t / 1e9  # noqa: E731
                 device_rows.append([
@@ -180,19 +181,17 @@ def _check(setup: Setup, gather_args: dict, scatter_args: dict) -> str:
     """Kernel results against the reference: gathered bytes, then the scattered cells."""
     setup.staging.view(torch.int16).fill_(-1)
     dispatch_gather(setup.src, out=setup.staging, **gather_args)
-    want = reference.gather(setup.src, **gather_args)
+    want = dispatch_gather(setup.src, backend="torch", **gather_args)
     if not torch.equal(setup.staging.view(torch.int16), want.view(torch.int16)):
         return "GATHER WRONG"
     dispatch_scatter(setup.staging, setup.dst, **scatter_args)
-    back = reference.gather(setup.dst, head_count=setup.head_count, **scatter_args)
+    back = dispatch_gather(setup.dst, head_count=setup.head_count, backend="torch", **scatter_args)
     return "ok" if torch.equal(back.view(torch.int16), want.view(torch.int16)) else "SCATTER WRONG"
 
 
 def _host_row(setup: Setup, pinned: torch.Tensor, gather_args: dict, scatter_args: dict,
               timer: Timer, iters: int,
               config: tuple[int, int, int]) -> list[str]:
-    from kvproto.kernels import triton_kernels
-
     host = pinned[: setup.nbytes].view(DTYPE).view(setup.staging.shape)
     t_d2h = timer(lambda: host.copy_(setup.staging, non_blocking=True), iters).device
     t_h2d = timer(lambda: setup.staging.copy_(host, non_blocking=True), iters).device
@@ -200,14 +199,16 @@ def _host_row(setup: Setup, pinned: torch.Tensor, gather_args: dict, scatter_arg
     fractions = {}
     for path in ("bounce", "mapped"):
         try:
-            t = timer(lambda: triton_kernels.gather(setup.src, out=host, host_path=path, **gather_args), iters).device
+            t = timer(lambda: dispatch_gather(setup.src, out=host, backend="triton", host_path=path, **gather_args),
+                      iters).device
             fractions[("D2H", path)] = f"{t_d2h / t:.3f}"
         except Exception as exc:  # a path the platform refuses is reported, not fatal
             fractions[("D2H", path)] = f"error: {type(exc).__name__}"
     row += [fractions[("D2H", "bounce")], fractions[("D2H", "mapped")], f"{setup.nbytes / t_h2d / 1e9:.1f}"]
     for path in ("bounce", "mapped"):
         try:
-            t = timer(lambda: triton_kernels.scatter(host, setup.dst, host_path=path, **scatter_args), iters).device
+            t = timer(lambda: dispatch_scatter(host, setup.dst, backend="triton", host_path=path, **scatter_args),
+                      iters).device
             fractions[("H2D", path)] = f"{t_h2d / t:.3f}"
         except Exception as exc:  # a path the platform refuses is reported, not fatal
             fractions[("H2D", path)] = f"error: {type(exc).__name__}"
@@ -217,14 +218,12 @@ def _host_row(setup: Setup, pinned: torch.Tensor, gather_args: dict, scatter_arg
 def _sweep(setup: Setup, gather_args: dict, scatter_args: dict,
            timer: Timer, iters: int, t_copy: float,
            config: tuple[int, int, int]) -> list[list[str]]:
-    from kvproto.kernels import triton_kernels
-
     rows = []
     for tile_bytes in (8192, 16384, 32768, 65536):
         for warps in (4, 8):
-            tuning = {"tile_bytes": tile_bytes, "num_warps": warps}
-            t_g = timer(lambda: triton_kernels.gather(setup.src, out=setup.staging, **gather_args, **tuning), iters)
-            t_s = timer(lambda: triton_kernels.scatter(setup.staging, setup.dst, **scatter_args, **tuning), iters)
+            tuning = {"backend": "triton", "tile_bytes": tile_bytes, "num_warps": warps}
+            t_g = timer(lambda: dispatch_gather(setup.src, out=setup.staging, **gather_args, **tuning), iters)
+            t_s = timer(lambda: dispatch_scatter(setup.staging, setup.dst, **scatter_args, **tuning), iters)
             rows.append([str(config[0]), str(config[1]), f"1:{config[2]}", str(tile_bytes), str(warps),
                          f"{t_copy / t_g.device:.3f}", f"{t_copy / t_s.device:.3f}"])
     return rows

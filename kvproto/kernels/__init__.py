@@ -9,10 +9,12 @@ rank's local heads. The prefill side gathers with its own block size and layout,
 side scatters with its own, so block size and layout are converted on the way.
 :func:`scatter` writes exactly the staged cells of ``dst`` and no other byte.
 
-Three backends implement one contract (checked by :mod:`kvproto.kernels.plan`): the Triton
-kernels (:mod:`kvproto.kernels.triton_kernels`, one launch for all regions), page-run copies for
-host-memory caches (:mod:`kvproto.kernels.cpu`), and the plain-torch reference
-(:mod:`kvproto.kernels.reference`). ``backend="auto"`` picks Triton for CUDA tensors when Triton
+Three backends implement one contract (:mod:`kvproto.kernels.plan`): :func:`gather` and
+:func:`scatter` check a copy's arguments once (a ``CopyPlan`` and its staging tensor) and hand the
+plan to the Triton kernels (:mod:`kvproto.kernels.triton_kernels`, one launch for all regions),
+page-run copies for host-memory caches (:mod:`kvproto.kernels.cpu`), or the plain-torch reference
+(:mod:`kvproto.kernels.reference`), which only move its bytes; the tests compare every backend with
+the reference through these two functions. ``backend="auto"`` picks Triton for CUDA tensors when Triton
 is installed, the page-run copies for CPU tensors, the reference otherwise; ``backend="triton"`` on CPU tensors runs the
 Triton interpreter and requires ``TRITON_INTERPRET=1`` in the environment. Importing this
 package does not import Triton.
@@ -38,7 +40,7 @@ from typing import Any, Literal
 import torch
 
 from kvproto.geometry.model import Layout
-from kvproto.kernels.plan import JOIN_MAX, CopyPlan, Regions, StagingError, plan_copy
+from kvproto.kernels.plan import JOIN_MAX, CopyPlan, Regions, StagingError, check_staging, plan_copy, staging_heads
 
 __all__ = ["JOIN_MAX", "Backend", "CopyPlan", "Regions", "StagingError", "copy_joined", "gather", "on", "plan_copy",
            "scatter", "triton_available", "warm_up"]
@@ -59,6 +61,7 @@ def gather(
     backend: Backend = "auto",
     stream: torch.cuda.Stream | None = None,
     slots: tuple | None = None,
+    **options: Any,
 ) -> torch.Tensor:
     """Copy local heads ``[head_offset, +head_count)`` of tokens ``[start_token, end_token)``
     of every region ``src[r]`` into ``out[r, t - start_token, h - head_offset, :]``.
@@ -66,31 +69,16 @@ def gather(
     ``src[r]`` is ``(num_blocks, B, H, D)`` (NHD) or ``(num_blocks, H, B, D)`` (HND);
     ``pages[i]`` holds request tokens ``[i*B, (i+1)*B)``. ``out`` (allocated on the cache's
     device when omitted) may be pinned host memory for a CUDA cache. Returns ``out``. ``slots``: a
-    staged piece's state block moved in the same Triton launch (``triton_kernels.Slots``).
+    staged piece's state block moved in the same Triton launch (``triton_kernels.Slots``);
+    ``options``: the Triton backend's tuning (``host_path``, ``tile_bytes``, ``num_warps``).
     """
-    args = dict(
-        layout=layout,
-        pages=pages,
-        start_token=start_token,
-        end_token=end_token,
-        head_offset=head_offset,
-        head_count=head_count,
-        out=out,
-    )
     device = _device(src)
-    with on(device, stream):
-        if _use_triton(backend, device):
-            from kvproto.kernels import triton_kernels
-
-            return triton_kernels.gather(src, interpret=device.type != "cuda", slots=slots, **args)
-        _no_slots(slots)
-        if _use_cpu(backend, device, out):
-            from kvproto.kernels import cpu
-
-            return cpu.gather(src, **args)
-        from kvproto.kernels import reference
-
-        return reference.gather(src, **args)
+    with on(device, stream):  # (a new ``out`` is allocated on the stream that writes it)
+        plan = plan_copy(src, layout=layout, pages=pages, start_token=start_token, end_token=end_token,
+                         head_offset=head_offset, head_count=head_count)
+        out = plan.output(out)
+        _backend(backend, device, out, slots, options).copy(plan, pages, out, to_staging=True, **options)
+    return out
 
 
 def scatter(
@@ -105,6 +93,7 @@ def scatter(
     backend: Backend = "auto",
     stream: torch.cuda.Stream | None = None,
     slots: tuple | None = None,
+    **options: Any,
 ) -> None:
     """Inverse of :func:`gather` into ``dst`` with its own block size and layout.
 
@@ -112,23 +101,12 @@ def scatter(
     ``start_token + t`` of region ``dst[r]``; no other byte of ``dst`` is written. Page numbers
     must be distinct (each token has one cell).
     """
-    args = dict(layout=layout, pages=pages, start_token=start_token, end_token=end_token, head_offset=head_offset)
     device = _device(dst)
     with on(device, stream):
-        if _use_triton(backend, device):
-            from kvproto.kernels import triton_kernels
-
-            triton_kernels.scatter(staging, dst, interpret=device.type != "cuda", slots=slots, **args)
-            return
-        _no_slots(slots)
-        if _use_cpu(backend, device, staging):
-            from kvproto.kernels import cpu
-
-            cpu.scatter(staging, dst, **args)
-        else:
-            from kvproto.kernels import reference
-
-            reference.scatter(staging, dst, **args)
+        plan = plan_copy(dst, layout=layout, pages=pages, start_token=start_token, end_token=end_token,
+                         head_offset=head_offset, head_count=staging_heads(staging))
+        check_staging(plan, staging)
+        _backend(backend, device, staging, slots, options).copy(plan, pages, staging, to_staging=False, **options)
 
 
 def copy_joined(
@@ -237,9 +215,27 @@ def warm_up(regions: Regions, *, layout: Layout | int, head_counts: Sequence[int
     return ran
 
 
-def _no_slots(slots: tuple | None) -> None:
+def _backend(backend: Backend, device: torch.device, staging: torch.Tensor, slots: tuple | None,
+             options: dict[str, Any]) -> Any:
+    """The module that runs a checked copy (its ``copy(plan, pages, staging, to_staging=...,
+    **options)``); ``options`` gains what the Triton kernels take of the call (the interpreter for
+    CPU tensors, a state block)."""
+    if _use_triton(backend, device):
+        from kvproto.kernels import triton_kernels
+
+        options.update(interpret=device.type != "cuda", slots=slots)
+        return triton_kernels
     if slots is not None:
         raise StagingError("a state block rides only in a Triton launch")
+    if options:
+        raise StagingError(f"{', '.join(options)}: options of the Triton kernels only")
+    if _use_cpu(backend, device, staging):
+        from kvproto.kernels import cpu
+
+        return cpu
+    from kvproto.kernels import reference
+
+    return reference
 
 
 def _device(cache: Sequence[torch.Tensor]) -> torch.device:

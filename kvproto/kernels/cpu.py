@@ -9,19 +9,18 @@ element). Here a copy walks the request's tokens in *page runs* (the tokens of o
   then copies the run's head slice out of that contiguous block into the staging tensor;
 * scatter writes each page run's head slice with one strided slice assignment.
 
-Both copy exactly the cells of the contract (see ``kvproto.kernels``): gather reads a little
-more than it keeps (whole pages), scatter writes exactly the staged cells and nothing else.
+Both copy exactly the cells of the contract (a checked ``CopyPlan``: ``kvproto.kernels.plan``):
+gather reads a little more than it keeps (whole pages), scatter writes exactly the staged cells
+and nothing else.
 Tensors are viewed as same-width integers, so every dtype is copied bit for bit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from kvproto.geometry.model import Layout
-from kvproto.kernels.plan import check_staging, plan_copy, staging_heads
+from kvproto.kernels.plan import CopyPlan
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -30,31 +29,21 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(_BITS[tensor.element_size()])
 
 
-def gather(
-    src: Sequence[torch.Tensor],
-    *,
-    layout: Layout | int,
-    pages: torch.Tensor,
-    start_token: int,
-    end_token: int,
-    head_offset: int,
-    head_count: int,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    plan = plan_copy(src, layout=layout, pages=pages, start_token=start_token, end_token=end_token,
-                     head_offset=head_offset, head_count=head_count)
-    if out is None:
-        out = torch.empty(plan.staging_shape, dtype=plan.dtype, device=plan.device)
-    else:
-        check_staging(plan, out)
+def copy(plan: CopyPlan, pages: torch.Tensor, staging: torch.Tensor, *, to_staging: bool) -> None:
+    """A checked copy (``kvproto.kernels.gather`` and ``scatter``): gather or scatter."""
+    (gather if to_staging else scatter)(plan, pages, staging)
+
+
+def gather(plan: CopyPlan, pages: torch.Tensor, out: torch.Tensor) -> None:
+    start_token, end_token, head_count = plan.start_token, plan.end_token, plan.head_count
     if end_token == start_token:
-        return out
+        return
     block = plan.block_size
     first, last = start_token // block, (end_token - 1) // block
     index = pages[first:last + 1].to(torch.long)
     skip = start_token - first * block
-    heads = slice(head_offset, head_offset + head_count)
-    for r, region in enumerate(src):
+    heads = slice(plan.head_offset, plan.head_offset + head_count)
+    for r, region in enumerate(plan.regions):
         sel = _bits(region).index_select(0, index)  # (P, B, H, D) or (P, H, B, D): whole pages
         if plan.layout is Layout.HND:
             sel = sel[:, heads].transpose(1, 2)  # (P, B, hc, D)
@@ -62,24 +51,12 @@ def gather(
             sel = sel[:, :, heads]
         rows = sel.reshape(-1, head_count, sel.shape[-1])[skip:skip + end_token - start_token]
         _bits(out[r]).copy_(rows)
-    return out
 
 
-def scatter(
-    staging: torch.Tensor,
-    dst: Sequence[torch.Tensor],
-    *,
-    layout: Layout | int,
-    pages: torch.Tensor,
-    start_token: int,
-    end_token: int,
-    head_offset: int,
-) -> None:
-    plan = plan_copy(dst, layout=layout, pages=pages, start_token=start_token, end_token=end_token,
-                     head_offset=head_offset, head_count=staging_heads(staging))
-    check_staging(plan, staging)
+def scatter(plan: CopyPlan, pages: torch.Tensor, staging: torch.Tensor) -> None:
+    start_token, end_token = plan.start_token, plan.end_token
     block = plan.block_size
-    heads = slice(head_offset, head_offset + plan.head_count)
+    heads = slice(plan.head_offset, plan.head_offset + plan.head_count)
     runs = []
     t = start_token
     page_list = pages.tolist()
@@ -88,7 +65,7 @@ def scatter(
         n = min(end_token - t, block - slot)
         runs.append((page_list[index], slot, t - start_token, n))
         t += n
-    for r, region in enumerate(dst):
+    for r, region in enumerate(plan.regions):
         bits, rows = _bits(region), _bits(staging[r])
         for page, slot, offset, n in runs:
             if plan.layout is Layout.NHD:

@@ -1,4 +1,4 @@
-"""Argument checking shared by every staging backend.
+"""The staging copies' one contract: what a copy is, checked once before any backend runs it.
 
 Theory of operation
 -------------------
@@ -15,7 +15,10 @@ head_dim)`` for HND, whose last three dimensions are dense (the page dimension m
 the only host work that grows with the number of regions.
 
 :func:`plan_copy` turns the arguments into a :class:`CopyPlan` or raises :class:`StagingError`
-before anything is launched, so that every backend sees the same validated geometry. Page
+before anything is launched, and :meth:`CopyPlan.output` / :func:`check_staging` do the same for
+the staging tensor: ``kvproto.kernels.gather`` and ``scatter`` check a copy once, here, and hand
+the plan to a backend (the Triton kernels, the host-memory page runs, the torch reference), which
+only moves its bytes: ``backend.copy(plan, pages, staging, to_staging=...)``. Page
 numbers are range-checked when the page table is on the CPU; a page table already on the GPU
 is trusted (reading it back would stall the stream), so callers must check indices received
 from a peer before they reach a device tensor.
@@ -133,6 +136,14 @@ class CopyPlan:
     def row_bytes(self) -> int:
         """Bytes of one head of one token: the unit every backend copies."""
         return self.head_dim * self.dtype.itemsize
+
+    def output(self, out: torch.Tensor | None) -> torch.Tensor:
+        """A gather's staging tensor: ``out`` checked (``check_staging``), or a new one on the
+        cache's device."""
+        if out is None:
+            return torch.empty(self.staging_shape, dtype=self.dtype, device=self.device)
+        check_staging(self, out)
+        return out
 
 
 def plan_copy(

@@ -11,79 +11,41 @@ copied bit for bit.
 
 This is deliberately the obvious code: one gather/scatter per region, an intermediate tensor
 per region, any device (pinned host staging for a CUDA cache included; copies are enqueued
-without waiting). It is also the "naive torch indexing" baseline of the benchmark.
+without waiting). It is also the "naive torch indexing" baseline of the benchmark. Like every
+backend it takes a checked ``CopyPlan`` (``kvproto.kernels.plan``); ``kvproto.kernels.gather(...,
+backend="torch")`` runs it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from kvproto.geometry.model import Layout
-from kvproto.kernels.plan import CopyPlan, check_staging, plan_copy, staging_heads
+from kvproto.kernels.plan import CopyPlan
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def gather(
-    src: Sequence[torch.Tensor],
-    *,
-    layout: Layout | int,
-    pages: torch.Tensor,
-    start_token: int,
-    end_token: int,
-    head_offset: int,
-    head_count: int,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Copy the heads and tokens of every region of ``src`` into ``out[r, t, h, :]``."""
-    plan = plan_copy(
-        src,
-        layout=layout,
-        pages=pages,
-        start_token=start_token,
-        end_token=end_token,
-        head_offset=head_offset,
-        head_count=head_count,
-    )
-    if out is None:
-        out = torch.empty(plan.staging_shape, dtype=plan.dtype, device=plan.device)
-    else:
-        check_staging(plan, out)
+def copy(plan: CopyPlan, pages: torch.Tensor, staging: torch.Tensor, *, to_staging: bool) -> None:
+    """A checked copy (``kvproto.kernels.gather`` and ``scatter``): gather or scatter."""
+    (gather if to_staging else scatter)(plan, pages, staging)
+
+
+def gather(plan: CopyPlan, pages: torch.Tensor, out: torch.Tensor) -> None:
+    """Copy the heads and tokens of every region of ``plan`` into ``out[r, t, h, :]``."""
     page, slot = _cells(plan, pages)
     heads = slice(plan.head_offset, plan.head_offset + plan.head_count)
-    for r, region in enumerate(src):
+    for r, region in enumerate(plan.regions):
         bits = _bits(region)
         rows = bits[page, slot, heads] if plan.layout is Layout.NHD else bits[page, heads, slot]
         _bits(out[r]).copy_(rows, non_blocking=True)
-    return out
 
 
-def scatter(
-    staging: torch.Tensor,
-    dst: Sequence[torch.Tensor],
-    *,
-    layout: Layout | int,
-    pages: torch.Tensor,
-    start_token: int,
-    end_token: int,
-    head_offset: int,
-) -> None:
-    """Copy ``staging[r, t, h, :]`` into the cells of every region of ``dst``; nothing else."""
-    plan = plan_copy(
-        dst,
-        layout=layout,
-        pages=pages,
-        start_token=start_token,
-        end_token=end_token,
-        head_offset=head_offset,
-        head_count=staging_heads(staging),
-    )
-    check_staging(plan, staging)
+def scatter(plan: CopyPlan, pages: torch.Tensor, staging: torch.Tensor) -> None:
+    """Copy ``staging[r, t, h, :]`` into the cells of every region of ``plan``; nothing else."""
     page, slot = _cells(plan, pages)
     heads = slice(plan.head_offset, plan.head_offset + plan.head_count)
-    for r, region in enumerate(dst):
+    for r, region in enumerate(plan.regions):
         rows = _bits(staging[r]).to(plan.device, non_blocking=True)
         bits = _bits(region)
         if plan.layout is Layout.NHD:

@@ -48,8 +48,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 from kvproto.geometry.model import Layout
-from kvproto.kernels.plan import (JOIN_MAX, CopyPlan, Regions, StagingError, as_regions, check_staging, plan_copy,
-                                  staging_heads)
+from kvproto.kernels.plan import JOIN_MAX, CopyPlan, Regions, StagingError, as_regions, plan_copy, staging_heads
 from kvproto.kernels.uploads import Pointer
 
 HostPath = Literal["bounce", "mapped"]
@@ -374,101 +373,38 @@ def _lookup_locked(regions: Sequence[torch.Tensor]) -> _Table:
     return table
 
 
-def gather(
-    src: Sequence[torch.Tensor],
-    *,
-    layout: Layout | int,
-    pages: torch.Tensor,
-    start_token: int,
-    end_token: int,
-    head_offset: int,
-    head_count: int,
-    out: torch.Tensor | None = None,
-    interpret: bool = False,
-    host_path: HostPath = "bounce",
-    tile_bytes: int = TILE_BYTES,
-    num_warps: int = NUM_WARPS,
-    slots: Slots | None = None,
-) -> torch.Tensor:
-    """Triton gather; ``out`` may be pinned host memory for a CUDA ``src``; ``slots``: a state block
-    gathered in the same launch (device staging only)."""
-    plan = plan_copy(
-        src,
-        layout=layout,
-        pages=pages,
-        start_token=start_token,
-        end_token=end_token,
-        head_offset=head_offset,
-        head_count=head_count,
-    )
-    if out is None:
-        out = torch.empty(plan.staging_shape, dtype=plan.dtype, device=plan.device)
-    else:
-        check_staging(plan, out)
-    if plan.num_tokens == 0:
-        _no_empty_launch(slots)
-        return out
-    if out.device == plan.device or host_path == "mapped":
-        _Launch(plan, out, pages, True, interpret, tile_bytes, num_warps, slots=slots).run(0, plan.num_regions)
-        return out
-    if slots is not None:
-        raise StagingError("a state block rides only in a launch into device staging")
-    bounce = torch.empty(plan.staging_shape, dtype=plan.dtype, device=plan.device)
-    launch = _Launch(plan, bounce, pages, True, interpret, tile_bytes, num_warps)
-    main, side = torch.cuda.current_stream(), _side_stream(plan.device)
-    for first, last in _chunks(plan):
-        launch.run(first, last)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            out[first:last].copy_(bounce[first:last], non_blocking=True)
-    main.wait_stream(side)
-    return out
-
-
-def scatter(
-    staging: torch.Tensor,
-    dst: Sequence[torch.Tensor],
-    *,
-    layout: Layout | int,
-    pages: torch.Tensor,
-    start_token: int,
-    end_token: int,
-    head_offset: int,
-    interpret: bool = False,
-    host_path: HostPath = "bounce",
-    tile_bytes: int = TILE_BYTES,
-    num_warps: int = NUM_WARPS,
-    slots: Slots | None = None,
-) -> None:
-    """Triton scatter; ``staging`` may be pinned host memory for a CUDA ``dst``; ``slots``: a state
-    block scattered in the same launch (device staging only)."""
-    plan = plan_copy(
-        dst,
-        layout=layout,
-        pages=pages,
-        start_token=start_token,
-        end_token=end_token,
-        head_offset=head_offset,
-        head_count=staging_heads(staging),
-    )
-    check_staging(plan, staging)
+def copy(plan: CopyPlan, pages: torch.Tensor, staging: torch.Tensor, *, to_staging: bool, interpret: bool = False,
+         host_path: HostPath = "bounce", tile_bytes: int = TILE_BYTES, num_warps: int = NUM_WARPS,
+         slots: Slots | None = None) -> None:
+    """Triton gather (``to_staging``) or scatter of a checked copy (``kvproto.kernels.gather`` and
+    ``scatter``). ``staging`` may be pinned host memory for a CUDA cache (the module docstring's
+    host paths); ``slots``: a state block moved in the same launch (device staging only)."""
     if plan.num_tokens == 0:
         _no_empty_launch(slots)
         return
     if staging.device == plan.device or host_path == "mapped":
-        _Launch(plan, staging, pages, False, interpret, tile_bytes, num_warps, slots=slots).run(0, plan.num_regions)
+        launch = _Launch(plan, staging, pages, to_staging, interpret, tile_bytes, num_warps, slots=slots)
+        launch.run(0, plan.num_regions)
         return
     if slots is not None:
         raise StagingError("a state block rides only in a launch into device staging")
     bounce = torch.empty(plan.staging_shape, dtype=plan.dtype, device=plan.device)
-    launch = _Launch(plan, bounce, pages, False, interpret, tile_bytes, num_warps)
+    launch = _Launch(plan, bounce, pages, to_staging, interpret, tile_bytes, num_warps)
     main, side = torch.cuda.current_stream(), _side_stream(plan.device)
-    side.wait_stream(main)
-    for first, last in _chunks(plan):
-        with torch.cuda.stream(side):
-            bounce[first:last].copy_(staging[first:last], non_blocking=True)
+    if to_staging:  # chunk c gathers on the current stream while the side stream takes chunk c - 1 to the host
+        for first, last in _chunks(plan):
+            launch.run(first, last)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                staging[first:last].copy_(bounce[first:last], non_blocking=True)
         main.wait_stream(side)
-        launch.run(first, last)
+    else:  # the side stream brings chunk c + 1 from the host while chunk c scatters
+        side.wait_stream(main)
+        for first, last in _chunks(plan):
+            with torch.cuda.stream(side):
+                bounce[first:last].copy_(staging[first:last], non_blocking=True)
+            main.wait_stream(side)
+            launch.run(first, last)
 
 
 def prepare(

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import kvproto
 from kvproto import kernels
 from kvproto.geometry.model import DType, KVGeometry, Layout
-from kvproto.kernels import StagingError, reference
+from kvproto.kernels import StagingError
 
 DTYPES = {
     torch.float16: DType.FLOAT16,
@@ -195,6 +195,16 @@ def cell_offset(cache: Cache, token: int, head: int) -> int:
     return cache.geometry.byte_offset(int(cache.pages[token // cache.block_size]), token % cache.block_size, head)
 
 
+def torch_gather(src: Any, **args: Any) -> torch.Tensor:
+    """The torch reference's gather, through the one contract (``kernels.gather``)."""
+    return kernels.gather(src, backend="torch", **args)
+
+
+def torch_scatter(staging: torch.Tensor, dst: Any, **args: Any) -> None:
+    """The torch reference's scatter, through the one contract (``kernels.scatter``)."""
+    kernels.scatter(staging, dst, backend="torch", **args)
+
+
 def staged_rows(staging: torch.Tensor) -> list[list[bytes]]:
     """``[r][t * head_count + h]``: the bytes of each staged head."""
     r, t, h, d = staging.shape
@@ -217,7 +227,7 @@ def test_reference_gather_matches_element_loop(case: Case) -> None:
     """The reference gather puts every byte where the geometry model says it lives."""
     cache = case.cache(contiguous=True)
     span = cache.span(case.start, case.end, case.head_offset)
-    out = reference.gather(cache.regions, **span, head_count=case.head_count)
+    out = torch_gather(cache.regions, **span, head_count=case.head_count)
     size = cache.geometry.head_bytes
     want = []
     for region in cache.regions:
@@ -241,7 +251,7 @@ def test_reference_scatter_writes_only_staged_cells(case: Case) -> None:
         for i, row in enumerate(rows):
             offset = cell_offset(cache, case.start + i // case.head_count, case.head_offset + i % case.head_count)
             want[r][offset : offset + len(row)] = row
-    reference.scatter(staging, cache.regions, **cache.span(case.start, case.end, case.head_offset))
+    torch_scatter(staging, cache.regions, **cache.span(case.start, case.end, case.head_offset))
     assert [bytes(bits(region).flatten().tolist()) for region in cache.regions] == [bytes(w) for w in want]
 
 
@@ -431,7 +441,7 @@ def test_triton_roundtrip_converts_block_size_and_layout(
         )
         kernels.scatter(staging, regions, **target.span(case.start, case.end, decode_offset), backend=backend)
     assert all_same_bytes(target.regions, twin)
-    moved = reference.gather(
+    moved = torch_gather(
         target.regions, **target.span(case.start, case.end, decode_offset), head_count=case.head_count
     )
     assert same_bytes(moved, staging)
@@ -446,7 +456,7 @@ def test_triton_gather_fills_given_out(interpret: None) -> None:
     out = torch.full((2, 10, 1, 8), float("nan"), dtype=torch.bfloat16)
     got = kernels.gather(cache.regions, **cache.span(0, 10, 1), head_count=1, out=out, backend="triton")
     assert got is out
-    assert same_bytes(out, reference.gather(cache.regions, **cache.span(0, 10, 1), head_count=1))
+    assert same_bytes(out, torch_gather(cache.regions, **cache.span(0, 10, 1), head_count=1))
 
 
 @needs_triton
@@ -514,7 +524,7 @@ def test_dispatch_auto_on_cpu_matches_reference() -> None:
         seed=7, layout=Layout.NHD, block_size=2, heads=3, head_dim=4, dtype=torch.float32, num_tokens=5
     )
     span = cache.span(1, 5, 1)
-    want = reference.gather(cache.regions, **span, head_count=2)
+    want = torch_gather(cache.regions, **span, head_count=2)
     assert same_bytes(kernels.gather(cache.regions, **span, head_count=2), want)
 
 
@@ -593,8 +603,6 @@ def test_cuda_roundtrip_matches_reference(dtype: torch.dtype, layouts: tuple[Lay
 @pytest.mark.parametrize("host_path", ["bounce", "mapped"])
 def test_cuda_host_staging_roundtrip(host_path: str) -> None:
     """Gather into pinned memory and scatter from it, on a side stream, match the reference."""
-    from kvproto.kernels import triton_kernels
-
     common = {"head_dim": 128, "dtype": torch.bfloat16, "num_tokens": 300, "num_regions": 4, "device": "cuda"}
     source = make_cache(seed=13, layout=Layout.NHD, block_size=16, heads=8, spare_pages=9, **common)
     target = make_cache(seed=14, layout=Layout.HND, block_size=32, heads=2, spare_pages=3, **common)
@@ -603,14 +611,15 @@ def test_cuda_host_staging_roundtrip(host_path: str) -> None:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        triton_kernels.gather(source.regions, **source.span(5, 300, 2), head_count=2, out=pinned, host_path=host_path)
-        triton_kernels.scatter(pinned, target.regions, **target.span(5, 300, 0), host_path=host_path)
+        kernels.gather(source.regions, **source.span(5, 300, 2), head_count=2, out=pinned, backend="triton",
+                       host_path=host_path)
+        kernels.scatter(pinned, target.regions, **target.span(5, 300, 0), backend="triton", host_path=host_path)
         done = torch.cuda.Event()
         done.record()
     done.synchronize()
-    want = reference.gather(source.regions, **source.span(5, 300, 2), head_count=2)
+    want = torch_gather(source.regions, **source.span(5, 300, 2), head_count=2)
     assert same_bytes(pinned, want)
-    reference.scatter(want, twin, **target.span(5, 300, 0))
+    torch_scatter(want, twin, **target.span(5, 300, 0))
     assert all_same_bytes(target.regions, twin)
 
 
@@ -628,7 +637,7 @@ def test_cuda_dispatch_runs_on_given_stream() -> None:
     done = torch.cuda.Event()
     done.record(stream)
     done.synchronize()
-    assert same_bytes(out, reference.gather(source.regions, **source.span(0, 100, 1), head_count=2))
+    assert same_bytes(out, torch_gather(source.regions, **source.span(0, 100, 1), head_count=2))
 
 
 @pytest.mark.gpu
@@ -662,9 +671,9 @@ def test_launches_after_the_first_of_a_specialisation_skip_the_jit(monkeypatch: 
     real = type(kernel).run
     monkeypatch.setattr(type(kernel), "run", lambda self, *a, **k: jit.append(1) or real(self, *a, **k))
     for start, end in ((0, 100), (37, 200), (100, 164)):
-        out = triton_kernels.gather(source.regions, **source.span(start, end, 1), head_count=2)
+        out = kernels.gather(source.regions, **source.span(start, end, 1), head_count=2, backend="triton")
         torch.cuda.synchronize()
-        assert same_bytes(out, reference.gather(source.regions, **source.span(start, end, 1), head_count=2))
+        assert same_bytes(out, torch_gather(source.regions, **source.span(start, end, 1), head_count=2))
     assert len(jit) <= 1  # the first of this specialisation (none where an earlier test launched it)
     known = [v for k, v in triton_kernels._compiled.items() if k[0] == id(kernel)]
     assert known and all(v is not False for v in known)

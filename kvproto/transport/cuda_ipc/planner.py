@@ -92,7 +92,8 @@ class LaunchPlanner:
             runs.append(rest[k:j])
             k = j
         for n, run in enumerate(runs):
-            fuse = launches._FUSE_SLOTS and n == len(runs) - 1 and slot_at and parts[slot_at[0]].local_kind is parts[run[0]].plan[2]
+            fuse = launches._FUSE_SLOTS and n == len(runs) - 1 and slot_at and \
+                parts[slot_at[0]].local_kind is parts[run[0]].plan[2]
             slot = slot_at.pop(0) if fuse else None
             recipes.append(self._rows_recipe(mapped, [parts[i].plan for i in run], run,
                                              None if slot is None else (slot, self._slot_plan(mapped, parts[slot]))))
