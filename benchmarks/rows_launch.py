@@ -5,7 +5,7 @@ warm, one process. Each launch copies one page per region (2 MiB), so that the G
 the host's launches are what is timed:
 
 - ``jit``: Triton's own launch, ``kernel[grid](*args, **constants)`` (the reference);
-- ``keyed``: ``triton_kernels._launch``, which finds the compiled kernel by a key built per launch;
+- ``keyed``: ``kvproto.kernels.launcher._launch``, which finds the compiled kernel by a key built per launch;
 - ``bound``: ``copy_paged`` as the transport calls it (``PagedLaunch``: bound once per plan and
   tables, a write gives its two page lists and slots).
 
@@ -25,7 +25,7 @@ import torch
 from kvproto.geometry import KVGeometry, Layout, plan_pair
 from kvproto.geometry.model import DType
 from kvproto.kernels import pattern as P
-from kvproto.kernels import triton_kernels as TK
+from kvproto.kernels import paged as TK
 from kvproto.kernels.pattern import plan_strided_rows
 from kvproto.kernels.uploads import Pointer
 

@@ -13,7 +13,7 @@ on the kernel path. The staged path's gathers and scatters take their stream fro
 (``kvproto.aio.staging.Copies``). A ``Lane`` makes the
 same calls on the driver with raw handles (``cuda.bindings.driver``: ``cuEventRecord``,
 ``cuStreamWaitEvent``, ``cuMemcpyHtoDAsync``; 1-4 us each there), and a launch names the lane's
-stream to Triton's launcher directly (``triton_kernels._call``) instead of making it torch's
+stream to Triton's launcher directly (``kvproto.kernels.launcher._call``) instead of making it torch's
 current stream. One mechanism, three calls:
 
 * ``follow()``: what is launched on the lane from now on runs after the work queued so far on

@@ -322,20 +322,20 @@ def launch_rows(plan: RowsPlan, src_table: torch.Tensor, dst_table: Any, src_pag
     """Run a ``RowsPlan`` with Triton (CPU tensors: the interpreter); ``src_pages``/``dst_pages``
     are int64 page lists from token 0, where the kernel reads them; ``lists``, where regions of
     several groups share the launch, each region's offsets into them; ``slots``, a state slot's
-    copy in the same launch (``triton_kernels.SlotTiles``: ``StridedRows.stepped`` tiles), from
+    copy in the same launch (``kvproto.kernels.paged.SlotTiles``: ``StridedRows.stepped`` tiles), from
     slot ``src_slot`` into slot ``dst_slot``. ``stream``: a CUDA stream to launch on, current or not
     (the current device must be its device); None: the current stream."""
-    from kvproto.kernels import triton_kernels
+    from kvproto.kernels import paged
 
-    triton_kernels.copy_paged(plan, src_table, dst_table, src_pages, dst_pages, lists, slots, src_slot, dst_slot,
+    paged.copy_paged(plan, src_table, dst_table, src_pages, dst_pages, lists, slots, src_slot, dst_slot,
                               stream if src_table.device.type == "cuda" else None)
 
 
 def forget_tables(tables: Sequence[Any]) -> None:
     """Region tables that a transport no longer uses (a peer unmapped, the agent closed): the
-    rows launches bound to them are dropped (``triton_kernels.PagedLaunch.forget``). Nothing to
+    rows launches bound to them are dropped (``kvproto.kernels.paged.PagedLaunch.forget``). Nothing to
     do where no rows launch ran in this process."""
-    bound = sys.modules.get("kvproto.kernels.triton_kernels")
+    bound = sys.modules.get("kvproto.kernels.paged")
     if bound is not None and tables:
         bound.PagedLaunch.forget(tables)
 
@@ -355,6 +355,6 @@ def launch(plan: PatternPlan, src_table: torch.Tensor, dst_table: torch.Tensor, 
     (int64, on the device that runs the kernel), ``tiles`` is ``plan.tiles`` there. On CPU
     tensors the Triton interpreter runs it (tests; needs ``TRITON_INTERPRET=1``). ``stream``: as
     ``launch_rows`` takes it."""
-    from kvproto.kernels import triton_kernels
+    from kvproto.kernels import paged
 
-    triton_kernels.copy_pattern(plan, src_table, dst_table, tiles, stream if src_table.device.type == "cuda" else None)
+    paged.copy_pattern(plan, src_table, dst_table, tiles, stream if src_table.device.type == "cuda" else None)

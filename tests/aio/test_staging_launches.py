@@ -103,20 +103,20 @@ def test_the_start_up_warm_up_compiles_every_launch_a_hybrid_pair_makes(
     for peers of other TP sizes too: a pair's pieces, of an odd and an even page count, both ways,
     then find every kernel compiled (a kernel compiled in a room costs it ~100 ms)."""
     from kvproto.aio.staging import state_launches, warm_kernels
-    from kvproto.kernels import triton_kernels
+    from kvproto.kernels import launcher
 
-    monkeypatch.setattr(triton_kernels, "_compiled", {})  # what this test's launches compile, from nothing
+    monkeypatch.setattr(launcher, "_compiled", {})  # what this test's launches compile, from nothing
     prefill, decode = _tp_hybrid(tps[0], 0), _tp_hybrid(tps[1], tps[1] - 1)
     for kv, gather in ((prefill, True), (decode, False)):
         buf = StagingBuffer(kv, 8 << 20)
         kern = CacheKernels(kv)
         launches = state_launches(kern, kv.cache_geometry, buf, gather=gather)
         assert launches and all(joined for _plan, _count, joined in launches)
-        before = set(triton_kernels._compiled)
+        before = set(launcher._compiled)
         thread = warm_kernels(kv, kern, buf, gather=gather)
         assert thread is not None
         thread.join()
-        warmed = set(triton_kernels._compiled) - before
+        warmed = set(launcher._compiled) - before
         assert any(("SLOTS", True) in key for key in warmed)
         piece = pair_piece(kern, prefill.cache_geometry, decode.cache_geometry,
                            side="prefill" if gather else "decode", minor=3, buf=buf)
@@ -128,4 +128,4 @@ def test_the_start_up_warm_up_compiles_every_launch_a_hybrid_pair_makes(
                 buf, 0, r, [p] * 3, start=s, end=e, slots={2: r}, keep=False, stream=stream, gather=gather),
                 lambda: None)
             copies.finish()
-        assert set(triton_kernels._compiled) - before == warmed, "a room's launch compiled a kernel"
+        assert set(launcher._compiled) - before == warmed, "a room's launch compiled a kernel"

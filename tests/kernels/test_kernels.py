@@ -659,13 +659,13 @@ def test_launches_after_the_first_of_a_specialisation_skip_the_jit(monkeypatch: 
     """The first launch of a specialisation goes through Triton's JIT and keeps its compiled
     kernel; later ones (other tokens, other bytes) call its launcher directly and move the same
     bytes the reference does."""
-    from kvproto.kernels import triton_kernels
+    from kvproto.kernels import launcher, triton_kernels
 
     source = make_cache(
         seed=21, layout=Layout.NHD, block_size=16, heads=4, head_dim=64, dtype=torch.bfloat16, num_tokens=200,
         num_regions=3, spare_pages=4, device="cuda",
     )
-    assert not triton_kernels._jit_only(), "this Triton's launches cannot skip the JIT: nothing to test"
+    assert not launcher._jit_only(), "this Triton's launches cannot skip the JIT: nothing to test"
     kernel = triton_kernels._kernel(False)
     jit = []
     real = type(kernel).run
@@ -675,5 +675,5 @@ def test_launches_after_the_first_of_a_specialisation_skip_the_jit(monkeypatch: 
         torch.cuda.synchronize()
         assert same_bytes(out, torch_gather(source.regions, **source.span(start, end, 1), head_count=2))
     assert len(jit) <= 1  # the first of this specialisation (none where an earlier test launched it)
-    known = [v for k, v in triton_kernels._compiled.items() if k[0] == id(kernel)]
+    known = [v for k, v in launcher._compiled.items() if k[0] == id(kernel)]
     assert known and all(v is not False for v in known)

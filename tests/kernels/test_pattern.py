@@ -174,7 +174,7 @@ def test_paged_launch_is_bound_once_per_plan_and_tables_and_moves_each_writes_pa
     """The rows launch is bound once per plan and tables (``PagedLaunch.of``: by identity, the
     same binding for the same objects, another for another table); writes of other pages through
     one binding each land as the torch reference puts them (interpreted on CPU tensors)."""
-    from kvproto.kernels import triton_kernels as TK
+    from kvproto.kernels import paged as TK
 
     pair, rows, src, dst, src_table, dst_table = _rows_case("cpu")
     bound = TK.PagedLaunch.of(rows, src_table, dst_table)
@@ -195,7 +195,7 @@ def test_paged_launch_keeps_at_most_its_limit_of_bindings(monkeypatch) -> None:
     """Bindings are kept by identity up to ``KEPT``, the oldest out first; each holds what it binds."""
     from collections import OrderedDict
 
-    from kvproto.kernels import triton_kernels as TK
+    from kvproto.kernels import paged as TK
 
     monkeypatch.setattr(TK.PagedLaunch, "_bound", OrderedDict())
     monkeypatch.setattr(TK.PagedLaunch, "KEPT", 3)
@@ -215,7 +215,7 @@ def test_paged_launch_compiled_takes_the_jit_once_per_page_list_alignment(monkey
     """On the GPU a bound rows launch goes through Triton's JIT only for the first write of each
     specialisation of its page lists (16-byte aligned or not); every later write calls the
     compiled kernel's launcher directly. Each write lands as the torch reference puts it."""
-    from kvproto.kernels import triton_kernels as TK
+    from kvproto.kernels import paged as TK
 
     assert not TK._jit_only(), "this Triton's launches cannot skip the JIT: nothing to test"
     pair, rows, src, dst, src_table, dst_table = _rows_case("cuda")
@@ -223,7 +223,9 @@ def test_paged_launch_compiled_takes_the_jit_once_per_page_list_alignment(monkey
     jit = []
     real = type(kernel).run
     monkeypatch.setattr(type(kernel), "run", lambda self, *a, **k: jit.append(1) or real(self, *a, **k))
-    monkeypatch.setattr(TK, "_compiled", {})  # this test's specialisations, from nothing
+    from kvproto.kernels import launcher
+
+    monkeypatch.setattr(launcher, "_compiled", {})  # this test's specialisations, from nothing
     lists = torch.zeros(64, dtype=torch.int64, device="cuda")  # two lists at 16-byte aligned or odd entries
     for seed, at in enumerate((0, 0, 1, 1, 0, 1)):
         perm = torch.randperm(16, generator=torch.Generator().manual_seed(seed))

@@ -391,17 +391,17 @@ def test_cuda_ipc_state_slot_rides_in_the_rows_launch(half: int, fail: bool, mon
         launches.clear()
         other = dataclasses.replace(state, src_slot=0, dst_slot=1)
         if fail:  # the fused variant fails to build: this write and later ones launch the slot apart
-            from kvproto.kernels import triton_kernels
+            from kvproto.kernels import paged as paged_kernels
             from kvproto.transport.cuda_ipc import launches as cuda_ipc  # where _FUSE_SLOTS lives
 
-            real = triton_kernels.copy_paged
+            real = paged_kernels.copy_paged
 
             def broken(*args, **kwargs):
                 if len(args) > 6 and args[6] is not None:
                     raise RuntimeError("no such kernel")
                 return real(*args, **kwargs)
 
-            monkeypatch.setattr(triton_kernels, "copy_paged", broken)
+            monkeypatch.setattr(paged_kernels, "copy_paged", broken)
             monkeypatch.setattr(cuda_ipc, "_FUSE_SLOTS", True)
             for d in s_dst:
                 d[:] = 0
@@ -430,10 +430,10 @@ def test_cuda_ipc_rows_launches_bound_to_a_peer_are_dropped_when_it_is_removed_o
     closed link leaves nothing of its own held by the kernels' module."""
     from collections import OrderedDict
 
-    from kvproto.kernels import triton_kernels
+    from kvproto.kernels import paged as paged_kernels
 
-    monkeypatch.setattr(triton_kernels.PagedLaunch, "_bound", OrderedDict())
-    bound = triton_kernels.PagedLaunch._bound
+    monkeypatch.setattr(paged_kernels.PagedLaunch, "_bound", OrderedDict())
+    bound = paged_kernels.PagedLaunch._bound
     a, b = _agents(**KERNELS)
     c = load_transport("cuda-ipc", "c", **KERNELS)
     try:

@@ -171,16 +171,16 @@ class _RowsRecipe:
         self.cuda = self.device.type == "cuda"
         self.tables = bases.table[:bases.regions], bases.table[bases.regions:]
         self.bound: Any = None
-        """On the GPU, this launch's ``triton_kernels.PagedLaunch`` (plan, tables, lists and slot
+        """On the GPU, this launch's ``kvproto.kernels.paged.PagedLaunch`` (plan, tables, lists and slot
         tiles bound), taken at its first write: later writes call it with their pages and slots,
         not ``launch_rows``, ``copy_paged`` and the binding's lookup again."""
         self.slot_tiles: Any = None
         """With a slot: the ``SlotTiles`` of this launch's slot plan (a write names its two slots)."""
         if slot is not None:
-            from kvproto.kernels import triton_kernels
+            from kvproto.kernels import paged
 
             strided = slot[1].strided
-            self.slot_tiles = triton_kernels.SlotTiles(strided.plan, slot[1].steps, len(strided.plan.tiles), zero)
+            self.slot_tiles = paged.SlotTiles(strided.plan, slot[1].steps, len(strided.plan.tiles), zero)
 
     def launch(self, values: Sequence[Any]) -> _Launch:
         recipe = self
@@ -215,9 +215,9 @@ class _RowsRecipe:
 
     def _bind(self, slots: Any) -> Any:
         """``bound``, made (the GPU's launch of this recipe, with ``slots`` or none)."""
-        from kvproto.kernels import triton_kernels
+        from kvproto.kernels import paged
 
-        self.bound = triton_kernels.PagedLaunch.of(self.shape.rows, *self.tables, self.shape.lists, slots)
+        self.bound = paged.PagedLaunch.of(self.shape.rows, *self.tables, self.shape.lists, slots)
         return self.bound
 
     def _go(self, table: Any, stream: Any = None) -> None:
