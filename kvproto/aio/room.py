@@ -52,7 +52,11 @@ class RoomStats:
 
 
 class _Handle:
-    def __init__(self, room_id: int, loop: asyncio.AbstractEventLoop, started: float) -> None:
+    """What both sides' room handles are: the room's future, its end, and its endpoint's calls."""
+
+    def __init__(self, endpoint: PrefillEndpoint | DecodeEndpoint, room_id: int, loop: asyncio.AbstractEventLoop,
+                 started: float) -> None:
+        self._endpoint: Any = endpoint
         self.room_id = room_id
         self._future: asyncio.Future[None] = loop.create_future()
         self._final: RoomState | None = None
@@ -82,16 +86,15 @@ class _Handle:
         """Return when the room succeeds; raise ``TransferFailed`` when it fails."""
         await asyncio.shield(self._future)
 
+    def poll(self) -> RoomState:
+        return self._final if self._final is not None else self._endpoint._room_state(self.room_id)
+
+    def abort(self) -> None:
+        self._endpoint._abort(self.room_id)
+
 
 class SenderRoomHandle(_Handle):
     """A prefill-side room."""
-
-    def __init__(self, endpoint: PrefillEndpoint, room_id: int, loop: asyncio.AbstractEventLoop, started: float):
-        super().__init__(room_id, loop, started)
-        self._endpoint = endpoint
-
-    def poll(self) -> RoomState:
-        return self._final if self._final is not None else self._endpoint._room_state(self.room_id)
 
     def send(self, pages: Sequence[int], end_token: int, *, last: bool = True, aux_slot: int | None = None,
              layers: range | tuple[int, int] | None = None, ready: Any = None,
@@ -138,19 +141,9 @@ class SenderRoomHandle(_Handle):
         room = self._endpoint.core.rooms.get(self.room_id)
         return None if room is None else room.decode_prefix
 
-    def abort(self) -> None:
-        self._endpoint._abort(self.room_id)
-
 
 class ReceiverRoomHandle(_Handle):
     """A decode-side room."""
-
-    def __init__(self, endpoint: DecodeEndpoint, room_id: int, loop: asyncio.AbstractEventLoop, started: float):
-        super().__init__(room_id, loop, started)
-        self._endpoint = endpoint
-
-    def poll(self) -> RoomState:
-        return self._final if self._final is not None else self._endpoint._room_state(self.room_id)
 
     def set_destination(
         self, pages: Sequence[int], num_tokens: int, *, prefix_tokens: int = 0, aux_slot: int | None = None,
@@ -161,6 +154,3 @@ class ReceiverRoomHandle(_Handle):
         several groups, the pages or slot of each group beyond the first (``DecodeEndpoint.open_room``)."""
         self._endpoint._set_destination(self.room_id, pages, num_tokens, prefix_tokens, aux_slot, group_pages,
                                         state_slots)
-
-    def abort(self) -> None:
-        self._endpoint._abort(self.room_id)
