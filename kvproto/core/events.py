@@ -53,7 +53,18 @@ class Send:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class PostWrite:
+class WriteOutput:
+    """What every sender output that posts a write names: the room, the link it goes to, the
+    write's number on that link (``seq``) and the tag that travels with it."""
+
+    room_id: int
+    link: LinkKey
+    seq: int
+    tag: bytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PostWrite(WriteOutput):
     """Sender: write tokens ``[start_token, end_token)`` of the room to one decode rank.
 
     ``src_pages`` are the prefill pages of the room from token 0; ``dst_pages`` the decode
@@ -62,10 +73,6 @@ class PostWrite:
     several groups writes through ``PostGroups`` instead.
     """
 
-    room_id: int
-    link: LinkKey
-    seq: int
-    tag: bytes
     start_token: int
     end_token: int
     src_pages: Sequence[int]
@@ -114,41 +121,29 @@ several per chunk and link."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class PostGroups:
+class PostGroups(WriteOutput):
     """Sender, caches of several groups: one write to one decode rank carrying ``parts`` of any
     groups (a chunk's tokens of every paged group the link writes, and with the last token
     range every state slot), posted as one transport write under one tag: the tag arrives only
     once every part has landed. One write per chunk and link, as a one-group cache makes."""
 
-    room_id: int
-    link: LinkKey
-    seq: int
-    tag: bytes
     parts: tuple[Part, ...]
     ready: tuple[object, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class PostAux:
+class PostAux(WriteOutput):
     """Sender: write aux slot ``src_slot`` into the decode rank's aux slot ``dst_slot``."""
 
-    room_id: int
-    link: LinkKey
-    seq: int
-    tag: bytes
     src_slot: int
     dst_slot: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class PostStaged:
+class PostStaged(WriteOutput):
     """Sender: gather tokens ``[start_token, end_token)`` of the pair's head slice into local
     staging and write them to the decode rank's staging region at ``remote_offset``."""
 
-    room_id: int
-    link: LinkKey
-    seq: int
-    tag: bytes
     start_token: int
     end_token: int
     src_pages: Sequence[int]
