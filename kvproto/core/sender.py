@@ -44,6 +44,12 @@ Room holds and refused links (protocol 1.4: the BOOTSTRAPPING deadline as a leas
 ranks renew, holds remembered for rooms not opened yet, ABORTs from links whose registration this
 rank refused) live in ``kvproto.core.holds``.
 
+Where each part lives: this module is the core (links, the application's calls, messages, write
+completions and their drains, the table's effects); ``kvproto.core.sender_requests`` checks,
+parks and records the decode ranks' requests; ``kvproto.core.sender_writes`` turns chunks into
+writes and runs the staged links' requests, grants and watermarks; ``kvproto.core.sender_room``
+holds the records (``SenderLink``, ``SenderRoom``). The three parts are mixins of ``SenderCore``.
+
 Invariants: the sides' token counts must agree exactly (never shifted): a chunk past the
 request's ``num_tokens`` or a last chunk short of it fails with TOKEN_COUNT_MISMATCH. A
 failure is reported once, sends ABORT to every other link of the room, and frees the room.
@@ -52,31 +58,15 @@ failure is reported once, sends ABORT to every other link of the room, and frees
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-from kvproto.core.base import CoreBase, RoomBase, Tombstone, duplicate_page, page_outside
-from kvproto.core.cost import PathCost, page_runs
-from kvproto.core.events import (
-    LinkKey,
-    PagedPart,
-    Part,
-    PostAux,
-    PostGroups,
-    PostStaged,
-    PostWrite,
-    StatePart,
-    Timeouts,
-    new_part,
-)
+from kvproto.core.base import CoreBase, Tombstone, duplicate_page, page_outside
+from kvproto.core.events import LinkKey, Timeouts
+from kvproto.core.groups import GroupSpec, check_chunk_pages
 from kvproto.core.holds import SenderHolds
-from kvproto.core.groups import (
-    GroupSpec,
-    LinkGroup,
-    check_chunk_pages,
-    check_destinations,
-    local_span,
-    pages_from_zero,
-)
+from kvproto.core.sender_requests import SenderRequests
+from kvproto.core.sender_room import MAX_PARKED, SenderLink, SenderRoom, _Chunk, _Drain, _Peer, _pages_for
+from kvproto.core.sender_writes import SenderWrites
 from kvproto.core.state import Effect, Input, Role, RoomState
 from kvproto.wire import (
     NO_SLOT,
@@ -86,148 +76,13 @@ from kvproto.wire import (
     Message,
     RoomHold,
     StagingGrant,
-    StagingRequest,
     StagingWatermark,
-    Tag,
-    TagKind,
     TransferDone,
     TransferRequest,
     decode_tag,
 )
 
-MAX_PARKED = 65536
-
-
-def _pages_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SenderLink:
-    key: LinkKey
-    link_id: int
-    instance: str
-    decode_rank: int
-    num_blocks: int
-    block_size: int
-    aux_slots: int
-    paired_ranks: frozenset[int]
-    """Decode ranks of this instance that pair with this prefill rank (all send requests)."""
-    writer: bool
-    aux_owner: bool
-    stage_unit: int = 0
-    """Bytes per token of this pair's staged piece; 0: this link moves bytes directly."""
-    stage_capacity: int = 0
-    """The decode rank's staging region size in bytes (grants are checked against it)."""
-    stage_max_units: int = 0
-    """Most tokens one staged write may carry (a share of the smaller staging buffer)."""
-    cost: PathCost | None = None
-    """Pages byte-identical on both sides and staging possible: each room goes direct or staged,
-    whichever ``cost`` prices lower (``kvproto.core.cost``). None: every room takes the link's
-    one path (staged when ``stage_unit``, else direct or sliced)."""
-    regions: int = 0
-    """Regions (layers x planes) a direct write covers, for ``cost``."""
-    groups: tuple[LinkGroup, ...] = ()
-    """The groups beyond the first as the decode rank registered them (``writer`` is the first's)."""
-    stage_tail: int = 0
-    """Bytes of the state block that ends the staged piece carrying a request's last token
-    (staging.md, minor 3: the state slots the link writes, gathered into the piece); 0: none, the
-    state slots move in a write of their own."""
-
-    @property
-    def writes_any(self) -> bool:
-        """This prefill rank writes some group into the decode rank: it sends TRANSFER_DONE."""
-        return self.writer or any(g.writes for g in self.groups)
-
-
-@dataclass(slots=True)
-class _Peer:
-    link: SenderLink
-    request: TransferRequest
-    posted: int = 0
-    done: int = 0
-    nbytes: int = 0
-    inflight: set[int] = field(default_factory=set)
-    """Seqs posted to the transport and not yet reported DONE or failed."""
-    stage_next: int = 0
-    """Staged links: the first token not yet granted."""
-    stage_end: int = 0
-    """Staged links: tokens available so far (chunks submitted, clipped to the request)."""
-    outstanding: tuple[int, int, int] | None = None
-    """Staged links: the (seq, start, end) of the staging request awaiting its grant."""
-    consumed: int = 0
-    """Staged links: watermarks received (pieces scattered on decode)."""
-    staged_seqs: set[int] = field(default_factory=set)
-    """Staged links: seqs granted and not yet watermarked."""
-    staged: bool | None = None
-    """Whether this room's writes to the link stage; decided at its first chunk with tokens."""
-
-
-@dataclass(slots=True)
-class _Drain:
-    """A failed room's link whose writes are still in flight: its ABORT waits for them."""
-
-    generation: int
-    link_id: int
-    inflight: set[int]
-    code: ErrorCode | int | None
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class _Chunk:
-    start: int
-    end: int
-    last: bool
-    aux_slot: int | None
-    layers: tuple[int, int] | None = None
-    """``(first, end)`` layers of a layer-wise chunk; None: every layer."""
-    ready: object | None = None
-    """The application's readiness handle (a CUDA event), opaque to the core."""
-    completes: bool = True
-    """The chunk gives the last layers of its tokens (a whole chunk always does)."""
-
-
-@dataclass(slots=True, kw_only=True)
-class SenderRoom(RoomBase):
-    instance: str | None = None
-    expected: frozenset[int] = frozenset()
-    peers: dict[int, _Peer] = field(default_factory=dict)
-    src_pages: list[int] = field(default_factory=list)
-    chunks: list[_Chunk] = field(default_factory=list)
-    posted_chunks: int = 0
-    stale_generations: frozenset[int] = frozenset()
-    """Generations the room id's previous incarnation accepted or answered with ABORT: a request
-    carrying one is a late copy meant for that incarnation, never for this one."""
-    hold_until: float = 0.0
-    """The end of the latest ROOM_HOLD (capped): BOOTSTRAPPING lasts at least until then
-    (``kvproto.core.holds``)."""
-
-    layer_next: int = 0
-    """Layer-wise chunks: the next layer of the token range being streamed (0: none open)."""
-    group_pages: list[list[int]] = field(default_factory=list)
-    """Pages of each paged group beyond the first, from token 0 (state groups: empty). A group
-    given the first group's very list in every chunk so far holds ``src_pages`` itself, not a
-    copy: its checks and writes then take it by identity."""
-    state_slots: tuple[int, ...] | None = None
-    """This rank's slot of each state group (paged groups: NO_SLOT), given with the first last chunk."""
-    first_page: int = 0
-    """Pages of the room this rank never names (its first chunk's ``first_token`` over the block
-    size): tokens the decode holds already. ``src_pages`` begins with that many placeholders."""
-    decode_prefix: int | None = None
-    """The decode's prefix in tokens (the least any paired decode rank named) once every paired
-    rank's request has come: what the application may skip (``first_token``)."""
-
-    @property
-    def end_token(self) -> int:
-        return self.chunks[-1].end if self.chunks else 0
-
-    @property
-    def last_given(self) -> bool:
-        return bool(self.chunks) and self.chunks[-1].last and self.layer_next == 0
-
-
-class SenderCore(SenderHolds, CoreBase):
+class SenderCore(SenderHolds, SenderRequests, SenderWrites, CoreBase):
     ROLE = Role.SENDER
 
     def __init__(
@@ -529,136 +384,6 @@ class SenderCore(SenderHolds, CoreBase):
                 f"{type(msg).__name__} is not a message a prefill rank accepts",
             ))
 
-    def _on_request(self, key: LinkKey, msg: TransferRequest, now: float) -> None:
-        link = self.links.get(key)
-        if link is None:
-            self.send(key, self._abort_message(msg.room_id, msg.generation, ErrorCode.NOT_REGISTERED,
-                                               "transfer request before registration"))
-            return
-        room: SenderRoom | None = self.rooms.get(msg.room_id)
-        if room is None:
-            self._park(key, msg, now)
-            return
-        if room.state.terminal:  # pragma: no cover - ended rooms leave self.rooms
-            return
-        if msg.generation in room.stale_generations:
-            self.stats.stale_tags += 1  # a late copy of a request the previous incarnation already settled
-            return
-        if room.instance is not None and room.instance != link.instance:
-            self.stats.peer_violations += 1
-            self.send(key, self._abort_message(msg.room_id, msg.generation, ErrorCode.DUPLICATE_ROOM,
-                                               f"room {msg.room_id} is already bound to decode instance {room.instance!r}, "
-                                               f"not {link.instance!r} (the TP ranks of one decode engine must share EndpointConfig.instance)"))
-            return
-        known = room.peers.get(link.decode_rank)
-        if known is not None and known.link.key == key and known.request == msg:
-            self.stats.late_messages += 1  # the same request twice (a duplicated frame): idempotent
-            return
-        problem = self._check_request(room, link, msg)
-        if problem is not None:
-            code, reason = problem
-            if known is None or known.link.key != key:
-                # Not a peer of the room: nothing of ours is in flight to it, tell it now. A peer
-                # hears the code through ABORT_PEERS, after its writes in flight are over.
-                self.send(key, self._abort_message(msg.room_id, msg.generation, code, reason))
-            self.apply(room, Input.PEER_VIOLATION, now, code=code, reason=reason, origin=key)
-            return
-        room.instance = link.instance
-        room.expected = link.paired_ranks
-        room.peers[link.decode_rank] = _Peer(link, msg, stage_next=msg.prefix_tokens, stage_end=msg.prefix_tokens)
-        mismatch = self._token_mismatch(room)
-        if mismatch:
-            self.apply(room, Input.PEER_VIOLATION, now, code=ErrorCode.TOKEN_COUNT_MISMATCH, reason=mismatch)
-            return
-        if len(room.peers) < len(room.expected):
-            self.apply(room, Input.REQUEST_PARTIAL, now)
-            return
-        room.decode_prefix = min(p.request.prefix_tokens for p in room.peers.values())
-        if room.chunks:
-            self.apply(room, Input.REQUEST_COMPLETE_WITH_INPUT, now)
-        else:
-            self.apply(room, Input.REQUEST_COMPLETE, now)
-
-    def _check_request(self, room: SenderRoom, link: SenderLink, msg: TransferRequest) -> tuple[ErrorCode, str] | None:
-        if link.decode_rank not in link.paired_ranks:
-            return ErrorCode.PEER_PROTOCOL_ERROR, f"decode rank {link.decode_rank} does not pair with this prefill rank"
-        if link.decode_rank in room.peers:
-            return ErrorCode.PEER_PROTOCOL_ERROR, f"second transfer request from decode rank {link.decode_rank}"
-        if msg.prefix_tokens > msg.num_tokens or msg.prefix_tokens % link.block_size:
-            return ErrorCode.INDEX_OUT_OF_RANGE, (
-                f"prefix of {msg.prefix_tokens} tokens is not a whole number of decode blocks within {msg.num_tokens}")
-        need = _pages_for(msg.num_tokens, link.block_size)
-        if len(msg.dst_pages) != need:
-            return ErrorCode.TOKEN_COUNT_MISMATCH, (
-                f"{msg.num_tokens} tokens need {need} decode pages, the request lists {len(msg.dst_pages)}")
-        pages_checked, groups_checked = self._checked_by(room, link, msg)
-        if not pages_checked:
-            if msg.dst_pages and max(msg.dst_pages) >= link.num_blocks:
-                return ErrorCode.INDEX_OUT_OF_RANGE, (
-                    f"destination page {max(msg.dst_pages)} outside the {link.num_blocks} registered pages")
-            twice = duplicate_page(msg.dst_pages)
-            if twice is not None:
-                return ErrorCode.INDEX_OUT_OF_RANGE, (
-                    f"destination page {twice} is listed twice: two token ranges would share it")
-        if msg.aux_slot != NO_SLOT and msg.aux_slot >= link.aux_slots:
-            return ErrorCode.INDEX_OUT_OF_RANGE, f"aux slot {msg.aux_slot} outside the {link.aux_slots} registered slots"
-        if msg.generation == 0:
-            return ErrorCode.PEER_PROTOCOL_ERROR, "transfer request without a generation"
-        if (self.groups or msg.groups) and not groups_checked:
-            return check_destinations(self.groups, link.groups, msg.groups, msg.num_tokens, msg.prefix_tokens,
-                                      (msg.dst_pages, link.num_blocks))
-        return None
-
-    @staticmethod
-    def _checked_by(room: SenderRoom, link: SenderLink, msg: TransferRequest) -> tuple[bool, bool]:
-        """Whether a request of ``room`` already checked (a peer's) names ``msg``'s very page list
-        (the same object) against a link of no more pages, and its very group destinations for the
-        same token counts against a link that registered the same groups: then ``msg``'s pages,
-        and its groups, pass the checks that one passed (module docstring)."""
-        peer = next(iter(room.peers.values()), None)  # any checked request will do: take the first
-        if peer is None:
-            return False, False
-        seen, other = peer.request, peer.link
-        pages = seen.dst_pages is msg.dst_pages and other.num_blocks <= link.num_blocks
-        groups = pages and seen.groups is msg.groups and seen.num_tokens == msg.num_tokens and \
-            seen.prefix_tokens == msg.prefix_tokens and other.groups == link.groups
-        return pages, groups
-
-    def _token_mismatch(self, room: SenderRoom) -> str | None:
-        counts = {p.request.num_tokens for p in room.peers.values()}
-        if len(counts) > 1:
-            return f"decode ranks disagree on the token count: {sorted(counts)}"
-        if room.first_page and room.chunks:
-            skipped = room.chunks[0].start
-            short = [p.request.prefix_tokens for p in room.peers.values() if p.request.prefix_tokens < skipped]
-            if short:
-                return (f"the prefill sends tokens from {skipped} on (first_token), a decode rank's prefix holds "
-                        f"only {min(short)}")
-        if counts and room.chunks:
-            (n,) = counts
-            if room.end_token > n:
-                return f"prefill reached token {room.end_token}, decode expects {n} tokens"
-            if room.last_given and room.end_token != n:
-                return f"prefill's last chunk ends at token {room.end_token}, decode expects {n} tokens"
-        return None
-
-    def _park(self, key: LinkKey, msg: TransferRequest, now: float) -> None:
-        if self.closed:
-            self.send(key, self._abort_message(msg.room_id, msg.generation, ErrorCode.ENDPOINT_CLOSED,
-                                               "endpoint closed"))
-            return
-        if self._answer_late(key, msg.room_id, msg.generation):
-            return
-        if self._parked_count >= self.max_parked:
-            self.send(key, self._abort_message(msg.room_id, msg.generation, ErrorCode.UNKNOWN_ROOM,
-                                               "too many requests for rooms not yet opened"))
-            return
-        parked = self._parked.setdefault(msg.room_id, [])
-        if not parked:
-            self.timers.schedule(("parked", msg.room_id), now + self.timeouts.parked)
-        parked.append((key, msg))
-        self._parked_count += 1
-
     def _answer_late(self, key: LinkKey, room_id: int, generation: int) -> bool:
         """Answer a request (or hold) for a room that ended here, unless it is for a new incarnation
         of the id; True if it was late. Late: its generation was seen, or the room ended before any
@@ -758,10 +483,7 @@ class SenderCore(SenderHolds, CoreBase):
         """Write ``seq`` to ``link`` is DONE. ``tag`` (the write's tag) tells it apart from a write of
         an earlier room with the same id; without it, only ``seq`` is checked."""
         room: SenderRoom | None = self.rooms.get(room_id)
-        if room is None or self._drain_owns(room, link, seq, tag):
-            self._drained_write(room_id, link, seq, tag)
-            return
-        peer = self._current_write(room, link, seq, tag)
+        peer = self._reported_write(room_id, room, link, seq, tag)
         if peer is None:
             return
         peer.inflight.discard(seq)
@@ -772,10 +494,7 @@ class SenderCore(SenderHolds, CoreBase):
     def write_failed(self, room_id: int, link: LinkKey, seq: int, reason: str, now: float, *,
                      tag: bytes | None = None) -> None:
         room = self.rooms.get(room_id)
-        if room is None or self._drain_owns(room, link, seq, tag):
-            self._drained_write(room_id, link, seq, tag)
-            return
-        peer = self._current_write(room, link, seq, tag)
+        peer = self._reported_write(room_id, room, link, seq, tag)
         if peer is None:
             return
         peer.inflight.discard(seq)
@@ -806,84 +525,6 @@ class SenderCore(SenderHolds, CoreBase):
             del self._draining[(room_id, key)]
             self.send(key, self._abort_message(room_id, drain.generation, drain.code, drain.reason))
 
-    # --- staging -------------------------------------------------------------------------------
-    def _stage_up_to(self, room: SenderRoom, peer: _Peer, end: int) -> None:
-        """Let the writer ask for staging up to token ``end``. On a link whose pieces end with the
-        state block the request's last token waits for the state slots (they come with the last
-        chunk, which may add no token): the piece that ends the request must carry them."""
-        if peer.link.stage_tail and end == peer.request.num_tokens and room.state_slots is None:
-            end -= 1
-        peer.stage_end = max(peer.stage_end, end)
-        self._request_staging(room, peer)
-
-    def _request_staging(self, room: SenderRoom, peer: _Peer) -> None:
-        """Ask for the next staged piece of ``peer``'s tokens, if any is available and none asked."""
-        if peer.outstanding is not None or peer.stage_next >= peer.stage_end:
-            return
-        link = peer.link
-        end = min(peer.stage_end, peer.stage_next + max(1, link.stage_max_units or peer.stage_end))
-        seq = peer.posted
-        peer.posted += 1  # the seq is reserved now; its write is posted once granted
-        peer.outstanding = (seq, peer.stage_next, end)
-        self.send(link.key, StagingRequest(room_id=room.room_id, generation=peer.request.generation, seq=seq,
-                                           start_token=peer.stage_next, end_token=end))
-
-    def _on_grant(self, key: LinkKey, msg: StagingGrant, now: float) -> None:
-        room: SenderRoom | None = self.rooms.get(msg.room_id)
-        if room is None:
-            self._count_missing_room(msg.room_id)
-            return
-        peer = self._peer_by_key(room, key)
-        if peer is None or peer.request.generation != msg.generation:
-            self.stats.stale_tags += 1
-            return
-        link, want = peer.link, peer.outstanding
-        problem = None
-        if want is None or want[0] != msg.seq or want[1] != msg.start_token:
-            problem = ErrorCode.PEER_PROTOCOL_ERROR, f"grant for write {msg.seq} at token {msg.start_token} was not asked for"
-        elif not want[1] < msg.end_token <= want[2]:
-            problem = ErrorCode.INDEX_OUT_OF_RANGE, (
-                f"grant of tokens [{msg.start_token}, {msg.end_token}) outside the request [{want[1]}, {want[2]})")
-        elif msg.offset + self._piece_bytes(peer, msg.start_token, msg.end_token) > link.stage_capacity:
-            problem = ErrorCode.INDEX_OUT_OF_RANGE, (
-                f"grant at offset {msg.offset} overruns the {link.stage_capacity}-byte staging region")
-        if problem is not None:
-            self.apply(room, Input.PEER_VIOLATION, now, code=problem[0], reason=problem[1])
-            return
-        peer.outstanding = None
-        peer.stage_next = msg.end_token
-        self._outputs.append(PostStaged(
-            room_id=room.room_id, link=key, seq=msg.seq,
-            tag=self._tag(room.room_id, peer, msg.seq, TagKind.STAGED),
-            start_token=msg.start_token, end_token=msg.end_token, src_pages=tuple(room.src_pages),
-            remote_offset=msg.offset,
-            ready=tuple(c.ready for c in room.chunks if c.ready is not None and c.start < msg.end_token),
-            group_pages=tuple(tuple(p) for p in room.group_pages),
-            states=self._piece_states(room, peer, msg.end_token)))
-        peer.inflight.add(msg.seq)
-        peer.staged_seqs.add(msg.seq)
-        self._request_staging(room, peer)
-
-    @staticmethod
-    def _piece_bytes(peer: _Peer, start: int, end: int) -> int:
-        """Bytes of the staged piece of tokens ``[start, end)`` to ``peer``: its units, and the
-        state block where it carries the request's last token."""
-        link = peer.link
-        return (end - start) * link.stage_unit + (link.stage_tail if end == peer.request.num_tokens else 0)
-
-    def _on_watermark(self, key: LinkKey, msg: StagingWatermark, now: float) -> None:
-        room: SenderRoom | None = self.rooms.get(msg.room_id)
-        peer = self._peer_by_key(room, key) if room is not None else None
-        if peer is None or peer.request.generation != msg.generation:
-            self._count_missing_room(msg.room_id)
-            return
-        if msg.seq not in peer.staged_seqs:
-            self.apply(room, Input.PEER_VIOLATION, now, code=ErrorCode.PEER_PROTOCOL_ERROR,  # type: ignore[arg-type]
-                       reason=f"watermark for write {msg.seq}, which was not staged")
-            return
-        peer.staged_seqs.discard(msg.seq)
-        peer.consumed += 1
-
     # --- effects -------------------------------------------------------------------------------
     def _effect(self, room: SenderRoom, effect: Effect, now: float, origin: LinkKey | None) -> Input | None:
         if effect in (Effect.POST_QUEUED, Effect.POST_CHUNK):
@@ -912,140 +553,16 @@ class SenderCore(SenderHolds, CoreBase):
                         room.room_id, peer.request.generation, room.code, room.reason))
         return None
 
-    def _post_chunks(self, room: SenderRoom) -> None:
-        while room.posted_chunks < len(room.chunks):
-            chunk = room.chunks[room.posted_chunks]
-            room.posted_chunks += 1
-            ready = () if chunk.ready is None else (chunk.ready,)
-            src: tuple[int, ...] | None = None  # made once, by the first part that names the room's pages
-            made: tuple[_Peer, tuple[Part, ...]] | None = None  # a link's parts (not staged), for links alike
-            for peer in room.peers.values():
-                link, req = peer.link, peer.request
-                if not link.writes_any:
-                    continue
-                start = max(chunk.start, req.prefix_tokens)
-                end = min(chunk.end, req.num_tokens)
-                if link.writer and start < end and peer.staged is None:
-                    peer.staged = self._stages(room, peer, start, end)
-                if made is not None and self._alike(made[0], peer):
-                    if made[1]:
-                        self._post(room, peer, PostGroups, parts=made[1], ready=ready)
-                    self._post_aux(room, chunk, peer)
-                    continue
-                span = local_span(self.layers, chunk.layers)
-                parts: list[Part] = []
-                if link.writer and start < end:
-                    if peer.staged:
-                        if chunk.completes:  # staged pieces carry every layer: the range waits for its last
-                            self._stage_up_to(room, peer, end)
-                    elif span is None or span[0] < span[1]:  # the span holds some of the first group's layers
-                        if src is None:
-                            src = tuple(room.src_pages)
-                        if not self.groups:
-                            self._post(room, peer, PostWrite, start_token=start, end_token=end,
-                                       src_pages=src, dst_pages=req.dst_pages, layers=span, ready=ready)
-                        else:
-                            parts.append(new_part(PagedPart, (0, start, end, span, src, req.dst_pages)))
-                elif peer.staged and chunk.last and chunk.completes:  # an empty last chunk: it gives the slots
-                    self._stage_up_to(room, peer, end)
-                if self.groups:
-                    self._group_parts(parts, room, peer, chunk, start, end, src)
-                posted = tuple(parts)
-                if self.groups and peer.staged is not True:
-                    made = (peer, posted)
-                if posted:
-                    self._post(room, peer, PostGroups, parts=posted, ready=ready)
-                self._post_aux(room, chunk, peer)
 
-    def _post_aux(self, room: SenderRoom, chunk: _Chunk, peer: _Peer) -> None:
-        """The aux slot's write to ``peer``, with the chunk that completes the last token range."""
-        if chunk.last and chunk.completes and peer.link.aux_owner and chunk.aux_slot is not None and \
-                peer.request.aux_slot != NO_SLOT:
-            self._post(room, peer, PostAux, src_slot=chunk.aux_slot, dst_slot=peer.request.aux_slot)
-
-    @staticmethod
-    def _alike(made: _Peer, peer: _Peer) -> bool:
-        """Whether a chunk's write to ``peer`` has the very parts of the write to ``made`` (neither
-        staged): the same request lists (identity) and token counts, a link of the same role and
-        groups. The parts name groups, tokens, pages and slots, none of the link's own geometry."""
-        a, b = made.request, peer.request
-        return peer.staged is made.staged and b.dst_pages is a.dst_pages and b.groups is a.groups and \
-            b.num_tokens == a.num_tokens and b.prefix_tokens == a.prefix_tokens and \
-            peer.link.writer == made.link.writer and peer.link.groups == made.link.groups
-
-    def _group_parts(self, parts: list[Part], room: SenderRoom, peer: _Peer, chunk: _Chunk, start: int, end: int,
-                     src: tuple[int, ...] | None) -> None:
-        """Add to ``parts`` the parts of groups beyond the first that a chunk's write to ``peer``
-        carries: each paged group's tokens (clipped to its window; none where the link's staged
-        pieces carry the group) and, with the last token range, each state slot, unless the piece
-        that ends the request's tokens is still to be granted on a staged link: the slots then ride
-        in it.
-        A group whose pages are the first group's (``src``, that group's part's, if the write has
-        one; the request's ``dst_pages``) names the same objects, so that a transport can tell by
-        identity that the lists are one (``kvproto.transport.cuda_ipc`` then lists them once in its
-        launch)."""
-        req = peer.request
-        states = chunk.last and room.state_slots is not None and not (peer.staged and peer.link.stage_tail > 0)
-        layers, staged, dests = chunk.layers, peer.staged, req.groups
-        for (g, state, window, own_layers), lg in zip(self._group_rows, peer.link.groups):
-            if not lg.writes or (not states if state else lg.staged and staged):
-                continue  # (a paged group the link's staged pieces carry)
-            span = None if layers is None else local_span(own_layers, layers)
-            if span is not None and span[0] == span[1]:
-                continue  # none of the group's layers in this chunk
-            dest = dests[g]
-            if state:  # (group, layers, src_slot, dst_slot): the part's group counts the first as 0
-                parts.append(new_part(StatePart, (g + 1, span, room.state_slots[g], dest.slot)))  # type: ignore[index]
-                continue
-            first = start if window is None else max(start, self.groups[g].window_start(req.num_tokens))
-            if first < end:  # (group, start_token, end_token, layers, src_pages, dst_pages)
-                held = room.group_pages[g]
-                own = src if src is not None and (held is room.src_pages or held == room.src_pages) else tuple(held)
-                pages = dest.pages
-                to = req.dst_pages if dest.first_page == 0 and (pages is req.dst_pages or
-                                                                pages == req.dst_pages) else pages_from_zero(dest)
-                parts.append(new_part(PagedPart, (g + 1, first, end, span, own, to)))
-
-    def _piece_states(self, room: SenderRoom, peer: _Peer, end_token: int) -> tuple[StatePart, ...]:
-        """The state slots gathered into a staged piece's state block: every state group the link
-        writes, all its layers, in the piece that ends the request's tokens on a link whose pieces
-        end with one (``stage_tail``). That piece is asked for only once the last chunk was given,
-        and the last chunk gives the slots (``_state_slots``), so they are always known here."""
-        req = peer.request
-        if not peer.link.stage_tail or end_token != req.num_tokens:
-            return ()
-        assert room.state_slots is not None, "the piece that ends a request is asked for after its last chunk"
-        writes = peer.link.groups
-        return tuple([StatePart(g + 1, None, room.state_slots[g], req.groups[g].slot)
-                      for g in self._states if writes[g].writes])
-
-    def _post(self, room: SenderRoom, peer: _Peer, output: type, **fields: object) -> None:
-        """Emit one tagged write to ``peer`` as its next ``seq``."""
-        self._outputs.append(output(room_id=room.room_id, link=peer.link.key, seq=peer.posted,
-                                    tag=self._tag(room.room_id, peer), **fields))
-        peer.inflight.add(peer.posted)
-        peer.posted += 1
-
-    @staticmethod
-    def _stages(room: SenderRoom, peer: _Peer, start: int, end: int) -> bool:
-        """Whether the room's writes to ``peer`` stage (see ``kvproto.core.cost``)."""
-        link = peer.link
-        if not link.stage_unit:
-            return False
-        if link.cost is None:
-            return True
-        block = link.block_size
-        runs = page_runs(room.src_pages, peer.request.dst_pages, start // block, -(-end // block))
-        return link.cost.stage_wins(runs * link.regions, (end - start) * link.stage_unit)
-
-    @staticmethod
-    def _tag(room_id: int, peer: _Peer, seq: int | None = None, kind: TagKind = TagKind.KV) -> bytes:
-        return Tag(kind=kind, room_id=room_id, generation=peer.request.generation,
-                   link_id=peer.link.link_id, seq=peer.posted if seq is None else seq).encode()
-
-    def _current_write(self, room: SenderRoom, key: LinkKey, seq: int, tag: bytes | None) -> _Peer | None:
-        """The peer whose in-flight write ``seq`` this report is about; None (counted stale) for a
-        report of an earlier incarnation of the room id, whose writes may still complete late."""
+    def _reported_write(self, room_id: int, room: SenderRoom | None, key: LinkKey, seq: int,
+                        tag: bytes | None) -> _Peer | None:
+        """The peer whose in-flight write ``seq`` a DONE or failure report is about. None for any
+        other report: one about a write of an earlier, failed incarnation of the room id whose ABORT
+        waits for it goes to that drain (``_drained_write``); any other is counted stale (a write
+        of an earlier incarnation may still complete late)."""
+        if room is None or self._drain_owns(room, key, seq, tag):
+            self._drained_write(room_id, key, seq, tag)
+            return None
         peer = self._peer_by_key(room, key)
         if peer is None or seq not in peer.inflight or (
             tag is not None and decode_tag(tag).generation != peer.request.generation
@@ -1082,4 +599,3 @@ class SenderCore(SenderHolds, CoreBase):
         room.peers.clear()
         room.src_pages = []
         room.chunks.clear()
-

@@ -1993,7 +1993,7 @@ def test_sender_tp_ranks_naming_the_same_lists_are_checked_and_described_once(mo
     """Decode ranks of one engine send equal requests, which the codec decodes to the very same
     lists: the second is taken on the first's checks (the group check runs once) and its write
     carries the first's very parts; both writes move the same groups, pages and slots."""
-    import kvproto.core.sender as sender_module
+    import kvproto.core.sender_requests as sender_module  # where requests are checked
     from kvproto.core import PostGroups
 
     calls = []
@@ -2029,7 +2029,7 @@ def test_sender_the_same_lists_are_checked_again_against_a_smaller_link(smaller:
 def test_sender_equal_lists_of_other_objects_take_every_check_and_parts_of_their_own(monkeypatch):
     """Requests that are equal but name lists of their own (not through the codec's kept bodies)
     are checked one by one and described one by one: the same bytes, nothing shared."""
-    import kvproto.core.sender as sender_module
+    import kvproto.core.sender_requests as sender_module  # where requests are checked
     from kvproto.core import PostGroups
 
     calls = []
