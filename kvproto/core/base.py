@@ -14,12 +14,15 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvproto.core.events import CoreStats, LinkKey, Output, RoomEnded, Send, Timeouts
 from kvproto.core.state import Effect, Input, Role, RoomState, transition
 from kvproto.core.timers import Timers
 from kvproto.wire import Abort, ErrorCode, LocalProtocolError
+
+if TYPE_CHECKING:
+    from kvproto.core.groups import GroupSpec
 
 TOMBSTONES = 4096
 """How many ended room ids are remembered to tell late messages from unknown ones."""
@@ -81,7 +84,15 @@ class RoomBase:
 class CoreBase:
     ROLE: Role
 
-    def __init__(self, *, timeouts: Timeouts | None = None) -> None:
+    def __init__(self, *, block_size: int, num_blocks: int, aux_slots: int = 0, timeouts: Timeouts | None = None,
+                 groups: Sequence[GroupSpec] = ()) -> None:
+        """What every core knows of its cache: the first group's tokens per page (``block_size``)
+        and pages (``num_blocks``), its aux slots, the cache's groups beyond the first, and the
+        room deadlines (``timeouts``)."""
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.aux_slots = aux_slots
+        self.groups = tuple(groups)
         self.timeouts = timeouts or Timeouts()
         self.rooms: dict[int, Any] = {}
         self.live_states: Counter[RoomState] = Counter()

@@ -63,10 +63,11 @@ from __future__ import annotations
 import random
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvproto.core.base import CoreBase, RoomBase, Tombstone, duplicate_page, page_outside
-from kvproto.core.events import DropLink, LinkKey, Scatter, Timeouts
-from kvproto.core.groups import GroupSpec, check_destinations, pages_from_zero, slot_destination
+from kvproto.core.events import DropLink, LinkKey, Scatter
+from kvproto.core.groups import check_destinations, pages_from_zero, slot_destination
 from kvproto.core.holds import ReceiverHolds
 from kvproto.core.staging import StagingRing
 from kvproto.core.state import Effect, Input, Role, RoomState
@@ -174,22 +175,11 @@ class _Cluster:
 class ReceiverCore(ReceiverHolds, CoreBase):
     ROLE = Role.RECEIVER
 
-    def __init__(
-        self,
-        *,
-        block_size: int,
-        num_blocks: int,
-        aux_slots: int = 0,
-        timeouts: Timeouts | None = None,
-        seed: int | None = None,
-        staging: StagingRing | None = None,
-        groups: Sequence[GroupSpec] = (),
-    ) -> None:
-        super().__init__(timeouts=timeouts)
-        self.groups = tuple(groups)
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.aux_slots = aux_slots
+    def __init__(self, *, seed: int | None = None, staging: StagingRing | None = None, **cache: Any) -> None:
+        """``cache``: what every core knows of its cache (``CoreBase``: ``block_size``,
+        ``num_blocks``, ``aux_slots``, ``timeouts``, ``groups``); ``staging``: the ring over this
+        rank's staging buffer; ``seed``: where this core's generations start (tests)."""
+        super().__init__(**cache)
         self.ring = staging
         self.clusters: dict[ClusterKey, _Cluster] = {}
         self.links_by_id: dict[int, ReceiverLink] = {}

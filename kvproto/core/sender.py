@@ -59,10 +59,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 from kvproto.core.base import CoreBase, Tombstone, duplicate_page, page_outside
-from kvproto.core.events import LinkKey, Timeouts
-from kvproto.core.groups import GroupSpec, check_chunk_pages
+from kvproto.core.events import LinkKey
+from kvproto.core.groups import check_chunk_pages
 from kvproto.core.holds import SenderHolds
 from kvproto.core.sender_requests import SenderRequests
 from kvproto.core.sender_room import MAX_PARKED, SenderLink, SenderRoom, _Chunk, _Drain, _Peer, _pages_for
@@ -82,35 +83,23 @@ from kvproto.wire import (
     decode_tag,
 )
 
+
 class SenderCore(SenderHolds, SenderRequests, SenderWrites, CoreBase):
     ROLE = Role.SENDER
 
-    def __init__(
-        self,
-        *,
-        block_size: int,
-        num_blocks: int,
-        aux_slots: int = 0,
-        timeouts: Timeouts | None = None,
-        max_parked: int = MAX_PARKED,
-        num_layers: int = 0,
-        groups: Sequence[GroupSpec] = (),
-        layers: Sequence[int] | None = None,
-    ) -> None:
-        """``num_layers``: the model's layers, for layer-wise chunks (0: only whole chunks);
-        ``groups``: the cache's groups beyond the first; ``layers``: the model layer of each of the
-        first group's layers (default: the first ``num_layers``)."""
-        super().__init__(timeouts=timeouts)
-        self.block_size = block_size
+    def __init__(self, *, max_parked: int = MAX_PARKED, num_layers: int = 0, layers: Sequence[int] | None = None,
+                 **cache: Any) -> None:
+        """``cache``: what every core knows of its cache (``CoreBase``: ``block_size``,
+        ``num_blocks``, ``aux_slots``, ``timeouts``, ``groups``); ``num_layers``: the model's
+        layers, for layer-wise chunks (0: only whole chunks); ``layers``: the model layer of each of
+        the first group's layers (default: the first ``num_layers``)."""
+        super().__init__(**cache)
         self.num_layers = num_layers
-        self.groups = tuple(groups)
         self._states = tuple(g for g, spec in enumerate(self.groups) if spec.state)
         """The state groups (by index into ``groups``): what a room's last chunk gives a slot of."""
         self._group_rows = tuple((g, spec.state, spec.window, spec.layers) for g, spec in enumerate(self.groups))
         """Per group beyond the first: what ``_group_parts`` reads of it for every write."""
         self.layers = tuple(range(num_layers) if layers is None else layers)
-        self.num_blocks = num_blocks
-        self.aux_slots = aux_slots
         self.max_parked = max_parked
         self.links: dict[LinkKey, SenderLink] = {}
         self._parked: dict[int, list[tuple[LinkKey, TransferRequest]]] = {}
