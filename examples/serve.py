@@ -131,23 +131,35 @@ class _Lockstep:
         return [int(c) == self.tp for c in counts[0]], [int(c) > 0 for c in counts[1]]
 
 
+# --- what a rank of either side sets up -----------------------------------------------------------
+
+
+def _rank_setup(cfg: ServeConfig, role: str, rank: int, dist_port: int) -> tuple[Any, ...]:
+    """A ``role`` rank's model shard, its lockstep with the instance's other ranks, its model, its
+    paged cache (the side's block size and layout) with 64 aux slots, and those slots' numbers."""
+    import torch
+
+    from examples.model import Model, PagedCache, Ranks, Shard
+
+    tp = getattr(cfg, f"{role}_tp")
+    shard = Shard(tp, rank)
+    lockstep = _Lockstep(tp, rank, dist_port)
+    model = Model(Ranks(shard))
+    cache = PagedCache(shard, blocks=cfg.blocks, block=getattr(cfg, f"{role}_block"),
+                       layout=getattr(cfg, f"{role}_layout"), hybrid=cfg.hybrid)
+    aux = torch.zeros((64, 8), dtype=torch.uint8)
+    return lockstep, model, cache, aux, list(range(64))
+
+
 # --- prefill: await style ------------------------------------------------------------------------
 
 
 async def _prefill_rank(cfg: ServeConfig, index: int, rank: int, dist_port: int, conn: Any) -> None:
-    import torch
-
     from examples.http import serve
-    from examples.model import LAYERS, Model, PagedCache, Ranks, Shard
+    from examples.model import LAYERS
     from kvproto.aio import PrefillEndpoint
 
-    shard = Shard(cfg.prefill_tp, rank)
-    lockstep = _Lockstep(cfg.prefill_tp, rank, dist_port)
-    model = Model(Ranks(shard))
-    cache = PagedCache(shard, blocks=cfg.blocks, block=cfg.prefill_block, layout=cfg.prefill_layout,
-                       hybrid=cfg.hybrid)
-    aux = torch.zeros((64, 8), dtype=torch.uint8)
-    slots = list(range(64))
+    lockstep, model, cache, aux, slots = _rank_setup(cfg, "prefill", rank, dist_port)
     loop = asyncio.get_running_loop()
     config, kv = endpoint_config(cfg, f"prefill-{index}"), cache.kv_cache(aux)
     if rank == 0:  # rank 0 serves the bootstrap; the other ranks announce themselves to it
@@ -293,19 +305,12 @@ def decode_rank_main(cfg: ServeConfig, index: int, rank: int, dist_port: int, co
     import torch
 
     from examples.http import serve
-    from examples.model import Model, PagedCache, Ranks, Shard
     from kvproto.core import RoomState
     from kvproto.sync import EngineLoop, SyncDecode
 
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING)
-    shard = Shard(cfg.decode_tp, rank)
-    lockstep = _Lockstep(cfg.decode_tp, rank, dist_port)
-    model = Model(Ranks(shard))
-    cache = PagedCache(shard, blocks=cfg.blocks, block=cfg.decode_block, layout=cfg.decode_layout,
-                       hybrid=cfg.hybrid)
-    aux = torch.zeros((64, 8), dtype=torch.uint8)
-    slots = list(range(64))
+    lockstep, model, cache, aux, slots = _rank_setup(cfg, "decode", rank, dist_port)
     engine = EngineLoop()
     decode = SyncDecode(cache.kv_cache(aux), config=endpoint_config(cfg, f"decode-{index}"), loop=engine)
     inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
