@@ -51,21 +51,26 @@ log = logging.getLogger("kvproto.vllm")
 
 # --- what a scheduler tells its workers each step ---------------------------------------------
 @dataclass(frozen=True)
-class Open:
-    """Prefill: open ``room`` for a request of ``num_tokens`` prompt tokens (its first step)."""
+class Step:
+    """What every step a scheduler tells its workers names first: the vLLM request and its
+    kvproto room (the fields of each kind of step follow)."""
 
     req_id: str
     room: int
+
+
+@dataclass(frozen=True)
+class Open(Step):
+    """Prefill: open ``room`` for a request of ``num_tokens`` prompt tokens (its first step)."""
+
     num_tokens: int
 
 
 @dataclass(frozen=True)
-class Send:
+class Send(Step):
     """Prefill: tokens up to ``end`` of ``room`` are computed this step; ``pages`` gives, per vLLM KV
     cache group, the request's blocks not given before (whole pages, or up to the prompt's end)."""
 
-    req_id: str
-    room: int
     pages: dict[int, list[int]]
     end: int
     num_tokens: int
@@ -74,22 +79,18 @@ class Send:
 
 
 @dataclass(frozen=True)
-class Hold:
+class Hold(Step):
     """Decode: open ``room`` at ``bootstrap`` now (its destination comes with a ``Recv``)."""
 
-    req_id: str
-    room: int
     bootstrap: str
 
 
 @dataclass(frozen=True)
-class Recv:
+class Recv(Step):
     """Decode: ``room``'s destination: per vLLM KV cache group, the request's blocks from token 0
     to the prompt's end (the first ``prefix_tokens`` a local prefix hit; the worker takes of each
     kvproto group's blocks those holding tokens it needs: a sliding window's last)."""
 
-    req_id: str
-    room: int
     bootstrap: str
     pages: dict[int, list[int]]
     num_tokens: int
@@ -99,12 +100,10 @@ class Recv:
 
 
 @dataclass(frozen=True)
-class Abort:
+class Abort(Step):
     """End ``room`` on the prefill (``prefill``) or the decode side. A decode room never opened here
     is opened only to tell the prefill at ``bootstrap`` to let go of it."""
 
-    req_id: str
-    room: int
     prefill: bool
     bootstrap: str | None = None
     reason: str = ""
