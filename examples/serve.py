@@ -43,31 +43,34 @@ import os
 import queue
 import socket
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
+
+from kvproto.options import add_options, option
 
 log = logging.getLogger("examples.serve")
 
 
 @dataclass(frozen=True)
 class ServeConfig:
-    prefill_tp: int = 1
-    decode_tp: int = 1
-    prefill_instances: int = 1
-    decode_instances: int = 1
-    prefill_block: int = 16
-    decode_block: int = 16
-    prefill_layout: str = "NHD"
-    decode_layout: str = "NHD"
-    chunk: int = 64
-    """Prefill chunk size in tokens (a multiple of both block sizes)."""
-    blocks: int = 512
-    transport: str = "nixl"
-    host: str = "127.0.0.1"
-    port: int = 8000
-    heartbeat_timeout: float = 2.0
-    room_timeout: float = 30.0
-    hybrid: bool = False
+    """The serving set's settings; each is also its command-line flag (``kvproto.options``)."""
+
+    prefill_tp: int = option(1, "TP ranks of each prefill instance (a process each)")
+    decode_tp: int = option(1, "TP ranks of each decode instance (a process each)")
+    prefill_instances: int = option(1, "prefill instances behind the router")
+    decode_instances: int = option(1, "decode instances behind the router")
+    prefill_block: int = option(16, "tokens per page on prefill")
+    decode_block: int = option(16, "tokens per page on decode")
+    prefill_layout: str = option("NHD", "prefill cache layout: NHD or HND")
+    decode_layout: str = option("NHD", "decode cache layout: NHD or HND")
+    chunk: int = option(64, "prefill chunk size in tokens (a multiple of both block sizes)")
+    blocks: int = option(512, "pages of every rank's cache")
+    transport: str = option("nixl", "kvproto's data-plane adapter, by name")
+    host: str = option("127.0.0.1", "the router's address")
+    port: int = option(8000, "the router's port")
+    heartbeat_timeout: float = option(2.0, "seconds of a link's silence before its rooms fail")
+    room_timeout: float = option(30.0, "seconds a room may spend bootstrapping, waiting or transferring")
+    hybrid: bool = option(False, "the hybrid model: each room moves the K/V pages and the request's state slot")
     """The hybrid model (a linear-attention layer with a recurrent state, then full attention): each
     room moves the K/V pages and the request's state slot."""
 
@@ -564,12 +567,7 @@ async def run_router(running: Running, host: str, port: int) -> asyncio.Abstract
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m examples.serve", description=__doc__.split("\n\n")[0])
-    defaults = ServeConfig()
-    for name, value in asdict(defaults).items():
-        if isinstance(value, bool):
-            ap.add_argument("--" + name.replace("_", "-"), action="store_true", default=value)
-        else:
-            ap.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+    add_options(ap, ServeConfig)
     args = ap.parse_args(argv)
     cfg = ServeConfig(**vars(args))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -22,6 +22,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+from kvproto.options import add_options, option, options_of
 from kvproto.testing.reference import (  # noqa: F401 - Content, DTYPES and aux_bytes are re-exported
     DTYPES,
     PRESETS,
@@ -39,45 +40,59 @@ _Cache = RankCache
 
 @dataclass(frozen=True)
 class DemoConfig:
-    rooms: int = 200
-    layers: int = 4
-    kv_heads: int = 8
-    head_dim: int = 64
-    dtype: str = "bf16"
-    prefill_tp: int = 1
-    decode_tp: int = 1
-    prefill_block: int = 16
-    decode_block: int = 16
-    prefill_layout: str = "NHD"
-    decode_layout: str = "NHD"
-    mla: bool = False
-    blocks: int = 2048
-    min_tokens: int = 64
-    max_tokens: int = 2048
-    tokens: int = 0
+    """The demo's settings; each is also its ``kvproto demo`` flag (``kvproto.options``)."""
+
+    rooms: int = option(200, "number of rooms (requests) to move")
+    layers: int = option(4)
+    kv_heads: int = option(8, "KV heads of the model (ignored with --mla)")
+    head_dim: int = option(64, "elements per head (the latent size with --mla)")
+    dtype: str = option("bf16", choices=sorted(DTYPES))
+    prefill_tp: int = option(1)
+    decode_tp: int = option(1)
+    prefill_block: int = option(16, "tokens per page on prefill")
+    decode_block: int = option(16, "tokens per page on decode")
+    prefill_layout: str = option("NHD", choices=["NHD", "HND"])
+    decode_layout: str = option("NHD", choices=["NHD", "HND"])
+    mla: bool = option(False, "one latent plane replicated on every rank")
+    blocks: int = option(2048, "pages per layer and plane on every rank")
+    min_tokens: int = option(64)
+    max_tokens: int = option(2048)
+    tokens: int = option(0, "fixed prompt length (default: random in [min, max])")
     """Every room's prompt length (0: random in [min_tokens, max_tokens])."""
-    prefix_tokens: int = 0
+    prefix_tokens: int = option(0, "tokens decode already holds (prefix-cache hit): only the rest moves")
     """Tokens each decode rank already holds (a prefix-cache hit; whole decode blocks)."""
-    chunk_tokens: int = 1024
-    concurrency: int = 16
-    transport: str = "nixl"
-    seed: int = 0
-    aux_bytes: int = 64
-    timeout: float = 120.0
-    path: str = "auto"
+    chunk_tokens: int = option(1024, "chunked-prefill chunk size")
+    concurrency: int = option(16, "rooms in flight per rank")
+    transport: str = option(
+        "nixl", "data-plane adapter by name: nixl, mooncake, or any adapter an installed package declares in the "
+                "kvproto.transports entry-point group (loopback cannot cross processes); a comma-separated list "
+                "runs the same rooms over each and prints them side by side")
+    path: str = option("auto", "auto: direct where pages match byte for byte, else staged, else sliced",
+                       choices=["auto", "sliced", "staged"])
     """auto (direct, else staged, else sliced), sliced, or staged."""
-    staging_mb: int = 64
-    two_hosts: bool = False
+    staging_mb: int = option(64, "staging buffer per rank, MiB")
+    two_hosts: bool = option(False, "run prefill and decode in two network namespaces joined by a veth pair, "
+                                    "nothing on 127.0.0.1 between them, CURVE on (Linux, root)")
     """Prefill and decode in two network namespaces joined by a veth pair (root; Linux)."""
-    curve: bool = False
+    curve: bool = option(False, "authenticate and encrypt the control plane with ZMQ CURVE")
     """Authenticate and encrypt the control plane with ZMQ CURVE (always on with two_hosts)."""
-    preset: str = ""
+    preset: str = option(
+        "", "a hybrid model's cache, moved in one room: gdn (3 Gated DeltaNet layers with conv and recurrent state "
+            "per full-attention layer), mla-indexer (an MLA latent plus a sparse-attention indexer cache), swa (full "
+            "and sliding-window layers, each with its own pool); --layers counts full-attention layers",
+        choices=list(PRESETS))
     """A hybrid model's cache (``kvproto.reference.PRESETS``): gdn, mla-indexer or swa."""
-    window: int = 0
+    window: int = option(0, "the swa preset's sliding window in tokens (default 64)")
     """The sliding window of the swa preset, in tokens (0: 64)."""
-    page_layout: str = ""
+    page_layout: str = option(
+        "", "vllm: the gdn preset as vLLM 0.33 lays it out: fused K|V pages shared with three groups of GDN layers "
+            "whose states sit in those pages (slots a page apart, the conv state [Q | K | V] sharded per section)",
+        choices=["", "vllm"])
     """"vllm": the gdn preset laid out in vLLM's pages (``kvproto.reference``): four groups of equal
     layers over one buffer per full-attention layer, state slots a page apart, conv [Q | K | V]."""
+    seed: int = option(0)
+    timeout: float = option(120.0, "per-room deadline in seconds")
+    aux_bytes: int = option(64, cli=False)
 
 
 def schedule(cfg: DemoConfig) -> list[tuple[int, int]]:
@@ -390,49 +405,8 @@ def _run(cfg: DemoConfig, places: dict[str, dict], summary: dict) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = DemoConfig()
-    a = parser.add_argument
-    a("--rooms", type=int, default=d.rooms, help="number of rooms (requests) to move")
-    a("--layers", type=int, default=d.layers)
-    a("--kv-heads", type=int, default=d.kv_heads, help="KV heads of the model (ignored with --mla)")
-    a("--head-dim", type=int, default=d.head_dim, help="elements per head (the latent size with --mla)")
-    a("--dtype", choices=sorted(DTYPES), default=d.dtype)
-    a("--prefill-tp", type=int, default=d.prefill_tp)
-    a("--decode-tp", type=int, default=d.decode_tp)
-    a("--prefill-block", type=int, default=d.prefill_block, help="tokens per page on prefill")
-    a("--decode-block", type=int, default=d.decode_block, help="tokens per page on decode")
-    a("--prefill-layout", choices=["NHD", "HND"], default=d.prefill_layout)
-    a("--decode-layout", choices=["NHD", "HND"], default=d.decode_layout)
-    a("--mla", action="store_true", help="one latent plane replicated on every rank")
-    a("--blocks", type=int, default=d.blocks, help="pages per layer and plane on every rank")
-    a("--min-tokens", type=int, default=d.min_tokens)
-    a("--max-tokens", type=int, default=d.max_tokens)
-    a("--tokens", type=int, default=d.tokens, help="fixed prompt length (default: random in [min, max])")
-    a("--prefix-tokens", type=int, default=d.prefix_tokens,
-      help="tokens decode already holds (prefix-cache hit): only the rest moves")
-    a("--chunk-tokens", type=int, default=d.chunk_tokens, help="chunked-prefill chunk size")
-    a("--concurrency", type=int, default=d.concurrency, help="rooms in flight per rank")
-    a("--transport", default=d.transport,
-      help="data-plane adapter by name: nixl, mooncake, or any adapter an installed package declares in the "
-           "kvproto.transports entry-point group (loopback cannot cross processes); a comma-separated list "
-           "runs the same rooms over each and prints them side by side")
-    a("--path", choices=["auto", "sliced", "staged"], default=d.path,
-      help="auto: direct where pages match byte for byte, else staged, else sliced")
-    a("--staging-mb", type=int, default=d.staging_mb, help="staging buffer per rank, MiB")
-    a("--two-hosts", action="store_true",
-      help="run prefill and decode in two network namespaces joined by a veth pair, nothing on 127.0.0.1 "
-           "between them, CURVE on (Linux, root)")
-    a("--curve", action="store_true", help="authenticate and encrypt the control plane with ZMQ CURVE")
-    a("--preset", choices=list(PRESETS), default=d.preset,
-      help="a hybrid model's cache, moved in one room: gdn (3 Gated DeltaNet layers with conv and recurrent state "
-           "per full-attention layer), mla-indexer (an MLA latent plus a sparse-attention indexer cache), swa (full "
-           "and sliding-window layers, each with its own pool); --layers counts full-attention layers")
-    a("--window", type=int, default=d.window, help="the swa preset's sliding window in tokens (default 64)")
-    a("--page-layout", choices=["", "vllm"], default=d.page_layout,
-      help="vllm: the gdn preset as vLLM 0.33 lays it out: fused K|V pages shared with three groups of GDN layers "
-           "whose states sit in those pages (slots a page apart, the conv state [Q | K | V] sharded per section)")
-    a("--seed", type=int, default=d.seed)
-    a("--timeout", type=float, default=d.timeout, help="per-room deadline in seconds")
+    """``kvproto demo``'s flags: one per ``DemoConfig`` setting."""
+    add_options(parser, DemoConfig)
 
 
 def _describe(group: PagedShape | StateShape) -> str:
@@ -448,7 +422,7 @@ def _describe(group: PagedShape | StateShape) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    fields = {k: getattr(args, k) for k in DemoConfig.__dataclass_fields__ if hasattr(args, k)}
+    fields = options_of(DemoConfig, args)
     names = [t.strip() for t in fields.pop("transport", DemoConfig.transport).split(",") if t.strip()]
     configs = [DemoConfig(**fields, transport=name) for name in names]
     from kvproto.transport import adapters

@@ -134,6 +134,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvproto.options import add_options, option, options_of
+
 MIB = 1 << 20
 GC_THRESHOLD = 100_000
 """The collector's first threshold during a case's rooms, by default (``quiet_gc``)."""
@@ -145,13 +147,14 @@ STATE_ROWS = 16
 
 @dataclass(frozen=True)
 class Shape:
-    layers: int = 32
-    heads: int = 8
-    head_dim: int = 128
-    block: int = 16
-    decode_block: int = 0
-    """Tokens per decode page (0: ``block``)."""
-    decode_layout: str = "NHD"
+    """The cache every rank holds; each field is also its ``kvproto bench transfer`` flag."""
+
+    layers: int = option(32)
+    heads: int = option(8)
+    head_dim: int = option(128)
+    block: int = option(16)
+    decode_block: int = option(0, "tokens per decode page (0: --block)")
+    decode_layout: str = option("NHD", choices=["NHD", "HND"])
     """The decode cache's layout (prefill caches are NHD)."""
 
     def block_of(self, role: str) -> int:
@@ -1072,12 +1075,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rooms", type=int, default=0,
                     help="rooms per case (0: 3 x in flight, at least 8; rooms of 16 MiB or less on a GPU: 600, "
                          "enough for a stable host time per room)")
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--block", type=int, default=16)
-    ap.add_argument("--decode-block", type=int, default=0, help="tokens per decode page (0: --block)")
-    ap.add_argument("--decode-layout", default="NHD", choices=["NHD", "HND"])
+    add_options(ap, Shape)
     ap.add_argument("--device", default="auto", help="auto (two GPUs, one GPU, else CPU memory) or cpu")
     ap.add_argument("--transport", default="nixl")
     ap.add_argument("--raw-rounds", type=int, default=5)
@@ -1108,7 +1106,7 @@ def main(argv: list[str] | None = None) -> int:
     segment = args.interleave
     if segment and (args.groups != ["one", "hybrid"] or args.tamper):
         ap.error("--interleave compares the two cache kinds: give --groups one hybrid")
-    shape = Shape(args.layers, args.heads, args.head_dim, args.block, args.decode_block, args.decode_layout)
+    shape = Shape(**options_of(Shape, args))
     gpus = torch.cuda.device_count() if args.device == "auto" else 0
     devices = ("cuda:0", "cuda:1") if gpus >= 2 else (("cuda:0", "cuda:0") if gpus == 1 else ("cpu", "cpu"))
     where = {2: "prefill ranks on cuda:0, decode ranks on cuda:1", 1: "every rank on cuda:0"}.get(
