@@ -290,8 +290,10 @@ async def test_hybrid_state_block_between_minor3_peers_else_a_write_of_its_own(
     descriptor per run: byte-exact either way, across TP both ways."""
     from kvproto.aio import decode as decode_module
     from kvproto.aio import prefill as prefill_module
+    from kvproto.aio import prefill_links as prefill_links_module
 
     monkeypatch.setattr(prefill_module, "MINOR", minor)
+    monkeypatch.setattr(prefill_links_module, "MINOR", minor)  # (a link's pieces are planned there)
     monkeypatch.setattr(decode_module, "MINOR", minor)
     pieces: list[int] = []
     descriptors: list[int] = []

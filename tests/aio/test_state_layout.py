@@ -200,8 +200,11 @@ def _as_minor3(monkeypatch: pytest.MonkeyPatch, side: str) -> None:
     endpoint = PrefillEndpoint if side == "prefill" else DecodeEndpoint
     monkeypatch.setattr(endpoint, "_encode", lambda self, msg: old(msg))
     if side == "prefill":
-        real = prefill_module.check_register
-        monkeypatch.setattr(prefill_module, "check_register", lambda *a, **kw: real(*a, **{**kw, "layouts": ()}))
+        from kvproto.aio import prefill_links  # where a REGISTER is checked
+
+        monkeypatch.setattr(prefill_links, "MINOR", 3)
+        real = prefill_links.check_register
+        monkeypatch.setattr(prefill_links, "check_register", lambda *a, **kw: real(*a, **{**kw, "layouts": ()}))
     else:
         monkeypatch.setattr(decode_module, "encode", old)
         groups = decode_module.groups_from_wire
