@@ -107,10 +107,10 @@ def test_bench_transfer_interleave_alternates_the_kinds_in_segments_and_pairs_th
     is over its own segments, and ``vs one`` is the median of the adjacent pairs' ratios."""
     import statistics
 
-    from kvproto.bench import transfer
+    from kvproto.bench import transfer, transfer_rank
 
-    assert transfer.segment_kinds(8) == [0, 1, 1, 0, 0, 1, 1, 0]
-    assert transfer.segment_rooms(4, 2) == [(0, range(2, 4)), (1, range(2, 4)), (1, range(4, 6)), (0, range(4, 6))]
+    assert transfer_rank.segment_kinds(8) == [0, 1, 1, 0, 0, 1, 1, 0]
+    assert transfer_rank.segment_rooms(4, 2) == [(0, range(2, 4)), (1, range(2, 4)), (1, range(4, 6)), (0, range(4, 6))]
     one, hybrid = _interleaved(tmp_path, "--rooms", "5", "--tp", "1:2", "--repeat", "2")
     assert (one["groups"], hybrid["groups"], one["rooms"], hybrid["rooms"]) == ("one", "hybrid", 4, 4)
     assert one["bad_bytes"] == hybrid["bad_bytes"] == 0 and "state" in hybrid["paths"]
@@ -128,13 +128,13 @@ def test_bench_transfer_interleave_longer_than_the_pool_reuses_pages_and_checks_
     not cut short: rooms 2, 3, ... cycle through the pages of one segment, each segment's rooms
     are checked as it ends (checking them at the end, after later segments wrote the same pages
     from other sources, would count mismatching bytes), and every pair of segments is compared."""
-    from kvproto.bench import transfer
+    from kvproto.bench import transfer_rank
 
-    case = transfer.Case(1, 1, 1 << 17, "random", "auto", 2, 8, reuse=2)
-    shape = transfer.Shape(2, 4, 16, 16)
-    m = transfer.pages_per_room(case, shape, "decode")
-    assert transfer.pools(case, shape)[1] == 4 * m  # rooms 0, 1 and one segment's two
-    dst = [sorted(transfer.room_pages(case, shape, i)[1]) for i in range(10)]
+    case = transfer_rank.Case(1, 1, 1 << 17, "random", "auto", 2, 8, reuse=2)
+    shape = transfer_rank.Shape(2, 4, 16, 16)
+    m = transfer_rank.pages_per_room(case, shape, "decode")
+    assert transfer_rank.pools(case, shape)[1] == 4 * m  # rooms 0, 1 and one segment's two
+    dst = [sorted(transfer_rank.room_pages(case, shape, i)[1]) for i in range(10)]
     assert dst[2] == dst[4] == dst[6] == dst[8] and dst[3] == dst[5] == dst[7] == dst[9]
     assert len({p for d in dst[:4] for p in d}) == 4 * m  # rooms 0-3: pages of their own
     one, hybrid = _interleaved(tmp_path, "--rooms", "8", "--pool-rooms", "4", "--tp", "1:1")
@@ -149,7 +149,7 @@ def test_rank_processes_freeze_the_gc_for_their_timed_rooms_and_thaw_it_when_the
     import asyncio
     import gc
 
-    from kvproto.bench import transfer
+    from kvproto.bench import transfer_rank as transfer  # the rank process
 
     before = gc.get_threshold()
     rank = transfer._Rank("decode", 0, 1, transfer.Shape(layers=2), "cpu", "loopback")
