@@ -61,6 +61,12 @@ kept message (under another header, a copy with that header's fields), so its li
 very objects the first rank's request carried, nothing is decoded again, and the prefill's core
 can tell by identity that a request names what another rank's request already passed
 (``kvproto.core.sender``). A body that does not decode is never kept.
+
+Why one module of ~730 lines: the header, the field grammar, the compiled steps and the written-out
+fast functions are one codec whose layers must agree byte for byte (a fast function gives up to
+the steps at the very offset it reached, and the steps fall back to the field-by-field rules), so
+they are read and changed together; ``kvproto.wire.messages`` holds what the bodies are, and
+``kvproto.wire.tags`` the notification tags.
 """
 
 from __future__ import annotations
