@@ -103,6 +103,9 @@ log = logging.getLogger("kvproto")
 
 @dataclass(slots=True)
 class _Link:
+    """A prefill rank as this decode rank reaches it: its DEALER channel, its handshake (inbox,
+    answer, the groups and minor it sent) and its liveness (heartbeats, the socket monitor)."""
+
     link_id: int
     cluster: str
     prefill_rank: int

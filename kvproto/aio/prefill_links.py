@@ -39,6 +39,10 @@ log = logging.getLogger("kvproto")
 
 @dataclass(slots=True)
 class _DecodeLink:
+    """A registered decode rank as this prefill rank keeps it: its socket identity, the core's
+    ``SenderLink``, its transport agent and boot id, and the paths its writes take (the first
+    group's, one per group beyond it, and the writes of several groups)."""
+
     ident: bytes
     link: SenderLink
     agent: str
