@@ -90,7 +90,7 @@ def request(remote: Remote, kv: KVCache, cache: CacheGeometry, msg: TransferRequ
     core = SenderCore(block_size=kv.geometry.block_size, num_blocks=kv.geometry.num_blocks, aux_slots=4,
                       groups=[group(g, True) for g in cache.groups[1:]])
     core.add_link(SenderLink(key=LINK, link_id=7, instance="decode", decode_rank=d.tp_rank, num_blocks=d.num_blocks,
-                             block_size=d.block_size, aux_slots=remote.aux[2] if remote.aux else 0,
+                             block_size=d.block_size, aux_slots=remote.aux[1] if remote.aux else 0,
                              paired_ranks=frozenset({d.tp_rank}), writer=True, aux_owner=True,
                              groups=tuple(group(g, False) for g in remote.cache.groups[1:])))
     core.open_room(msg.room_id, T0)
