@@ -17,8 +17,19 @@ A hybrid model's Mamba state (``StateType.MAMBA``: conv and temporal tensors per
 per request) becomes a kvproto state group named ``mamba`` after the attention layers' group,
 each group carrying the model layers SGLang names (``kv_layer_ids``, ``state_layer_ids``); the
 request's slot comes with the last chunk (prefill) and the metadata (decode) as SGLang's
-``state_indices``. Its tensors are described as bytes per slot, so both servers must use the same
-attention TP size (checked when the decode first meets the prefill).
+``state_indices``. Each tensor is described as ``KVArgs`` describe it for SGLang's own backends
+(``mamba_layout``): per slot, ``state_slice_outer_counts`` rows of the TP slice axis, whose size on
+this rank is ``state_dim_per_tensor`` (0: the tensor is replicated over attention TP), each index
+the rest of the row's bytes; the axis is split over attention TP, as one range or, where
+``state_conv_shard_groups`` lists them (a GDN conv state's ``[Q | K | V]``, Kimi's ``[q | k | v]``),
+as those sub-blocks each split on its own (kvproto's sections). Both layouts of a conv state
+(channels outer, or rows of channels: Kimi's ``(kernel - 1, channels)``) are the same rule. So the
+state moves between any attention TP sizes whose split its dims allow, each decode rank's slot
+written with exactly its share. Where KVArgs cannot say where every byte belongs, it moves between
+equal attention TP sizes only, as bytes rank to rank, and a decode meeting a prefill of another TP
+size refuses it with the reason (``MambaLayout.same_tp_only``): KVArgs without slice dims, or a state
+that names no conv sub-blocks at all (Mamba2's conv state is ``[x | B | C]`` split per projection,
+which KVArgs do not say; one range would put ``x`` channels where ``B`` belongs).
 
 What kvproto cannot do is refused here, before any room, with the reason (``refusal``):
 pipeline parallelism, attention or decode context parallelism, KV cache sharding, speculative
@@ -28,7 +39,7 @@ layouts, and the ``prefill_complete`` decode allocation policy.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvproto.aio import AuxBuffer, KVCache, StateCache
 from kvproto.transport import MemKind
@@ -63,23 +74,97 @@ MAMBA = "mamba"
 request slot), the kvproto state group of that name."""
 
 
+class MambaLayout(NamedTuple):
+    """How SGLang's ``KVArgs`` describe a Mamba state's tensors (one entry per tensor, in the order
+    of a layer's tensors), as ``StateCache.from_pointers`` takes them."""
+
+    shapes: list[tuple[int, ...]] | None
+    """Per tensor, this rank's per-slot shape in bytes: ``(rows before the slice axis, slice dim,
+    bytes per index)``, or ``(bytes,)`` for a replicated tensor; None: each tensor one vector of
+    bytes (what KVArgs cannot describe better)."""
+    shard_dims: list[int | None] | None
+    sections: list[tuple[int, ...] | None] | None
+    same_tp_only: str | None
+    """Why this state moves between equal attention TP sizes only (None: between any)."""
+
+
+def mamba_layout(kv_args: Any, *, tp_size: int) -> MambaLayout:
+    """The Mamba state's tensors as ``KVArgs`` describe them (module docstring): per tensor the TP
+    slice dim (``state_dim_per_tensor``, this rank's; 0: replicated), the rows before it
+    (``state_slice_outer_counts``) and its sub-blocks (``state_conv_shard_groups``, global), each
+    alike over the tensor's layers."""
+    i = [getattr(s, "value", str(s)) for s in kv_args.state_types].index(MAMBA)
+    items, layer_ids = kv_args.state_item_lens[i], list(kv_args.state_layer_ids[i])
+    layers = len(dict.fromkeys(layer_ids))
+    tensors = len(items) // layers
+
+    def per_tensor(field: str, default: Any = None) -> list[Any] | None:
+        components = list(getattr(kv_args, field, None) or [])
+        values = list(components[i] or []) if i < len(components) else []
+        if not values and default is not None:
+            values = [default] * len(items)
+        if len(values) != len(items):
+            return None
+        rows = [values[t * layers:(t + 1) * layers] for t in range(tensors)]
+        if any(any(v != row[0] for v in row) for row in rows):
+            return None
+        return [row[0] for row in rows]
+
+    sizes, dims, outer = per_tensor("state_item_lens"), per_tensor("state_dim_per_tensor"), \
+        per_tensor("state_slice_outer_counts", 1)
+    groups = per_tensor("state_conv_shard_groups", [None])
+    if sizes is None:
+        raise ValueError(f"kvproto: the Mamba state's entries of one tensor differ in bytes per slot over its layers: "
+                         f"{list(items)}")
+    if dims is None or outer is None or groups is None:
+        return MambaLayout(None, None, None, "SGLang's KVArgs give no TP slice of each Mamba state tensor "
+                                             "(state_dim_per_tensor, state_slice_outer_counts)")
+    shapes, shard_dims, sections = [], [], []
+    for t, (nbytes, dim, rows, blocks) in enumerate(zip(sizes, dims, outer, groups)):
+        dim, rows, nbytes = int(dim), int(rows or 1), int(nbytes)
+        if dim == 0:  # replicated over the attention TP group
+            shapes.append((nbytes,))
+            shard_dims.append(None)
+            sections.append(None)
+            continue
+        if dim < 0 or rows < 1 or nbytes % (dim * rows):
+            return MambaLayout(None, None, None, f"Mamba state tensor {t}: {nbytes} bytes per slot are not "
+                                                 f"{rows} rows of a slice dim of {dim}")
+        blocks = [int(b) for b in blocks] if blocks else None
+        if blocks is not None and sum(blocks) != dim * tp_size:
+            return MambaLayout(None, None, None, f"Mamba state tensor {t}: sub-blocks {blocks} do not add up to its "
+                                                 f"slice dim {dim} x attention TP {tp_size}")
+        shapes.append((rows, dim, nbytes // (dim * rows)))
+        shard_dims.append(1)
+        sections.append(tuple(blocks) if blocks else None)
+    same_tp_only = None
+    if any(d is not None for d in shard_dims) and not any(sections):
+        same_tp_only = ("SGLang's KVArgs name no conv sub-blocks for it (state_conv_shard_groups), and a conv state "
+                        "may hold several projections each split over TP on its own (Mamba2's [x | B | C]), which "
+                        "one slice would misplace")
+    return MambaLayout(shapes, shard_dims, sections, same_tp_only)
+
+
 def mamba_group(kv_args: Any, *, tp_size: int, tp_rank: int, on_gpu: bool) -> StateCache:
     """SGLang's Mamba state entries (tensor-major: every layer of the first tensor, then the next
-    tensor's) as a kvproto state group, layer-major, each tensor its slot's bytes (same TP on both
-    sides: ``KVProtoManager.try_ensure_parallel_info`` refuses other pairs)."""
+    tensor's) as a kvproto state group, layer-major, each tensor described by ``mamba_layout``
+    (as bytes per slot where KVArgs do not describe it: ``KVProtoManager.try_ensure_parallel_info``
+    then refuses another TP size)."""
     i = [getattr(s, "value", str(s)) for s in kv_args.state_types].index(MAMBA)
     ptrs, lens, items = kv_args.state_data_ptrs[i], kv_args.state_data_lens[i], kv_args.state_item_lens[i]
     layer_ids = list(kv_args.state_layer_ids[i])
     layers = list(dict.fromkeys(layer_ids))
-    if not ptrs or len(ptrs) % len(layers):
+    if not ptrs or len(ptrs) % len(layers) or len(items) != len(ptrs) or len(lens) != len(ptrs):
         raise ValueError(f"kvproto: {len(ptrs)} Mamba state entries for {len(layers)} layers")
     tensors = len(ptrs) // len(layers)
     slots = {n // b for n, b in zip(lens, items)}
     if len(slots) != 1:
         raise ValueError(f"kvproto: Mamba state tensors hold different numbers of slots: {sorted(slots)}")
+    layout = mamba_layout(kv_args, tp_size=tp_size)
     rows = [[ptrs[t * len(layers) + l] for t in range(tensors)] for l in range(len(layers))]
     return StateCache.from_pointers(MAMBA, rows, slot_bytes=[items[t * len(layers)] for t in range(tensors)],
-                                    num_slots=slots.pop(), tp_size=tp_size, tp_rank=tp_rank, model_layers=layers,
+                                    num_slots=slots.pop(), shapes=layout.shapes, shard_dims=layout.shard_dims,
+                                    sections=layout.sections, tp_size=tp_size, tp_rank=tp_rank, model_layers=layers,
                                     mem_kind=MemKind.VRAM if on_gpu else MemKind.DRAM,
                                     device_id=int(getattr(kv_args, "gpu_id", 0) or 0) if on_gpu else 0)
 

@@ -38,7 +38,7 @@ from sglang.srt.utils.network import NetworkAddress
 
 from kvproto.aio import EndpointConfig
 from kvproto.core import RoomState, Timeouts
-from kvproto.integrations.sglang.cache import cache_from_kvargs, refusal
+from kvproto.integrations.sglang.cache import cache_from_kvargs, mamba_layout, refusal
 from kvproto.sync import EngineLoop, SyncDecode, SyncPrefill
 
 log = logging.getLogger("kvproto.sglang")
@@ -85,6 +85,9 @@ class KVProtoManager(CommonKVManager):
             args, mla=bool(is_mla_backend), tp_size=parallel.attn_tp_size, tp_rank=parallel.attn_tp_rank,
             total_kv_heads=_total_kv_heads(args, server_args, bool(is_mla_backend)),
             on_gpu=str(get_device().device).startswith("cuda"))
+        self._same_tp_only = mamba_layout(args, tp_size=parallel.attn_tp_size).same_tp_only \
+            if getattr(args, "state_types", None) else None
+        """Why this rank's Mamba state moves between equal attention TP sizes only (None: any)."""
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)  # prefill: register_to_bootstrap
         if disaggregation_mode == DisaggregationMode.DECODE:
             where = self.dist_init_addr or f"{self.local_ip}:{get_serving().port}"
@@ -152,16 +155,18 @@ class KVProtoManager(CommonKVManager):
                            f"group {self._dp_group()} at {url} ({last})")
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
-        """SGLang's (its checks: page size, KV dtype, ...), and for a hybrid model's Mamba state the
-        same attention TP size on both servers (kvproto moves that state as bytes per rank)."""
+        """SGLang's (its checks: page size, KV dtype, ...), and for a hybrid model's Mamba state that
+        ``KVArgs`` do not fully describe the same attention TP size on both servers (kvproto then
+        moves that state as bytes rank to rank: ``cache.mamba_layout``)."""
         known = bootstrap_addr in self.prefill_info_table
         if not super().try_ensure_parallel_info(bootstrap_addr):
             return False
         info = self.prefill_info_table[bootstrap_addr]
-        if not known and self.kvproto_cache.groups and info.attn_tp_size != self.attn_tp_size:
+        if not known and self._same_tp_only and info.attn_tp_size != self.attn_tp_size:
             del self.prefill_info_table[bootstrap_addr]
-            raise RuntimeError(f"--disaggregation-transfer-backend kvproto moves a Mamba state between equal "
-                               f"attention TP sizes only: prefill {info.attn_tp_size}, decode {self.attn_tp_size}")
+            raise RuntimeError(f"--disaggregation-transfer-backend kvproto moves this Mamba state between equal "
+                               f"attention TP sizes only (prefill {info.attn_tp_size}, decode {self.attn_tp_size}): "
+                               f"{self._same_tp_only}")
         return True
 
     def kvproto_bootstrap(self, bootstrap_addr: str, prefill_dp_rank: int) -> str | None:
