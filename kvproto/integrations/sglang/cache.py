@@ -26,15 +26,17 @@ as those sub-blocks each split on its own (kvproto's sections). Both layouts of 
 (channels outer, or rows of channels: Kimi's ``(kernel - 1, channels)``) are the same rule. So the
 state moves between any attention TP sizes whose split its dims allow, each decode rank's slot
 written with exactly its share. Where KVArgs cannot say where every byte belongs, it moves between
-equal attention TP sizes only, as bytes rank to rank, and a decode meeting a prefill of another TP
-size refuses it with the reason (``MambaLayout.same_tp_only``): KVArgs without slice dims, or a state
-that names no conv sub-blocks at all (Mamba2's conv state is ``[x | B | C]`` split per projection,
-which KVArgs do not say; one range would put ``x`` channels where ``B`` belongs).
+equal attention TP sizes only, each rank's slot to the same rank, and a decode meeting a prefill of
+another TP size refuses it with the reason (``MambaLayout.same_tp_only``): KVArgs without usable
+slice dims (the tensors then described as bytes), or a state that names no conv sub-blocks at all
+(Mamba2's conv state is ``[x | B | C]`` split per projection, which KVArgs do not say; one range
+would put ``x`` channels where ``B`` belongs).
 
 What kvproto cannot do is refused here, before any room, with the reason (``refusal``):
 pipeline parallelism, attention or decode context parallelism, KV cache sharding, speculative
-decoding's draft KV, cache states other than Mamba's (SWA, DSA, ...), compressed/custom KV
-layouts, and the ``prefill_complete`` decode allocation policy.
+decoding's draft KV, cache states other than Mamba's (SWA: its window's pages come only with the
+last chunk; DSA, ...), compressed/custom KV layouts, and the ``prefill_complete`` decode
+allocation policy.
 """
 
 from __future__ import annotations
@@ -58,6 +60,10 @@ def refusal(kv_args: Any, *, parallel: Any, disagg: Any) -> str | None:
     if getattr(kv_args, "num_draft_entries", 0):
         return "speculative decoding's draft KV cache"
     states = [getattr(s, "value", str(s)) for s in getattr(kv_args, "state_types", None) or []]
+    if "swa" in states:
+        return (f"the cache states {states}: a sliding-window pool ('swa') names a request's pages (its window's, "
+                f"in the SWA pool) only with the last chunk and KVArgs carry no window size, while kvproto moves a "
+                f"paged group's pages with each chunk")
     if states and states != [MAMBA]:
         return f"the cache states {states} (hybrid models: kvproto maps SGLang's 'mamba' state only)"
     if states and getattr(kv_args, "is_hybrid_mla_backend", False):
