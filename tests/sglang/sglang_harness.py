@@ -64,23 +64,37 @@ TINY_MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hid
               "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16"}
 
 
+NEMOTRON_H = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "hidden_size": 64,
+              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": HEADS, "head_dim": HEAD_DIM,
+              "num_hidden_layers": LAYERS + 2, "hybrid_override_pattern": "*M*M*", "mamba_num_heads": 4,
+              "mamba_head_dim": 8, "n_groups": 2, "ssm_state_size": 4, "conv_kernel": 4, "vocab_size": 256,
+              "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16"}
+"""A Nemotron-H hybrid as SGLang reads it: attention on layers 0, 2, 4, its Mamba2 mixer on 1, 3
+(4 heads of 8, 2 groups of state 4: conv channels x 32 | B 8 | C 8)."""
+
+
 @dataclass(frozen=True)
 class StateModel:
     """A linear-attention or SSM state as SGLang's model config describes it to its MambaPool, and
     where each of its channels belongs: the conv state's projections along its split axis (global
     sizes, each split over TP on its own, as the model's weights are), that axis (0: channels
-    outer, SGLang's ``(channels, kernel - 1)``; 1: Kimi's ``(kernel - 1, channels)``)."""
+    outer, SGLang's ``(channels, kernel - 1)``; 1: Kimi's ``(kernel - 1, channels)``), and the
+    model config the servers read (the tiny Llama's where the state's own model does not matter)."""
 
     kind: str
     conv_sections: tuple[int, ...]
     conv_axis: int = 0
+    config: dict[str, Any] = field(default_factory=lambda: TINY_MODEL)
+    groups: int = 2
+    args: tuple[str, ...] = ()
+    """Server arguments the model needs on this CPU platform."""
 
     def params(self, tp: int) -> Any:
         from sglang.srt.configs import mamba_utils as mu
 
-        if self.kind == "mamba2":  # x 32 | B 8 | C 8 (2 groups of state 4), 4 heads of 8 x 4
+        if self.kind == "mamba2":  # x 32 | B 8 | C 8 (2 groups of state 4), 4 heads of 8 x 4: NEMOTRON_H's
             return mu.Mamba2CacheParams(shape=mu.Mamba2StateShape.create(
-                tp_world_size=tp, intermediate_size=32, n_groups=2, num_heads=4, head_dim=8, state_size=4,
+                tp_world_size=tp, intermediate_size=32, n_groups=self.groups, num_heads=4, head_dim=8, state_size=4,
                 conv_kernel=4), layers=MAMBA_LAYERS)
         if self.kind == "gdn":  # Qwen3-Next's: Q 8 | K 8 | V 16 (2 key heads, 4 value heads of 4)
             return mu.Mamba2CacheParams(shape=mu.Mamba2StateShape.create(
@@ -93,8 +107,18 @@ class StateModel:
         raise ValueError(self.kind)
 
 
-STATE_MODELS = {"mamba2": StateModel("mamba2", (32, 8, 8)), "gdn": StateModel("gdn", (8, 8, 16)),
-                "kimi": StateModel("kimi", (16, 8, 8), conv_axis=1)}
+NO_BUFFER = ("--disable-radix-cache",)
+"""(A Mamba2 model's prefill would keep Mamba state snapshots for its radix cache, which needs a GPU
+or pages of one token.)"""
+
+STATE_MODELS = {
+    "mamba2": StateModel("mamba2", (32, 8, 8), config=NEMOTRON_H, args=NO_BUFFER),
+    "gdn": StateModel("gdn", (8, 8, 16)),
+    "kimi": StateModel("kimi", (16, 8, 8), conv_axis=1),
+    "mamba2-1group": StateModel("mamba2", (32, 4, 4), config={**NEMOTRON_H, "n_groups": 1}, groups=1, args=NO_BUFFER),
+    # a Mamba2 pool whose model config SGLang does not read as a Mamba2 mixer: KVArgs name no sub-blocks
+    "mamba2-unnamed": StateModel("mamba2", (32, 8, 8)),
+}
 
 
 def model_dir(root: Path, config: dict[str, Any]) -> Path:
@@ -182,15 +206,15 @@ def raw(address: int, nbytes: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
 
 
-def held(size: int, sections: tuple[int, ...] | None, tp: int, rank: int) -> np.ndarray:
+def held(size: int, sections: tuple[int, ...] | None, tp: int, rank: int) -> np.ndarray | None:
     """The global indices along a split axis of ``size`` (per rank) that TP rank ``rank`` holds, in
-    its own order: each section's ``rank``-th share, the sections one after another."""
+    its own order: each section's ``rank``-th share, the sections one after another (None where the
+    axis is not the sections split: a Mamba2 mixer's groups replicated on every rank)."""
     out, start = [], 0
     for n in sections or (size * tp,):
         out += range(start + rank * n // tp, start + (rank + 1) * n // tp)
         start += n
-    assert len(out) == size, (size, sections, tp)
-    return np.asarray(out)
+    return np.asarray(out) if len(out) == size else None
 
 
 def state_views(rank: Rank, slot: int):
@@ -246,7 +270,8 @@ class Rank:
 
         self.spec = spec
         self.args = server_args(Path(spec.model), spec.role, tp=spec.tp, port=spec.port,
-                                bootstrap_port=spec.bootstrap_port)
+                                bootstrap_port=spec.bootstrap_port,
+                                extra=list(STATE_MODELS[spec.mamba].args) if spec.mamba else None)
         publish(self.args, role="scheduler", ranks=SpawnRanks(world_rank=spec.rank, dp_rank=None, gpu_id=None))
         init_distributed_environment(world_size=spec.tp, rank=spec.rank, local_rank=spec.rank, backend="gloo",
                                      distributed_init_method=f"tcp://127.0.0.1:{spec.dist_port}")
@@ -593,7 +618,7 @@ def start_pair(tmp: Path, *, p_tp: int, d_tp: int, mla: bool, prefill: list[Requ
     """Start the bootstrap registry here and every rank process (module docstring)."""
     from kvproto.integrations.sglang.bootstrap import KVProtoBootstrapServer
 
-    model = model_dir(tmp, TINY_MODEL)
+    model = model_dir(tmp, STATE_MODELS[mamba].config if mamba else TINY_MODEL)
     bport, port = free_port(), free_port()
     server = KVProtoBootstrapServer("127.0.0.1", bport)
     ctx = mp.get_context("spawn")

@@ -38,6 +38,21 @@ def test_sglang_mamba_layout_gdn_conv_sections_and_rows():
     assert group.region_addresses == (1 << 20, 3 << 20, 2 << 20, 4 << 20) and group.layers == (1, 3)
 
 
+def test_sglang_mamba_layout_mamba2_conv_sections_from_the_model():
+    """A state whose KVArgs name no sub-blocks (Mamba2) takes its conv state's from the model (the
+    manager reads a Mamba2 mixer's x | B | C); sub-blocks that are not the conv tensor's dim, or a
+    state of more tensors than a conv and a temporal one, stay equal-TP only."""
+    args = dict(dims=(24, 24, 2, 2), items=(144, 144, 256, 256), groups=(None,) * 4)
+    layout = mamba_layout(mamba_args(**args), tp_size=2, conv_sections=(32, 8, 8))
+    assert layout.sections == [(32, 8, 8), None] and layout.same_tp_only is None
+    other = mamba_layout(mamba_args(**args), tp_size=2, conv_sections=(32, 4, 4))
+    assert "name no conv sub-blocks" in other.same_tp_only
+    three = mamba_args(dims=(24, 24, 2, 2, 2, 2), items=(144, 144, 256, 256, 8, 8), groups=(None,) * 6,
+                       outer=(1,) * 6)
+    three.state_layer_ids, three.state_data_ptrs = [[1, 3] * 3], [list(range(1, 7))]
+    assert mamba_layout(three, tp_size=2, conv_sections=(32, 8, 8)).same_tp_only
+
+
 @pytest.mark.parametrize("fields, reason", [
     ({"groups": (None,) * 4}, "name no conv sub-blocks for it (state_conv_shard_groups)"),
     ({"dims": ()}, "give no TP slice of each Mamba state tensor"),
@@ -57,3 +72,20 @@ def test_sglang_mamba_layout_what_kvargs_cannot_place_is_equal_tp_only(fields, r
         assert layout.shapes is None
         group = mamba_group(mamba_args(**fields), tp_size=2, tp_rank=0, on_gpu=False)
         assert [t.shape for t in group.group.tensors] == [(192,), (256,)]
+
+
+@pytest.mark.parametrize("config, sections", [("nemotron_h", (32, 8, 8)), ("llama", None)])
+def test_sglang_mamba2_conv_sections_read_from_the_model_config(tmp_path, config, sections):
+    """The manager reads a Mamba2 mixer model's conv sub-blocks (x | B | C) from SGLang's own
+    reading of its config (Nemotron-H here); any other model gives none."""
+    from sglang_harness import NEMOTRON_H, NO_BUFFER, TINY_MODEL, model_dir, server_args
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.runtime_context import SpawnRanks, publish
+
+    from kvproto.integrations.sglang.manager import mamba2_conv_sections
+
+    load_plugins()
+    model = model_dir(tmp_path, NEMOTRON_H if config == "nemotron_h" else TINY_MODEL)
+    args = server_args(model, "prefill", extra=list(NO_BUFFER))
+    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=None))
+    assert mamba2_conv_sections(args) == sections

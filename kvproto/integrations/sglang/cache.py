@@ -28,9 +28,11 @@ state moves between any attention TP sizes whose split its dims allow, each deco
 written with exactly its share. Where KVArgs cannot say where every byte belongs, it moves between
 equal attention TP sizes only, each rank's slot to the same rank, and a decode meeting a prefill of
 another TP size refuses it with the reason (``MambaLayout.same_tp_only``): KVArgs without usable
-slice dims (the tensors then described as bytes), or a state that names no conv sub-blocks at all
-(Mamba2's conv state is ``[x | B | C]`` split per projection, which KVArgs do not say; one range
-would put ``x`` channels where ``B`` belongs).
+slice dims (the tensors then described as bytes), or a state that names no conv sub-blocks at all,
+since a conv state may be several projections split each on its own where KVArgs say nothing of
+them: a Mamba2 mixer's is ``[x | B | C]``, on which one range would put ``x`` channels where ``B``
+belongs. For SGLang's own Mamba2 mixer models the manager reads those sub-blocks from the model
+config (``manager.mamba2_conv_sections``).
 
 What kvproto cannot do is refused here, before any room, with the reason (``refusal``):
 pipeline parallelism, attention or decode context parallelism, KV cache sharding, speculative
@@ -41,6 +43,7 @@ allocation policy.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from kvproto.aio import AuxBuffer, KVCache, StateCache
@@ -94,11 +97,13 @@ class MambaLayout(NamedTuple):
     """Why this state moves between equal attention TP sizes only (None: between any)."""
 
 
-def mamba_layout(kv_args: Any, *, tp_size: int) -> MambaLayout:
+def mamba_layout(kv_args: Any, *, tp_size: int, conv_sections: Sequence[int] | None = None) -> MambaLayout:
     """The Mamba state's tensors as ``KVArgs`` describe them (module docstring): per tensor the TP
     slice dim (``state_dim_per_tensor``, this rank's; 0: replicated), the rows before it
     (``state_slice_outer_counts``) and its sub-blocks (``state_conv_shard_groups``, global), each
-    alike over the tensor's layers."""
+    alike over the tensor's layers. ``conv_sections``: the conv state's sub-blocks as the model says
+    them where KVArgs name none (a Mamba2 mixer's ``[x | B | C]``: ``KVProtoManager``), for a state
+    of a conv tensor first and at most a temporal one after it."""
     i = [getattr(s, "value", str(s)) for s in kv_args.state_types].index(MAMBA)
     items, layer_ids = kv_args.state_item_lens[i], list(kv_args.state_layer_ids[i])
     layers = len(dict.fromkeys(layer_ids))
@@ -145,13 +150,18 @@ def mamba_layout(kv_args: Any, *, tp_size: int) -> MambaLayout:
         sections.append(tuple(blocks) if blocks else None)
     same_tp_only = None
     if any(d is not None for d in shard_dims) and not any(sections):
-        same_tp_only = ("SGLang's KVArgs name no conv sub-blocks for it (state_conv_shard_groups), and a conv state "
-                        "may hold several projections each split over TP on its own (Mamba2's [x | B | C]), which "
-                        "one slice would misplace")
+        conv = tuple(int(n) for n in conv_sections or ())
+        if conv and len(shapes) <= 2 and shard_dims[0] == 1 and shapes[0][1] * tp_size == sum(conv):
+            sections[0] = conv
+        else:
+            same_tp_only = ("SGLang's KVArgs name no conv sub-blocks for it (state_conv_shard_groups), nor is its "
+                            "model one of SGLang's Mamba2 mixers ([x | B | C]), and a conv state may hold several "
+                            "projections each split over TP on its own, which one slice would misplace")
     return MambaLayout(shapes, shard_dims, sections, same_tp_only)
 
 
-def mamba_group(kv_args: Any, *, tp_size: int, tp_rank: int, on_gpu: bool) -> StateCache:
+def mamba_group(kv_args: Any, *, tp_size: int, tp_rank: int, on_gpu: bool,
+                conv_sections: Sequence[int] | None = None) -> StateCache:
     """SGLang's Mamba state entries (tensor-major: every layer of the first tensor, then the next
     tensor's) as a kvproto state group, layer-major, each tensor described by ``mamba_layout``
     (as bytes per slot where KVArgs do not describe it: ``KVProtoManager.try_ensure_parallel_info``
@@ -166,7 +176,7 @@ def mamba_group(kv_args: Any, *, tp_size: int, tp_rank: int, on_gpu: bool) -> St
     slots = {n // b for n, b in zip(lens, items)}
     if len(slots) != 1:
         raise ValueError(f"kvproto: Mamba state tensors hold different numbers of slots: {sorted(slots)}")
-    layout = mamba_layout(kv_args, tp_size=tp_size)
+    layout = mamba_layout(kv_args, tp_size=tp_size, conv_sections=conv_sections)
     rows = [[ptrs[t * len(layers) + l] for t in range(tensors)] for l in range(len(layers))]
     return StateCache.from_pointers(MAMBA, rows, slot_bytes=[items[t * len(layers)] for t in range(tensors)],
                                     num_slots=slots.pop(), shapes=layout.shapes, shard_dims=layout.shard_dims,
@@ -191,9 +201,9 @@ def state_slots(kv_args: Any, state_indices: list | None) -> dict[str, int] | No
 
 
 def cache_from_kvargs(kv_args: Any, *, mla: bool, tp_size: int, tp_rank: int, total_kv_heads: int,
-                      on_gpu: bool) -> KVCache:
+                      on_gpu: bool, conv_sections: Sequence[int] | None = None) -> KVCache:
     """kvproto's description of the rank's KV and aux memory as ``KVArgs`` gives it (with a Mamba
-    state group after the attention layers' KV, for a hybrid model)."""
+    state group after the attention layers' KV, for a hybrid model: ``mamba_layout``)."""
     ptrs, lens, items = list(kv_args.kv_data_ptrs), list(kv_args.kv_data_lens), list(kv_args.kv_item_lens)
     planes = 1 if mla else 2
     if not ptrs or len(ptrs) % planes or len(set(lens)) != 1 or len(set(items)) != 1:
@@ -217,4 +227,5 @@ def cache_from_kvargs(kv_args: Any, *, mla: bool, tp_size: int, tp_rank: int, to
         if on_gpu else 0, aux=aux, owner=kv_args, model_layers=ids[:layers] if hybrid and ids else None)
     if not hybrid:
         return kv
-    return kv.with_groups(mamba_group(kv_args, tp_size=tp_size, tp_rank=tp_rank, on_gpu=on_gpu))
+    return kv.with_groups(mamba_group(kv_args, tp_size=tp_size, tp_rank=tp_rank, on_gpu=on_gpu,
+                                      conv_sections=conv_sections))
