@@ -450,7 +450,10 @@ def decode_steps(rank: Rank, req: Request, free: list[int], conn: Any, results: 
     while not rank.manager.try_ensure_parallel_info(addr):  # SGLang retries once a second
         next_try = time.monotonic() + 0.5
         while time.monotonic() < next_try:
-            yield receiver
+            if (yield receiver) == KVPoll.Failed:  # another rank's room failed already: SGLang's reduced poll
+                results.append(_failed(req.room, receiver))
+                receiver.clear()
+                return
     receiver.init(0)
     poll = yield receiver
     while poll == KVPoll.Bootstrapping:
