@@ -204,21 +204,48 @@ class StateCache:
 
     @classmethod
     def from_pointers(cls, name: str, layers: Sequence[Sequence[int]], *, slot_bytes: Sequence[int], num_slots: int,
-                      tp_size: int = 1, tp_rank: int = 0, model_layers: Sequence[int] | None = None,
-                      mem_kind: MemKind = MemKind.DRAM, device_id: int = 0, owner: Any = None) -> StateCache:
+                      shapes: Sequence[Sequence[int]] | None = None, shard_dims: Sequence[int | None] | None = None,
+                      sections: Sequence[Sequence[int] | None] | None = None, tp_size: int = 1, tp_rank: int = 0,
+                      model_layers: Sequence[int] | None = None, mem_kind: MemKind = MemKind.DRAM,
+                      device_id: int = 0, owner: Any = None) -> StateCache:
         """A state group an engine gives as raw addresses (SGLang's ``KVArgs`` state entries):
         ``layers[l][t]`` is the address of tensor ``t`` of layer ``l``, ``num_slots`` slots of
-        ``slot_bytes[t]`` bytes. Each tensor is described as this rank's bytes of a vector split
-        over TP in rank order (``shard_dim`` 0), so that rank ``r`` of one side pairs with rank ``r``
-        of the other; between different TP sizes that split is the bytes', which matches a state
-        only where its split axis is outermost and whole (the caller refuses the rest)."""
+        ``slot_bytes[t]`` bytes back to back. ``shapes[t]`` is this rank's per-slot shape of tensor
+        ``t`` counted in bytes (its last dimension holds an element's bytes times the elements), its
+        product ``slot_bytes[t]``; ``shard_dims[t]`` the dimension of it split over TP (None:
+        replicated) and ``sections[t]`` the global sizes of the projections side by side along it
+        (as ``from_tensors``). Without them a tensor is one vector of bytes split over TP in rank
+        order (shape ``(slot_bytes[t],)``, ``shard_dims[t]`` 0): rank ``r`` of one side pairs with
+        rank ``r`` of the other, which between different TP sizes matches a state only where its
+        split axis is outermost and one section (the caller refuses the rest)."""
         if not layers or not layers[0] or len(slot_bytes) != len(layers[0]):
             raise ValueError(f"state group {name!r}: {len(slot_bytes)} slot sizes for "
                              f"{len(layers[0]) if layers else 0} tensors per layer")
         if any(len(layer) != len(slot_bytes) for layer in layers):
             raise ValueError(f"state group {name!r}: every layer lists {len(slot_bytes)} tensors")
-        tensors = tuple(StateTensor((int(n) * tp_size,), DType.UINT8, 0) for n in slot_bytes)
-        group = StateGroup(name, len(layers), tensors, int(num_slots))
+        count = len(slot_bytes)
+        shapes = [(int(n),) for n in slot_bytes] if shapes is None else [tuple(int(d) for d in s) for s in shapes]
+        shard_dims = [0] * count if shard_dims is None else list(shard_dims)
+        sections = [None] * count if sections is None else list(sections)
+        if not len(shapes) == len(shard_dims) == len(sections) == count:
+            raise ValueError(f"state group {name!r}: {len(shapes)} shapes, {len(shard_dims)} shard dims and "
+                             f"{len(sections)} sections for {count} tensors per layer")
+        tensors = []
+        for t, (shape, dim, parts, nbytes) in enumerate(zip(shapes, shard_dims, sections, slot_bytes)):
+            if math.prod(shape) != nbytes:
+                raise ValueError(f"state group {name!r}: tensor {t}'s per-slot shape {shape} is not its "
+                                 f"{nbytes} bytes")
+            glob = list(shape)
+            if dim is not None:
+                if not 0 <= dim < len(shape):
+                    raise ValueError(f"state group {name!r}: tensor {t} splits dimension {dim} of {shape}")
+                glob[dim] *= tp_size
+            tensors.append(StateTensor(tuple(glob), DType.UINT8, dim, tuple(parts or ())))
+        group = StateGroup(name, len(layers), tuple(tensors), int(num_slots))
+        try:
+            group.strides(tp_size)  # raises where a dimension or section does not split over TP
+        except GeometryError as exc:
+            raise GeometryError(f"state group {name!r}: {exc}") from None
         return cls(group, tp_size, tp_rank, tuple(int(a) for layer in layers for a in layer), mem_kind, device_id,
                    None if model_layers is None else tuple(model_layers), owner=owner)
 

@@ -437,11 +437,14 @@ class PrefillEndpoint(PrefillLinks, EndpointBase):
                 self._staging_time(out.room_id, launched)
                 self._write_piece(out, offset, key, nbytes)
 
-            try:
-                self._copies.run(gather, gathered)
-            except Exception as exc:  # noqa: BLE001 - nothing was gathered: the region is free again
+            def failed(exc: Exception) -> None:  # nothing was gathered: the region is free again
                 self._stager.release(key)
                 self._internal_error(out, exc, "gathering a staged piece")
+
+            try:
+                self._copies.run(gather, gathered, failed)
+            except Exception as exc:  # noqa: BLE001 - a GPU launch refused at once
+                failed(exc)
 
         self._stager.acquire(nbytes, start)
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -121,7 +122,15 @@ class StagingBuffer:
 
 
 class Copies:
-    """Gathers and scatters in flight, each with the continuation to run when it is done."""
+    """Gathers and scatters in flight, each with the continuation to run when it is done.
+
+    On a GPU a copy is launched on the copies' stream at once and its continuation runs once its
+    event has fired. In host memory a copy is work of this thread (hundreds of milliseconds for a
+    large piece on a slow host): it is queued and ``poll`` runs queued copies for at most
+    ``HOST_SLICE_S`` per progress pass, the first always, so that the event loop answers peers
+    (heartbeats above all) between copies however many pieces arrive at once."""
+
+    HOST_SLICE_S = 0.005
 
     def __init__(self, device: torch.device, uploads: Uploads | None = None) -> None:
         self.cuda = device.type == "cuda"
@@ -132,12 +141,16 @@ class Copies:
         self.uploads = uploads
         """Where the copies' launches find their tables: each copy's slots are sealed with its event."""
         self._pending: deque[tuple[Any, Callable[[], None]]] = deque()
+        self._host: deque[tuple[Callable[[Any], None], Callable[[], None], Callable[[Exception], None] | None]] = deque()
+        """Host-memory copies not run yet (class docstring)."""
 
-    def run(self, copy: Callable[[Any], None], then: Callable[[], None]) -> None:
-        """Enqueue ``copy(stream)``; ``then()`` runs from ``poll`` once it has completed."""
+    def run(self, copy: Callable[[Any], None], then: Callable[[], None],
+            failed: Callable[[Exception], None] | None = None) -> None:
+        """Enqueue ``copy(stream)``; ``then()`` runs from ``poll`` once it has completed. A host copy
+        that raises calls ``failed(exc)`` instead (None: the exception leaves ``poll``); a GPU copy
+        that raises while it is launched raises here."""
         if not self.cuda:
-            copy(None)
-            self._pending.append((None, then))
+            self._host.append((copy, then, failed))
             return
         assert self.stream is not None and self.lane is not None
         self.lane.follow()
@@ -169,8 +182,11 @@ class Copies:
         return timed
 
     def poll(self) -> int:
-        """Run the continuations of finished copies, in order; returns how many ran."""
+        """Run the continuations of finished copies, in order (and queued host copies, for a slice
+        of time); returns how many ran."""
         ran = 0
+        if self._host:
+            ran += self._run_host(time.perf_counter() + self.HOST_SLICE_S)
         while self._pending:
             event, then = self._pending[0]
             if event is not None and not event.query():
@@ -182,15 +198,33 @@ class Copies:
             ran += 1
         return ran
 
+    def _run_host(self, until: float | None) -> int:
+        """Queued host copies and their continuations, in order, until ``until`` (None: all)."""
+        ran = 0
+        while self._host:
+            copy, then, failed = self._host.popleft()
+            try:
+                copy(None)
+            except Exception as exc:
+                if failed is None:
+                    raise
+                failed(exc)
+            else:
+                then()
+            ran += 1
+            if until is not None and time.perf_counter() >= until:
+                break
+        return ran
+
     def finish(self) -> int:
         """Wait for every copy in flight (on this object's own stream), then run their
         continuations (close: nothing may still write the pages once their rooms end)."""
         if self.stream is not None and self._pending:
             self.stream.synchronize()
-        return self.poll()
+        return self._run_host(None) + self.poll()
 
     def __len__(self) -> int:
-        return len(self._pending)
+        return len(self._pending) + len(self._host)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,8 @@ once: the throughput of layer-wise sending against whole rooms. Every room's byt
 
 Prefill and decode endpoints run in this process (one event loop): the tail includes both
 endpoints' protocol work on one thread. With two GPUs the decode's cache is on the second one
-(``cuda:1``), so the bytes cross the GPUs' link.
+(``cuda:1``), so the bytes cross the GPUs' link. ``--processes`` runs them as a real pair does
+instead: two processes, a batch of rooms per forward (``kvproto.bench.layers_pair``).
 """
 
 from __future__ import annotations
@@ -222,9 +223,20 @@ def main(argv: list[str] | None = None) -> int:
                          "transfer at 1 GB/s: a slower link than compute bounds the tail by the transfer left)")
     ap.add_argument("--rooms", type=int, default=10)
     ap.add_argument("--bandwidth-gbps", type=float, default=1.0, help="the simulated transport's link (GB/s)")
+    ap.add_argument("--processes", action="store_true",
+                    help="prefill and decode in two processes, a batch of rooms per forward "
+                         "(kvproto.bench.layers_pair)")
+    ap.add_argument("--batch", type=int, default=16, help="with --processes: rooms per forward")
+    ap.add_argument("--batches", type=int, default=8, help="with --processes: timed batches per mode")
     ap.add_argument("--json", help="write every figure to this file")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and args.device != "cpu"
+    if args.processes:
+        from kvproto.bench.layers_pair import main_pair
+
+        if args.compute_ms is None:
+            args.compute_ms = 1.0 if cuda else 20.0
+        return main_pair(args)
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     devices = (device, torch.device("cuda", 1) if cuda and torch.cuda.device_count() >= 2 else device)
     if args.compute_ms is None:

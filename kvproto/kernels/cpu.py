@@ -5,8 +5,8 @@ Theory of operation
 The reference indexes every (token, head) cell, which the CPU does slowly (one gather per
 element). Here a copy walks the request's tokens in *page runs* (the tokens of one page):
 
-* gather selects the touched pages of a region in one ``index_select`` (a memcpy per page),
-  then copies the run's head slice out of that contiguous block into the staging tensor;
+* gather selects the head slice of the touched pages of a region in one ``index_select``, then
+  copies the run's tokens out of that block into the staging tensor;
 * scatter writes each page run's head slice with one strided slice assignment.
 
 Both copy exactly the cells of the contract (a checked ``CopyPlan``: ``kvproto.kernels.plan``):
@@ -44,11 +44,11 @@ def gather(plan: CopyPlan, pages: torch.Tensor, out: torch.Tensor) -> None:
     skip = start_token - first * block
     heads = slice(plan.head_offset, plan.head_offset + head_count)
     for r, region in enumerate(plan.regions):
-        sel = _bits(region).index_select(0, index)  # (P, B, H, D) or (P, H, B, D): whole pages
-        if plan.layout is Layout.HND:
-            sel = sel[:, heads].transpose(1, 2)  # (P, B, hc, D)
-        else:
-            sel = sel[:, :, heads]
+        bits = _bits(region)
+        if plan.layout is Layout.HND:  # the pages' head slice only, (P, hc, B, D) -> (P, B, hc, D)
+            sel = bits[:, heads].index_select(0, index).transpose(1, 2)
+        else:  # (P, B, hc, D)
+            sel = bits[:, :, heads].index_select(0, index)
         rows = sel.reshape(-1, head_count, sel.shape[-1])[skip:skip + end_token - start_token]
         _bits(out[r]).copy_(rows)
 

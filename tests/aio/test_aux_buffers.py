@@ -172,3 +172,121 @@ async def test_from_pointers_state_group_slot_moves_with_the_last_chunk(transpor
     for plane in range(2):
         for layer in range(2):
             assert torch.equal(dst.planes[plane][layer][11], src.planes[plane][layer][20])
+
+
+# --- a state group given as addresses, described by shape, shard dimension and sections -----------------
+# Per layer, per slot, as bytes: a conv state channel-major (32 channels = Q 8 | K 8 | V 16, 6 bytes each),
+# the same channel-minor (3 rows of 32 channels, 2 bytes each: SGLang's Kimi layout), a temporal state
+# (4 heads of 24 bytes) and a replicated vector of 5 bytes.
+_SECTIONS = (8, 8, 16)
+_STATE = [((32, 6), 0, _SECTIONS), ((3, 32, 2), 1, _SECTIONS), ((4, 24), 0, None), ((5,), None, None)]
+
+
+def _held(size: int, sections: tuple[int, ...] | None, tp: int, rank: int) -> list[int]:
+    """The global indices rank ``rank`` of ``tp`` holds along a split dimension, in its local order."""
+    out, start = [], 0
+    for n in sections or (size,):
+        out += range(start + rank * n // tp, start + (rank + 1) * n // tp)
+        start += n
+    return out
+
+
+def _rank_state(truth: list[torch.Tensor], tp: int, rank: int, slots: int, slot: int,
+                gen: torch.Generator) -> list[torch.Tensor]:
+    """One rank's ``(slots, *local shape)`` uint8 tensors: its share of ``truth`` in ``slot``, noise elsewhere."""
+    out = []
+    for whole, (_, dim, sections) in zip(truth, _STATE):
+        share = whole if dim is None else whole.index_select(dim, torch.tensor(
+            _held(whole.shape[dim], sections, tp, rank)))
+        t = torch.randint(0, 256, (slots, *share.shape), dtype=torch.uint8, generator=gen)
+        t[slot] = share
+        out.append(t)
+    return out
+
+
+def _pointer_state(tensors: list[list[torch.Tensor]], tp: int, rank: int) -> StateCache:
+    return StateCache.from_pointers("mamba", [[t.data_ptr() for t in layer] for layer in tensors],
+                                    slot_bytes=[t[0].numel() for t in tensors[0]], num_slots=tensors[0][0].shape[0],
+                                    shapes=[t.shape[1:] for t in tensors[0]], shard_dims=[d for _, d, _ in _STATE],
+                                    sections=[s for _, _, s in _STATE], tp_size=tp, tp_rank=rank,
+                                    model_layers=[2, 3], owner=tensors)
+
+
+def test_from_pointers_state_shapes_and_sections_describe_the_tensors() -> None:
+    """A state group given as addresses with per-slot shapes (bytes), shard dimensions and sections is
+    the group ``from_tensors`` makes of the same memory; shapes that are not the slot's bytes,
+    sections that do not add up or split over TP are refused."""
+    gen = torch.Generator().manual_seed(3)
+    for tp in (1, 2):
+        truth = [torch.randint(0, 256, s, dtype=torch.uint8, generator=gen) for s, _, _ in _STATE]
+        tensors = [_rank_state(truth, tp, tp - 1, 4, 0, gen) for _ in range(2)]
+        given = _pointer_state(tensors, tp, tp - 1)
+        made = StateCache.from_tensors("mamba", tensors, shard_dims=[d for _, d, _ in _STATE],
+                                       sections=[s for _, _, s in _STATE], tp_size=tp, tp_rank=tp - 1,
+                                       model_layers=[2, 3])
+        assert given.group == made.group and given.region_addresses == made.region_addresses
+        assert given.group.tensors[1].shape == (3, 32, 2) and given.group.tensors[1].sections == _SECTIONS
+        assert given.group.slot_bytes(tp) == [t[0].numel() for t in tensors[0]]
+    one = dict(slot_bytes=[12], num_slots=2)
+    with pytest.raises(ValueError, match="not its 12 bytes"):
+        StateCache.from_pointers("s", [[1]], shapes=[(4, 2)], **one)
+    with pytest.raises(ValueError, match="do not add up"):
+        StateCache.from_pointers("s", [[1]], shapes=[(6, 2)], shard_dims=[0], sections=[(2, 2)], **one)
+    with pytest.raises(ValueError, match="does not split over TP 4"):
+        StateCache.from_pointers("s", [[1]], shapes=[(6, 2)], shard_dims=[0], sections=[(6, 6, 12)], tp_size=4,
+                                 **one)
+    legacy = StateCache.from_pointers("s", [[1]], tp_size=2, **one).group.tensors[0]
+    assert (legacy.shape, legacy.shard_dim, legacy.sections) == ((24,), 0, ())
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("tps", [(1, 2), (2, 1)], ids=["tp1-2", "tp2-1"])
+async def test_from_pointers_sectioned_state_moves_across_tp(tps: tuple[int, int]) -> None:
+    """A hybrid cache given as addresses, its state group described by shape, shard dimension and
+    sections: between TP sizes each decode rank's slot holds exactly its share of every tensor
+    (each section split on its own, channel-major and channel-minor alike, the replicated vector
+    whole), and no other slot is written."""
+    p_tp, d_tp = tps
+    gen = torch.Generator().manual_seed(11)
+    truth = [[torch.randint(0, 256, s, dtype=torch.uint8, generator=gen) for s, _, _ in _STATE] for _ in range(2)]
+    pre = [[_rank_state(layer, p_tp, r, 4, 2, gen) for layer in truth] for r in range(p_tp)]
+    dec = [[_rank_state(layer, d_tp, r, 4, 1, gen) for layer in truth] for r in range(d_tp)]
+    for rank in dec:  # what the decode slot held before: noise
+        for layer in rank:
+            for t in layer:
+                t[1] = torch.randint(0, 256, t[1].shape, dtype=torch.uint8, generator=gen)
+    before = [[[t.clone() for t in layer] for layer in rank] for rank in dec]
+
+    def hybrid(tp: int, rank: int, state: list[list[torch.Tensor]], seed: int) -> KVCache:
+        kv = make_cache(seed=seed, tp=tp, rank=rank, heads=2 // tp, kv_heads=2).kv
+        return kv.with_groups(_pointer_state(state, tp, rank))
+
+    prefills = [PrefillEndpoint(hybrid(p_tp, 0, pre[0], 1), config=config("loopback", staging_bytes=0))]
+    await prefills[0].start()
+    decodes = []
+    try:
+        for r in range(1, p_tp):
+            prefills.append(PrefillEndpoint(hybrid(p_tp, r, pre[r], 1 + r), bootstrap=prefills[0].address,
+                                            config=config("loopback", staging_bytes=0)))
+            await prefills[-1].start()
+        for r in range(d_tp):
+            decodes.append(DecodeEndpoint(hybrid(d_tp, r, dec[r], 5 + r),
+                                          config=config("loopback", instance="decode", staging_bytes=0)))
+            await decodes[-1].start()
+        rooms = [ep.open_room(9, prefills[0].address, pages=[3], num_tokens=4, state_slots={"mamba": 1})
+                 for ep in decodes]
+        for ep in prefills:
+            room = ep.open_room(9)
+            room.send([5], 4, last=True, state_slots={"mamba": 2})
+            rooms.append(room)
+        await asyncio.wait_for(asyncio.gather(*(r.wait() for r in rooms)), 30)
+    finally:
+        for ep in [*prefills[::-1], *decodes]:
+            await ep.close()
+    for r in range(d_tp):
+        want = _rank_state([t for t in truth[0]], d_tp, r, 1, 0, gen), _rank_state(truth[1], d_tp, r, 1, 0, gen)
+        for layer in range(2):
+            for t, tensor in enumerate(dec[r][layer]):
+                assert torch.equal(tensor[1], want[layer][t][0]), (r, layer, t)
+                for slot in (0, 2, 3):
+                    assert torch.equal(tensor[slot], before[r][layer][t][slot])

@@ -200,6 +200,25 @@ def test_bench_layers_on_cpu_streams_the_tail_down_to_a_layer(tmp_path: Path) ->
     assert layer["throughput_gbps"] > 0.5 * room["throughput_gbps"]
 
 
+def test_bench_layers_in_two_processes_checks_every_byte_of_a_batch(tmp_path: Path) -> None:
+    """``bench layers --processes``: a prefill and a decode process over NIXL in host memory, a batch
+    of rooms per forward; both modes move every byte right, the first batch is reported apart, and
+    streamed, the tail after the last layer's compute is far below the whole rooms' (a 20 ms
+    compute per layer hides each layer's transfer; wide margins for a loaded CI machine)."""
+    from kvproto.bench import layers
+
+    out = tmp_path / "pair.json"
+    code = layers.main(["--device", "cpu", "--processes", "--layers", "8", "--tokens", "256", "--heads", "4",
+                        "--head-dim", "64", "--batch", "4", "--batches", "3", "--json", str(out)])
+    assert code == 0
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    room, layer = rows["room"], rows["layer"]
+    assert room["bad_bytes"] == 0 and layer["bad_bytes"] == 0
+    assert room["first_tail_ms"] > 0 and layer["first_tail_ms"] > 0
+    assert layer["tail_p50_ms"] < room["tail_p50_ms"]
+    assert layer["throughput_gbps"] > 0 and room["throughput_gbps"] > 0
+
+
 def test_bench_sync_engine_loop_reports_every_phase(tmp_path: Path) -> None:
     """``bench sync`` times the facade's calls (both sides', every kind: the prefill side aborts
     every 50th room) and runs the engine-shaped loop: no kvproto, the facade idle, rooms moving

@@ -50,7 +50,9 @@ within minutes.
 from __future__ import annotations
 
 import asyncio
+import errno
 import io
+import os
 import random
 import time
 from collections import Counter
@@ -59,6 +61,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+import zmq
 
 from kvproto.aio import DecodeEndpoint, EndpointConfig, KVCache, PrefillEndpoint, StateCache
 from kvproto.aio.endpoint import CLOSE_GRACE_S
@@ -523,11 +526,38 @@ def _excused(w: Any, forced: bool, dropped: frozenset[int]) -> bool:
     return forced or (not isinstance(tag, bytes) and tag.link_id in dropped)
 
 
-def _config(script: Script, *, plan: FaultPlan, clock: JumpClock, faults: SeededFaults) -> EndpointConfig:
+# Bootstrap ports, never handed out twice in one process. Scripts run side by side
+# (``CONCURRENT``): with random ports, a closed prefill rank's port is free again at once, another
+# script's prefill binds it, and the first script's decode, still retrying its bootstrap address,
+# meets an endpoint serving other caches (refused: another geometry, another group set, or a rank
+# that is not a bootstrap rank; found by perturbed seed 13). Real deployments meet that too, and
+# the decode fails the room naming the refusal; here it would only hide what the script tests. The
+# range sits below Linux's ephemeral ports (32768-60999), so no outgoing connection takes one.
+_PORTS = iter(range(20000 + (os.getpid() % 40) * 250, 32768))
+
+
+async def _start_prefill(make: Callable[[int], PrefillEndpoint]) -> PrefillEndpoint:
+    """Start the endpoint ``make(port)`` builds on the next unused port (skipping ones taken)."""
+    for port in _PORTS:
+        ep = make(port)
+        try:
+            await ep.start()
+        except zmq.ZMQError as e:
+            await ep.close()
+            if e.errno != errno.EADDRINUSE:
+                raise
+            continue
+        return ep
+    raise RuntimeError("fault scripts ran out of bootstrap ports")
+
+
+def _config(script: Script, *, plan: FaultPlan, clock: JumpClock, faults: SeededFaults,
+            port: int = 0) -> EndpointConfig:
     return EndpointConfig(
         transport="simulated", transport_options={"faults": plan}, timeouts=TIMEOUTS,
         heartbeat_interval=HEARTBEAT[0], heartbeat_timeout=HEARTBEAT[1], idle_poll_s=0.002,
         clock=clock, control_faults=faults, path=script.path, staging_bytes=script.staging_bytes,
+        host="127.0.0.1", port=port,
     )
 
 
@@ -557,9 +587,9 @@ async def run_script(script: Script, *, summarize: bool = True) -> Outcome:
     started = time.monotonic()
     try:
         for r in range(tp):
-            ep = PrefillEndpoint(pcaches[r].kv, bootstrap=prefills[0].address if r else None,
-                                 config=_config(script, plan=plans[r], clock=clocks[f"P{r}"], faults=faults[f"P{r}"]))
-            await ep.start()
+            ep = await _start_prefill(lambda port, r=r: PrefillEndpoint(
+                pcaches[r].kv, bootstrap=prefills[0].address if r else None,
+                config=_config(script, plan=plans[r], clock=clocks[f"P{r}"], faults=faults[f"P{r}"], port=port)))
             prefills.append(ep)
         decode_plan = FaultPlan(seed=script.seed * 10 + 9, record_landed=True)
         decode = DecodeEndpoint(dcache.kv, config=_config(script, plan=decode_plan, clock=clocks["D"],
@@ -819,16 +849,6 @@ def _leftovers(decode: DecodeEndpoint, prefills: list[PrefillEndpoint]) -> list[
     return left
 
 
-def _foreign_bootstrap(code: Any, reason: str) -> bool:
-    """Whether a decode room failed because another endpoint answered at its closed prefill's
-    bootstrap address. Scripts run side by side (``CONCURRENT``) on random loopback ports: once a
-    prefill rank closes, its port is free, and another script's prefill rank that is not a
-    bootstrap rank may bind it and refuse the decode's ``BOOTSTRAP_QUERY`` (found by perturbed
-    seed 13). The decode then fails at once, naming the refusal, as it should when its bootstrap
-    address reaches a rank that cannot answer; any other reason stays a violation."""
-    return code == ErrorCode.PEER_PROTOCOL_ERROR and "BootstrapQuery is not accepted by a prefill rank" in reason
-
-
 def _check_codes(out: Outcome, script: Script) -> None:
     """Quiet scripts: codes agree across sides, and a decode failure follows its cause quickly."""
     logs: dict[int, set[str]] = {}
@@ -879,8 +899,6 @@ def _check_codes(out: Outcome, script: Script) -> None:
                 if not _propagated(side, e) and code not in allowed_timeouts[side[0]]:
                     out.violations.append(f"room {r.room_id}: {side} waited out {code.name} ({e.reason}); "
                                           f"injected {sorted(injected)}, ends {_fmt(ends)}")
-            elif side == "D" and script.close_prefill is not None and _foreign_bootstrap(code, e.reason):
-                out.counts["bootstrap_port_taken"] += 1
             elif code not in origins:
                 out.violations.append(f"room {r.room_id}: {side} failed with {code!r} ({e.reason}), "
                                       f"not one of {sorted(c.name for c in origins)}; ends {_fmt(ends)}")

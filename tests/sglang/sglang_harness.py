@@ -64,6 +64,63 @@ TINY_MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hid
               "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16"}
 
 
+NEMOTRON_H = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "hidden_size": 64,
+              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": HEADS, "head_dim": HEAD_DIM,
+              "num_hidden_layers": LAYERS + 2, "hybrid_override_pattern": "*M*M*", "mamba_num_heads": 4,
+              "mamba_head_dim": 8, "n_groups": 2, "ssm_state_size": 4, "conv_kernel": 4, "vocab_size": 256,
+              "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16"}
+"""A Nemotron-H hybrid as SGLang reads it: attention on layers 0, 2, 4, its Mamba2 mixer on 1, 3
+(4 heads of 8, 2 groups of state 4: conv channels x 32 | B 8 | C 8)."""
+
+
+@dataclass(frozen=True)
+class StateModel:
+    """A linear-attention or SSM state as SGLang's model config describes it to its MambaPool, and
+    where each of its channels belongs: the conv state's projections along its split axis (global
+    sizes, each split over TP on its own, as the model's weights are), that axis (0: channels
+    outer, SGLang's ``(channels, kernel - 1)``; 1: Kimi's ``(kernel - 1, channels)``), and the
+    model config the servers read (the tiny Llama's where the state's own model does not matter)."""
+
+    kind: str
+    conv_sections: tuple[int, ...]
+    conv_axis: int = 0
+    config: dict[str, Any] = field(default_factory=lambda: TINY_MODEL)
+    groups: int = 2
+    args: tuple[str, ...] = ()
+    """Server arguments the model needs on this CPU platform."""
+
+    def params(self, tp: int) -> Any:
+        from sglang.srt.configs import mamba_utils as mu
+
+        if self.kind == "mamba2":  # x 32 | B 8 | C 8 (2 groups of state 4), 4 heads of 8 x 4: NEMOTRON_H's
+            return mu.Mamba2CacheParams(shape=mu.Mamba2StateShape.create(
+                tp_world_size=tp, intermediate_size=32, n_groups=self.groups, num_heads=4, head_dim=8, state_size=4,
+                conv_kernel=4), layers=MAMBA_LAYERS)
+        if self.kind == "gdn":  # Qwen3-Next's: Q 8 | K 8 | V 16 (2 key heads, 4 value heads of 4)
+            return mu.Mamba2CacheParams(shape=mu.Mamba2StateShape.create(
+                tp_world_size=tp, intermediate_size=16, n_groups=2, num_heads=4, head_dim=4, state_size=4,
+                conv_kernel=4, conv_shard_groups=[8, 8, 16]), layers=MAMBA_LAYERS)
+        if self.kind == "kimi":  # Kimi linear attention: q 16 | k 8 | v 8 (SGLang's order), rows of channels
+            return mu.KimiLinearCacheParams(shape=mu.KimiLinearStateShape.create(
+                tp_world_size=tp, num_heads=4, head_dim=4, num_k_heads=2, head_k_dim=4, conv_kernel_size=4),
+                layers=MAMBA_LAYERS)
+        raise ValueError(self.kind)
+
+
+NO_BUFFER = ("--disable-radix-cache",)
+"""(A Mamba2 model's prefill would keep Mamba state snapshots for its radix cache, which needs a GPU
+or pages of one token.)"""
+
+STATE_MODELS = {
+    "mamba2": StateModel("mamba2", (32, 8, 8), config=NEMOTRON_H, args=NO_BUFFER),
+    "gdn": StateModel("gdn", (8, 8, 16)),
+    "kimi": StateModel("kimi", (16, 8, 8), conv_axis=1),
+    "mamba2-1group": StateModel("mamba2", (32, 4, 4), config={**NEMOTRON_H, "n_groups": 1}, groups=1, args=NO_BUFFER),
+    # a Mamba2 pool whose model config SGLang does not read as a Mamba2 mixer: KVArgs name no sub-blocks
+    "mamba2-unnamed": StateModel("mamba2", (32, 8, 8)),
+}
+
+
 def model_dir(root: Path, config: dict[str, Any]) -> Path:
     path = Path(root) / "model"
     path.mkdir(parents=True, exist_ok=True)
@@ -149,6 +206,36 @@ def raw(address: int, nbytes: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
 
 
+def held(size: int, sections: tuple[int, ...] | None, tp: int, rank: int) -> np.ndarray | None:
+    """The global indices along a split axis of ``size`` (per rank) that TP rank ``rank`` holds, in
+    its own order: each section's ``rank``-th share, the sections one after another (None where the
+    axis is not the sections split: a Mamba2 mixer's groups replicated on every rank)."""
+    out, start = [], 0
+    for n in sections or (size * tp,):
+        out += range(start + rank * n // tp, start + (rank + 1) * n // tp)
+        start += n
+    return np.asarray(out) if len(out) == size else None
+
+
+def state_views(rank: Rank, slot: int):
+    """Per (model layer, state tensor): the slot's bytes in SGLang's pool as ``(rows before the
+    split axis, split axis, bytes per index)`` and the global index of each position on that axis."""
+    import torch
+
+    for t, (tensor, axis, sections) in enumerate(rank.state_tensors):
+        for li, layer in enumerate(MAMBA_LAYERS):
+            x = tensor[li, slot]
+            rows = int(np.prod(x.shape[:axis], dtype=np.int64))
+            view = x.view(torch.uint8).reshape(rows, x.shape[axis], -1).numpy()
+            yield layer, t, view, held(x.shape[axis], sections, rank.spec.tp, rank.spec.rank)
+
+
+def state_expected(room: int, layer: int, tensor: int, index: np.ndarray, rows: int, nbytes: int) -> np.ndarray:
+    """A state tensor's bytes of a request at the given global indices: (rows, len(index), nbytes)."""
+    return _mix(room, 5555, layer, tensor, np.arange(rows)[:, None, None], index[None, :, None],
+                np.arange(nbytes)[None, None, :])
+
+
 # --- a rank: SGLang's scheduler set-up, on CPU ------------------------------------------------------
 @dataclass
 class RankSpec:
@@ -163,9 +250,10 @@ class RankSpec:
     requests: list[Request] = field(default_factory=list)
     seed: int = 0
     deadline_s: float = 150.0
-    mamba: bool = False
-    """A hybrid model: SGLang's HybridLinearKVPool, full attention on model layers 0, 2, 4 and a
-    Mamba2 state (conv and temporal tensors, one slot per request) on layers 1 and 3."""
+    mamba: str | None = None
+    """A hybrid model (a key of ``STATE_MODELS``): SGLang's HybridLinearKVPool, full attention on
+    model layers 0, 2, 4 and that model's state (conv and temporal tensors, one slot per request)
+    on layers 1 and 3."""
 
 
 class Rank:
@@ -182,7 +270,8 @@ class Rank:
 
         self.spec = spec
         self.args = server_args(Path(spec.model), spec.role, tp=spec.tp, port=spec.port,
-                                bootstrap_port=spec.bootstrap_port)
+                                bootstrap_port=spec.bootstrap_port,
+                                extra=list(STATE_MODELS[spec.mamba].args) if spec.mamba else None)
         publish(self.args, role="scheduler", ranks=SpawnRanks(world_rank=spec.rank, dp_rank=None, gpu_id=None))
         init_distributed_environment(world_size=spec.tp, rank=spec.rank, local_rank=spec.rank, backend="gloo",
                                      distributed_init_method=f"tcp://127.0.0.1:{spec.dist_port}")
@@ -190,18 +279,20 @@ class Rank:
         self.parallel = get_parallel()
         self.backend = TransferBackend("kvproto")
         if spec.mamba:
-            from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
             from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool
 
             self.local_heads = max(1, HEADS // spec.tp)
             self.head_start = spec.rank * self.local_heads if spec.tp <= HEADS else spec.rank * HEADS // spec.tp
-            shape = Mamba2StateShape.create(tp_world_size=spec.tp, intermediate_size=32, n_groups=2, num_heads=4,
-                                            head_dim=8, state_size=4, conv_kernel=4)
-            mamba = MambaPool(size=SLOTS, spec_state_size=0, cache_params=Mamba2CacheParams(shape=shape,
-                              layers=MAMBA_LAYERS), mamba_layer_ids=MAMBA_LAYERS, device="cpu")
+            model = STATE_MODELS[spec.mamba]
+            mamba = MambaPool(size=SLOTS, spec_state_size=0, cache_params=model.params(spec.tp),
+                              mamba_layer_ids=MAMBA_LAYERS, device="cpu")
             self.pool = HybridLinearKVPool(size=POOL_PAGES * PAGE - PAGE, dtype=torch.bfloat16, page_size=PAGE,
                                            head_num=self.local_heads, head_dim=HEAD_DIM,
                                            full_attention_layer_ids=FULL_LAYERS, device="cpu", mamba_pool=mamba)
+            cache = mamba.mamba_cache
+            self.state_tensors = [(cache.conv[0], model.conv_axis, model.conv_sections), (cache.temporal, 0, None)]
+            """Per state tensor: SGLang's ``(layers, slots + 1, *per-slot shape)`` tensor, the axis split
+            over TP and the model's projections along it (global sizes; None: one)."""
         elif spec.mla:
             from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
@@ -224,6 +315,8 @@ class Rank:
 
     def attach(self, manager: Any) -> None:
         """The rank's KV manager (built here, or by SGLang's queue): where its memory is."""
+        import torch
+
         spec = self.spec
         self.manager = manager
         ptrs, lens, items = self.manager.kv_args.kv_data_ptrs, self.manager.kv_args.kv_data_lens, \
@@ -233,11 +326,14 @@ class Rank:
         self.head_bytes = self.page_bytes // (PAGE * self.local_heads)
         self.aux = list(zip(self.manager.kv_args.aux_data_ptrs, self.manager.kv_args.aux_item_lens))
         args = self.manager.kv_args
-        self.states = list(zip(args.state_data_ptrs[0], args.state_item_lens[0])) if args.state_types else []
-        """(address, bytes per slot) of every Mamba state entry (SGLang's order: tensor-major)."""
+        self.states = bool(args.state_types)
+        """Whether the rank keeps a Mamba state (``state_tensors``)."""
         for plane in self.planes:
             for address in plane:
                 raw(address, self.region_bytes)[:] = UNTOUCHED
+        if spec.role == "decode":
+            for tensor, _, _ in getattr(self, "state_tensors", []):
+                tensor.view(-1).view(torch.uint8)[:] = UNTOUCHED
         self.rng = random.Random(spec.seed * 1000 + spec.rank)
 
     def _kv_manager(self) -> Any:
@@ -282,6 +378,9 @@ def prefill_steps(rank: Rank, req: Request, free: list[int], conn: Any, results:
         for plane in range(len(rank.planes)):
             for layer in range(LAYERS):
                 rank.page_view(plane, layer, page)[:] = rank.rng.randrange(256)
+    if rank.states:  # bytes the last chunk has not written yet: what a read-ahead would move
+        for _, _, view, _ in state_views(rank, state_slot(req, "prefill")):
+            view[:] = rank.rng.randrange(256)
     slot = free_slot = req.room % SLOTS
     poll = yield sender
     while poll == KVPoll.Bootstrapping:
@@ -309,9 +408,9 @@ def prefill_steps(rank: Rank, req: Request, free: list[int], conn: Any, results:
         if last:
             for b, (address, nbytes) in enumerate(rank.aux):
                 raw(address + slot * nbytes, nbytes)[:] = aux_expected(req.room, b, nbytes)
-            for e, (address, nbytes) in enumerate(rank.states):  # this rank's share of the request's state
-                raw(address + state_slot(req, "prefill") * nbytes, nbytes)[:] = \
-                    aux_expected(req.room, 1000 + e * 64 + rank.spec.rank, nbytes)
+            if rank.states:  # this rank's share of the request's state, by global channel (head) index
+                for layer, t, view, index in state_views(rank, state_slot(req, "prefill")):
+                    view[:] = state_expected(req.room, layer, t, index, view.shape[0], view.shape[2])
             states = [np.asarray([state_slot(req, "prefill")])] if rank.states else []
         chunk_pages = pages[start // PAGE:(-(-end // PAGE)) if last else end // PAGE]
         sender.send(np.asarray(chunk_pages, dtype=np.int64), states, num_kv_tokens=end - start)
@@ -351,7 +450,10 @@ def decode_steps(rank: Rank, req: Request, free: list[int], conn: Any, results: 
     while not rank.manager.try_ensure_parallel_info(addr):  # SGLang retries once a second
         next_try = time.monotonic() + 0.5
         while time.monotonic() < next_try:
-            yield receiver
+            if (yield receiver) == KVPoll.Failed:  # another rank's room failed already: SGLang's reduced poll
+                results.append(_failed(req.room, receiver))
+                receiver.clear()
+                return
     receiver.init(0)
     poll = yield receiver
     while poll == KVPoll.Bootstrapping:
@@ -396,11 +498,12 @@ def verify(rank: Rank, req: Request, pages: list[int]) -> Result:
         checked += nbytes
         mismatches += int((got != aux_expected(req.room, b, nbytes)).any())
     states = 0
-    for e, (address, nbytes) in enumerate(rank.states):  # (equal TP: decode rank r holds prefill rank r's)
-        got = raw(address + state_slot(req, "decode") * nbytes, nbytes)
-        checked += nbytes
-        states += nbytes
-        mismatches += int((got != aux_expected(req.room, 1000 + e * 64 + rank.spec.rank, nbytes)).any())
+    if rank.states:  # every byte of the decode rank's share of every state tensor, by global index
+        for layer, t, view, index in state_views(rank, state_slot(req, "decode")):
+            want = state_expected(req.room, layer, t, index, view.shape[0], view.shape[2])
+            checked += view.size
+            states += view.size
+            mismatches += int((view != want).any(axis=2).sum())
     return Result(req.room, 4, checked_bytes=checked, mismatches=mismatches, state_bytes=states)
 
 
@@ -447,6 +550,10 @@ def run_rank(spec: RankSpec, conn: Any) -> None:
                 for layer in range(LAYERS):
                     for page in never:
                         untouched &= bool((rank.page_view(plane, layer, page) == UNTOUCHED).all())
+            if rank.states:  # state slots no request was given
+                given = {state_slot(req, "decode") for req in spec.requests}
+                for slot in set(range(SLOTS + 1)) - given:
+                    untouched &= all(bool((view == UNTOUCHED).all()) for *_, view, _ in state_views(rank, slot))
         conn.send(("results", [asdict(r) for r in results], untouched))
         conn.recv()  # the test says when to close (the peers may still need this rank)
         rank.manager.close()
@@ -510,11 +617,11 @@ class Pair:
 
 
 def start_pair(tmp: Path, *, p_tp: int, d_tp: int, mla: bool, prefill: list[Request], decode: list[Request],
-               seed: int = 0, entry: Any = None, mamba: bool = False) -> Pair:
+               seed: int = 0, entry: Any = None, mamba: str | None = None) -> Pair:
     """Start the bootstrap registry here and every rank process (module docstring)."""
     from kvproto.integrations.sglang.bootstrap import KVProtoBootstrapServer
 
-    model = model_dir(tmp, TINY_MODEL)
+    model = model_dir(tmp, STATE_MODELS[mamba].config if mamba else TINY_MODEL)
     bport, port = free_port(), free_port()
     server = KVProtoBootstrapServer("127.0.0.1", bport)
     ctx = mp.get_context("spawn")

@@ -3,6 +3,7 @@ KVArgs, moving every K/V and metadata byte through kvproto (``sglang_harness``).
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -92,17 +93,31 @@ def test_sglang_pair_prefill_killed_mid_transfer(tmp_path):
     assert waited < 30
 
 
-@pytest.mark.parametrize("tp", [1, 2], ids=["tp1-1", "tp2-2"])
-def test_sglang_pair_mamba_hybrid_moves_kv_and_state(tmp_path, tp):
-    """A hybrid model (SGLang's HybridLinearKVPool: full attention on layers 0, 2, 4, a Mamba2
-    state on 1, 3): every KV byte of the attention layers, every byte of the request's state slot
-    (conv and temporal tensors, each rank's share, moved from prefill slot to a different decode
-    slot), and the metadata slot land; with a decode prefix too, and aborted rooms fail."""
-    requests = [r for r in rooms(7000 + tp) if r.abort in (None, "decode-after-metadata")]
-    pair = start_pair(tmp_path, p_tp=tp, d_tp=tp, mla=False, prefill=requests, decode=requests, mamba=True)
+STATE_BYTES = {"mamba2": 2 * (48 * 3 * 2 + 4 * 8 * 4 * 4), "gdn": 2 * (32 * 3 * 2 + 4 * 4 * 4 * 4),
+               "kimi": 2 * (3 * 32 * 2 + 4 * 4 * 4 * 4)}
+"""Bytes of one request's state over both state layers at TP 1: per layer the conv state (channels x
+kernel - 1, bf16) and the temporal state (heads x head dim x state, float32)."""
+
+
+@pytest.mark.parametrize("model, p_tp, d_tp", [("mamba2", 2, 2), ("mamba2", 1, 2), ("mamba2", 2, 1), ("gdn", 1, 2),
+                                               ("gdn", 2, 1), ("kimi", 1, 2), ("kimi", 2, 1)],
+                         ids=["mamba2-tp2-2", "mamba2-tp1-2", "mamba2-tp2-1", "gdn-tp1-2", "gdn-tp2-1", "kimi-tp1-2",
+                              "kimi-tp2-1"])
+def test_sglang_pair_mamba_hybrid_moves_kv_and_state(tmp_path, model, p_tp, d_tp):
+    """A hybrid model (SGLang's HybridLinearKVPool: full attention on layers 0, 2, 4, a linear
+    attention or SSM state on 1, 3): every KV byte of the attention layers, every byte of the
+    request's state slot and the metadata slot land; the state moved from the prefill's slot into
+    another decode slot, each decode rank holding exactly its share of every conv channel and
+    temporal head by the model's own split (GDN's Q | K | V and Kimi's q | k | v sub-blocks, which
+    KVArgs name, and a Nemotron-H Mamba2 mixer's x | B | C, which its model config gives, each split
+    over TP on its own; Kimi's conv state rows of channels), between different TP sizes both ways;
+    no other state slot written; with a decode prefix too, and aborted rooms fail."""
+    requests = [r for r in rooms(7000 + 100 * list(STATE_BYTES).index(model) + 10 * p_tp + d_tp)
+                if r.abort in (None, "decode-after-metadata")]
+    pair = start_pair(tmp_path, p_tp=p_tp, d_tp=d_tp, mla=False, prefill=requests, decode=requests, mamba=model)
     try:
-        decode = [pair.results(("decode", r)) for r in range(tp)]
-        prefill = [pair.results(("prefill", r)) for r in range(tp)]
+        decode = [pair.results(("decode", r)) for r in range(d_tp)]
+        prefill = [pair.results(("prefill", r)) for r in range(p_tp)]
     finally:
         pair.close()
     for side, ranks in (("decode", decode), ("prefill", prefill)):
@@ -114,20 +129,45 @@ def test_sglang_pair_mamba_hybrid_moves_kv_and_state(tmp_path, tp):
                     assert r.state == FAILED, (side, r)
                 else:
                     assert r.state == SUCCESS, (side, r)
-                    # per layer (2): conv (32 + 2*2*4)/tp x 3 bf16, temporal 4/tp x 8 x 4 float32
-                    assert side == "prefill" or (r.mismatches == 0 and r.state_bytes == 2 * (48 * 3 * 2 + 4 * 8 * 4 * 4)
-                                                 // tp and r.checked_bytes > r.state_bytes), r
+                    assert side == "prefill" or (r.mismatches == 0 and r.state_bytes == STATE_BYTES[model] // d_tp
+                                                 and r.checked_bytes > r.state_bytes), r
 
 
-def test_sglang_pair_mamba_between_tp_sizes_is_refused(tmp_path):
-    """A hybrid model's decode of TP 2 meeting a prefill of TP 1: refused when the decode first
-    reads the prefill's parallel info (where SGLang refuses a page size or KV dtype mismatch), with
-    the reason, before any room; never a hang."""
+def test_sglang_pair_unnamed_conv_between_tp_sizes_is_refused(tmp_path):
+    """A Mamba2 state whose conv sub-blocks neither KVArgs nor the model config name (a Mamba2 pool
+    beside a model config SGLang does not read as a Mamba2 mixer): a decode of TP 2 meeting a prefill
+    of TP 1 refuses it when it first reads the prefill's parallel info (where SGLang refuses a page
+    size or KV dtype mismatch), with the reason, before any room; never a hang."""
     req = Request(8001, 2 * PAGE, [2 * PAGE])
-    pair = start_pair(tmp_path, p_tp=1, d_tp=2, mla=False, prefill=[req], decode=[req], mamba=True)
+    pair = start_pair(tmp_path, p_tp=1, d_tp=2, mla=False, prefill=[req], decode=[req], mamba="mamba2-unnamed")
+    errors = []
     try:
-        with pytest.raises(AssertionError, match="moves a Mamba state between equal attention TP sizes only: "
-                                                 "prefill 1, decode 2"):
-            pair.results(("decode", 0))
+        for rank in range(2):
+            with pytest.raises(AssertionError) as info:
+                pair.results(("decode", rank))
+            errors.append(str(info.value))
     finally:
         pair.close()
+    # Each rank refuses (SGLang's scheduler dies of it, as of a page size mismatch); a rank whose
+    # peer refused first may instead see that peer gone from the TP group's poll reduction.
+    refused = [re.search(r"moves this Mamba state between equal attention TP sizes only \(prefill 1, decode 2\): "
+                         r"SGLang's KVArgs name no conv sub-blocks", e) is not None for e in errors]
+    assert any(refused), errors
+    assert all(r or "Connection closed by peer" in e for r, e in zip(refused, errors)), errors
+
+
+def test_sglang_pair_mamba2_replicated_groups_between_tp_sizes_fail_naming_the_group(tmp_path):
+    """A Mamba2 mixer of one group, which SGLang's mixer replicates on every rank of TP 2 (the
+    group count extended to the TP size): the conv state's global sizes differ between TP 1 and 2,
+    so kvproto refuses the pair at registration and the room fails on both sides with the reason
+    naming the state group; nothing hangs."""
+    req = Request(8101, 2 * PAGE, [2 * PAGE])
+    pair = start_pair(tmp_path, p_tp=1, d_tp=2, mla=False, prefill=[req], decode=[req], mamba="mamba2-1group")
+    try:
+        decode = [pair.results(("decode", r))[0][8101] for r in range(2)]
+        prefill = pair.results(("prefill", 0))[0][8101]
+    finally:
+        pair.close()
+    for r in [*decode, prefill]:
+        assert r.state == FAILED and "KVTransferError" in r.reason, r
+    assert any("'mamba'" in r.reason and "INCOMPATIBLE_GEOMETRY" in r.reason for r in decode), decode

@@ -41,15 +41,19 @@ def published(tmp_path, mode: str, extra: list[str]):
     return args
 
 
+SWA = ("a sliding-window pool ('swa') names a request's pages (its window's, in the SWA pool) only with the last "
+       "chunk and KVArgs carry no window size, while kvproto moves a paged group's pages with each chunk")
+
+
 @pytest.mark.parametrize("mode, extra, fields, reason", [
     ("prefill", ["--pp-size", "2"], {}, "pipeline parallelism (--pp-size 2); kvproto moves TP ranks only"),
-    ("decode", [], {"state_types": ["MAMBA", "SWA"]},
-     "the cache states ['mamba', 'swa'] (hybrid models: kvproto maps SGLang's 'mamba' state only)"),
-    ("prefill", [], {"state_types": ["SWA", "DSA"]},
-     "the cache states ['swa', 'dsa'] (hybrid models: kvproto maps SGLang's 'mamba' state only)"),
+    ("decode", [], {"state_types": ["MAMBA", "SWA"]}, f"the cache states ['mamba', 'swa']: {SWA}"),
+    ("prefill", [], {"state_types": ["SWA"]}, f"the cache states ['swa']: {SWA}"),
+    ("prefill", [], {"state_types": ["MAMBA", "DSA"]},
+     "the cache states ['mamba', 'dsa'] (hybrid models: kvproto maps SGLang's 'mamba' state only)"),
     ("decode", [], {"num_draft_entries": 2}, "speculative decoding's draft KV cache"),
     ("prefill", [], {"kv_layout": "dsv4"}, "the KV layout 'dsv4'"),
-], ids=["pp", "mamba-swa", "swa-dsa", "draft", "layout"])
+], ids=["pp", "mamba-swa", "swa", "mamba-dsa", "draft", "layout"])
 def test_sglang_refusal_at_start_names_the_reason(sglang_env, tmp_path, mode, extra, fields, reason):
     """The manager SGLang builds refuses at once with a ValueError naming what is not supported."""
     manager, KVArgs, StateType, Mode = sglang_env

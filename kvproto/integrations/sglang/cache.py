@@ -17,18 +17,34 @@ A hybrid model's Mamba state (``StateType.MAMBA``: conv and temporal tensors per
 per request) becomes a kvproto state group named ``mamba`` after the attention layers' group,
 each group carrying the model layers SGLang names (``kv_layer_ids``, ``state_layer_ids``); the
 request's slot comes with the last chunk (prefill) and the metadata (decode) as SGLang's
-``state_indices``. Its tensors are described as bytes per slot, so both servers must use the same
-attention TP size (checked when the decode first meets the prefill).
+``state_indices``. Each tensor is described as ``KVArgs`` describe it for SGLang's own backends
+(``mamba_layout``): per slot, ``state_slice_outer_counts`` rows of the TP slice axis, whose size on
+this rank is ``state_dim_per_tensor`` (0: the tensor is replicated over attention TP), each index
+the rest of the row's bytes; the axis is split over attention TP, as one range or, where
+``state_conv_shard_groups`` lists them (a GDN conv state's ``[Q | K | V]``, Kimi's ``[q | k | v]``),
+as those sub-blocks each split on its own (kvproto's sections). Both layouts of a conv state
+(channels outer, or rows of channels: Kimi's ``(kernel - 1, channels)``) are the same rule. So the
+state moves between any attention TP sizes whose split its dims allow, each decode rank's slot
+written with exactly its share. Where KVArgs cannot say where every byte belongs, it moves between
+equal attention TP sizes only, each rank's slot to the same rank, and a decode meeting a prefill of
+another TP size refuses it with the reason (``MambaLayout.same_tp_only``): KVArgs without usable
+slice dims (the tensors then described as bytes), or a state that names no conv sub-blocks at all,
+since a conv state may be several projections split each on its own where KVArgs say nothing of
+them: a Mamba2 mixer's is ``[x | B | C]``, on which one range would put ``x`` channels where ``B``
+belongs. For SGLang's own Mamba2 mixer models the manager reads those sub-blocks from the model
+config (``manager.mamba2_conv_sections``).
 
 What kvproto cannot do is refused here, before any room, with the reason (``refusal``):
 pipeline parallelism, attention or decode context parallelism, KV cache sharding, speculative
-decoding's draft KV, cache states other than Mamba's (SWA, DSA, ...), compressed/custom KV
-layouts, and the ``prefill_complete`` decode allocation policy.
+decoding's draft KV, cache states other than Mamba's (SWA: its window's pages come only with the
+last chunk; DSA, ...), compressed/custom KV layouts, and the ``prefill_complete`` decode
+allocation policy.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 from kvproto.aio import AuxBuffer, KVCache, StateCache
 from kvproto.transport import MemKind
@@ -47,6 +63,10 @@ def refusal(kv_args: Any, *, parallel: Any, disagg: Any) -> str | None:
     if getattr(kv_args, "num_draft_entries", 0):
         return "speculative decoding's draft KV cache"
     states = [getattr(s, "value", str(s)) for s in getattr(kv_args, "state_types", None) or []]
+    if "swa" in states:
+        return (f"the cache states {states}: a sliding-window pool ('swa') names a request's pages (its window's, "
+                f"in the SWA pool) only with the last chunk and KVArgs carry no window size, while kvproto moves a "
+                f"paged group's pages with each chunk")
     if states and states != [MAMBA]:
         return f"the cache states {states} (hybrid models: kvproto maps SGLang's 'mamba' state only)"
     if states and getattr(kv_args, "is_hybrid_mla_backend", False):
@@ -63,23 +83,104 @@ MAMBA = "mamba"
 request slot), the kvproto state group of that name."""
 
 
-def mamba_group(kv_args: Any, *, tp_size: int, tp_rank: int, on_gpu: bool) -> StateCache:
+class MambaLayout(NamedTuple):
+    """How SGLang's ``KVArgs`` describe a Mamba state's tensors (one entry per tensor, in the order
+    of a layer's tensors), as ``StateCache.from_pointers`` takes them."""
+
+    shapes: list[tuple[int, ...]] | None
+    """Per tensor, this rank's per-slot shape in bytes: ``(rows before the slice axis, slice dim,
+    bytes per index)``, or ``(bytes,)`` for a replicated tensor; None: each tensor one vector of
+    bytes (what KVArgs cannot describe better)."""
+    shard_dims: list[int | None] | None
+    sections: list[tuple[int, ...] | None] | None
+    same_tp_only: str | None
+    """Why this state moves between equal attention TP sizes only (None: between any)."""
+
+
+def mamba_layout(kv_args: Any, *, tp_size: int, conv_sections: Sequence[int] | None = None) -> MambaLayout:
+    """The Mamba state's tensors as ``KVArgs`` describe them (module docstring): per tensor the TP
+    slice dim (``state_dim_per_tensor``, this rank's; 0: replicated), the rows before it
+    (``state_slice_outer_counts``) and its sub-blocks (``state_conv_shard_groups``, global), each
+    alike over the tensor's layers. ``conv_sections``: the conv state's sub-blocks as the model says
+    them where KVArgs name none (a Mamba2 mixer's ``[x | B | C]``: ``KVProtoManager``), for a state
+    of a conv tensor first and at most a temporal one after it."""
+    i = [getattr(s, "value", str(s)) for s in kv_args.state_types].index(MAMBA)
+    items, layer_ids = kv_args.state_item_lens[i], list(kv_args.state_layer_ids[i])
+    layers = len(dict.fromkeys(layer_ids))
+    tensors = len(items) // layers
+
+    def per_tensor(field: str, default: Any = None) -> list[Any] | None:
+        components = list(getattr(kv_args, field, None) or [])
+        values = list(components[i] or []) if i < len(components) else []
+        if not values and default is not None:
+            values = [default] * len(items)
+        if len(values) != len(items):
+            return None
+        rows = [values[t * layers:(t + 1) * layers] for t in range(tensors)]
+        if any(any(v != row[0] for v in row) for row in rows):
+            return None
+        return [row[0] for row in rows]
+
+    sizes, dims, outer = per_tensor("state_item_lens"), per_tensor("state_dim_per_tensor"), \
+        per_tensor("state_slice_outer_counts", 1)
+    groups = per_tensor("state_conv_shard_groups", [None])
+    if sizes is None:
+        raise ValueError(f"kvproto: the Mamba state's entries of one tensor differ in bytes per slot over its layers: "
+                         f"{list(items)}")
+    if dims is None or outer is None or groups is None:
+        return MambaLayout(None, None, None, "SGLang's KVArgs give no TP slice of each Mamba state tensor "
+                                             "(state_dim_per_tensor, state_slice_outer_counts)")
+    shapes, shard_dims, sections = [], [], []
+    for t, (nbytes, dim, rows, blocks) in enumerate(zip(sizes, dims, outer, groups)):
+        dim, rows, nbytes = int(dim), int(rows or 1), int(nbytes)
+        if dim == 0:  # replicated over the attention TP group
+            shapes.append((nbytes,))
+            shard_dims.append(None)
+            sections.append(None)
+            continue
+        if dim < 0 or rows < 1 or nbytes % (dim * rows):
+            return MambaLayout(None, None, None, f"Mamba state tensor {t}: {nbytes} bytes per slot are not "
+                                                 f"{rows} rows of a slice dim of {dim}")
+        blocks = [int(b) for b in blocks] if blocks else None
+        if blocks is not None and sum(blocks) != dim * tp_size:
+            return MambaLayout(None, None, None, f"Mamba state tensor {t}: sub-blocks {blocks} do not add up to its "
+                                                 f"slice dim {dim} x attention TP {tp_size}")
+        shapes.append((rows, dim, nbytes // (dim * rows)))
+        shard_dims.append(1)
+        sections.append(tuple(blocks) if blocks else None)
+    same_tp_only = None
+    if any(d is not None for d in shard_dims) and not any(sections):
+        conv = tuple(int(n) for n in conv_sections or ())
+        if conv and len(shapes) <= 2 and shard_dims[0] == 1 and shapes[0][1] * tp_size == sum(conv):
+            sections[0] = conv
+        else:
+            same_tp_only = ("SGLang's KVArgs name no conv sub-blocks for it (state_conv_shard_groups), nor is its "
+                            "model one of SGLang's Mamba2 mixers ([x | B | C]), and a conv state may hold several "
+                            "projections each split over TP on its own, which one slice would misplace")
+    return MambaLayout(shapes, shard_dims, sections, same_tp_only)
+
+
+def mamba_group(kv_args: Any, *, tp_size: int, tp_rank: int, on_gpu: bool,
+                conv_sections: Sequence[int] | None = None) -> StateCache:
     """SGLang's Mamba state entries (tensor-major: every layer of the first tensor, then the next
-    tensor's) as a kvproto state group, layer-major, each tensor its slot's bytes (same TP on both
-    sides: ``KVProtoManager.try_ensure_parallel_info`` refuses other pairs)."""
+    tensor's) as a kvproto state group, layer-major, each tensor described by ``mamba_layout``
+    (as bytes per slot where KVArgs do not describe it: ``KVProtoManager.try_ensure_parallel_info``
+    then refuses another TP size)."""
     i = [getattr(s, "value", str(s)) for s in kv_args.state_types].index(MAMBA)
     ptrs, lens, items = kv_args.state_data_ptrs[i], kv_args.state_data_lens[i], kv_args.state_item_lens[i]
     layer_ids = list(kv_args.state_layer_ids[i])
     layers = list(dict.fromkeys(layer_ids))
-    if not ptrs or len(ptrs) % len(layers):
+    if not ptrs or len(ptrs) % len(layers) or len(items) != len(ptrs) or len(lens) != len(ptrs):
         raise ValueError(f"kvproto: {len(ptrs)} Mamba state entries for {len(layers)} layers")
     tensors = len(ptrs) // len(layers)
     slots = {n // b for n, b in zip(lens, items)}
     if len(slots) != 1:
         raise ValueError(f"kvproto: Mamba state tensors hold different numbers of slots: {sorted(slots)}")
+    layout = mamba_layout(kv_args, tp_size=tp_size, conv_sections=conv_sections)
     rows = [[ptrs[t * len(layers) + l] for t in range(tensors)] for l in range(len(layers))]
     return StateCache.from_pointers(MAMBA, rows, slot_bytes=[items[t * len(layers)] for t in range(tensors)],
-                                    num_slots=slots.pop(), tp_size=tp_size, tp_rank=tp_rank, model_layers=layers,
+                                    num_slots=slots.pop(), shapes=layout.shapes, shard_dims=layout.shard_dims,
+                                    sections=layout.sections, tp_size=tp_size, tp_rank=tp_rank, model_layers=layers,
                                     mem_kind=MemKind.VRAM if on_gpu else MemKind.DRAM,
                                     device_id=int(getattr(kv_args, "gpu_id", 0) or 0) if on_gpu else 0)
 
@@ -100,9 +201,9 @@ def state_slots(kv_args: Any, state_indices: list | None) -> dict[str, int] | No
 
 
 def cache_from_kvargs(kv_args: Any, *, mla: bool, tp_size: int, tp_rank: int, total_kv_heads: int,
-                      on_gpu: bool) -> KVCache:
+                      on_gpu: bool, conv_sections: Sequence[int] | None = None) -> KVCache:
     """kvproto's description of the rank's KV and aux memory as ``KVArgs`` gives it (with a Mamba
-    state group after the attention layers' KV, for a hybrid model)."""
+    state group after the attention layers' KV, for a hybrid model: ``mamba_layout``)."""
     ptrs, lens, items = list(kv_args.kv_data_ptrs), list(kv_args.kv_data_lens), list(kv_args.kv_item_lens)
     planes = 1 if mla else 2
     if not ptrs or len(ptrs) % planes or len(set(lens)) != 1 or len(set(items)) != 1:
@@ -126,4 +227,5 @@ def cache_from_kvargs(kv_args: Any, *, mla: bool, tp_size: int, tp_rank: int, to
         if on_gpu else 0, aux=aux, owner=kv_args, model_layers=ids[:layers] if hybrid and ids else None)
     if not hybrid:
         return kv
-    return kv.with_groups(mamba_group(kv_args, tp_size=tp_size, tp_rank=tp_rank, on_gpu=on_gpu))
+    return kv.with_groups(mamba_group(kv_args, tp_size=tp_size, tp_rank=tp_rank, on_gpu=on_gpu,
+                                      conv_sections=conv_sections))

@@ -38,7 +38,7 @@ from sglang.srt.utils.network import NetworkAddress
 
 from kvproto.aio import EndpointConfig
 from kvproto.core import RoomState, Timeouts
-from kvproto.integrations.sglang.cache import cache_from_kvargs, refusal
+from kvproto.integrations.sglang.cache import cache_from_kvargs, mamba_layout, refusal
 from kvproto.sync import EngineLoop, SyncDecode, SyncPrefill
 
 log = logging.getLogger("kvproto.sglang")
@@ -53,6 +53,34 @@ def _total_kv_heads(args: Any, server_args: Any, mla: bool) -> int:
     from sglang.srt.configs.model_config import ModelConfig  # the decode's KVArgs leaves it unset
 
     return int(ModelConfig.from_server_args(server_args).get_total_num_kv_heads())
+
+
+def mamba2_conv_sections(server_args: Any) -> tuple[int, ...] | None:
+    """The conv state's sub-blocks (global sizes) of a model whose Mamba layers are SGLang's
+    ``MambaMixer2`` (Nemotron-H, Falcon-H1, Mamba2, Granite hybrids: their configs build the pool
+    from ``Mamba2StateShape.create``), which SGLang's ``KVArgs`` do not name: the mixer's conv1d is a
+    ``MergedColumnParallelLinear`` of ``[intermediate_size | groups x state | groups x state]``
+    (``x | B | C``), each split over attention TP on its own, and its conv state's channels follow it.
+    None for any other model, or where the config cannot be read (the state then moves between
+    equal attention TP sizes only). Groups a TP size does not divide are replicated by the mixer
+    (``n_groups`` extended to the TP size), which makes the global sizes differ between two such TP
+    sizes: kvproto's registration refuses that pair, naming the group."""
+    try:
+        from sglang.srt.configs import FalconH1Config, GraniteMoeHybridConfig, Mamba2Config, NemotronHConfig
+        from sglang.srt.configs.hybrid_arch import mamba2_config
+        from sglang.srt.configs.model_config import ModelConfig
+
+        config = mamba2_config(ModelConfig.from_server_args(server_args))
+        if not isinstance(config, (NemotronHConfig, FalconH1Config, Mamba2Config, GraniteMoeHybridConfig)):
+            return None
+        shape = config.mamba2_cache_params.shape
+    except Exception as exc:  # an unreadable config: no sub-blocks known, equal TP sizes only
+        log.warning("kvproto: the model's Mamba2 conv layout could not be read (%s: %s)", type(exc).__name__, exc)
+        return None
+    inner, conv = int(shape.intermediate_size), int(shape.conv_dim)
+    if shape.conv_shard_groups or len(shape.conv) != 1 or conv <= inner or (conv - inner) % 2:
+        return None
+    return inner, (conv - inner) // 2, (conv - inner) // 2
 
 
 def _route_host(dist_init_addr: str | None, bootstrap_host: str) -> str:
@@ -81,10 +109,18 @@ class KVProtoManager(CommonKVManager):
         self._bootstraps_lock = threading.Lock()
         self._decode_rooms: dict[int, Any] = {}
         """Decode rooms SGLang may still hold pages for (``is_abort_release_safe``)."""
+        conv_sections, self._same_tp_only = None, None
+        """Why this rank's Mamba state moves between equal attention TP sizes only (None: any)."""
+        if getattr(args, "state_types", None):
+            layout = mamba_layout(args, tp_size=parallel.attn_tp_size)
+            if layout.same_tp_only and layout.shapes is not None:  # no conv sub-blocks: the model's, if known
+                conv_sections = mamba2_conv_sections(server_args)
+                layout = mamba_layout(args, tp_size=parallel.attn_tp_size, conv_sections=conv_sections)
+            self._same_tp_only = layout.same_tp_only
         self.kvproto_cache = cache_from_kvargs(
             args, mla=bool(is_mla_backend), tp_size=parallel.attn_tp_size, tp_rank=parallel.attn_tp_rank,
             total_kv_heads=_total_kv_heads(args, server_args, bool(is_mla_backend)),
-            on_gpu=str(get_device().device).startswith("cuda"))
+            on_gpu=str(get_device().device).startswith("cuda"), conv_sections=conv_sections)
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)  # prefill: register_to_bootstrap
         if disaggregation_mode == DisaggregationMode.DECODE:
             where = self.dist_init_addr or f"{self.local_ip}:{get_serving().port}"
@@ -152,16 +188,18 @@ class KVProtoManager(CommonKVManager):
                            f"group {self._dp_group()} at {url} ({last})")
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
-        """SGLang's (its checks: page size, KV dtype, ...), and for a hybrid model's Mamba state the
-        same attention TP size on both servers (kvproto moves that state as bytes per rank)."""
+        """SGLang's (its checks: page size, KV dtype, ...), and for a hybrid model's Mamba state that
+        ``KVArgs`` do not fully describe the same attention TP size on both servers (kvproto then
+        moves that state rank to rank: ``cache.mamba_layout``)."""
         known = bootstrap_addr in self.prefill_info_table
         if not super().try_ensure_parallel_info(bootstrap_addr):
             return False
         info = self.prefill_info_table[bootstrap_addr]
-        if not known and self.kvproto_cache.groups and info.attn_tp_size != self.attn_tp_size:
+        if not known and self._same_tp_only and info.attn_tp_size != self.attn_tp_size:
             del self.prefill_info_table[bootstrap_addr]
-            raise RuntimeError(f"--disaggregation-transfer-backend kvproto moves a Mamba state between equal "
-                               f"attention TP sizes only: prefill {info.attn_tp_size}, decode {self.attn_tp_size}")
+            raise RuntimeError(f"--disaggregation-transfer-backend kvproto moves this Mamba state between equal "
+                               f"attention TP sizes only (prefill {info.attn_tp_size}, decode {self.attn_tp_size}): "
+                               f"{self._same_tp_only}")
         return True
 
     def kvproto_bootstrap(self, bootstrap_addr: str, prefill_dp_rank: int) -> str | None:
