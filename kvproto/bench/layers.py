@@ -39,6 +39,43 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 
+class Engine:
+    """The prefill's engine: ``compute()`` queues one layer on its stream and returns the layer's
+    event (a sleep and None on the CPU)."""
+
+    def __init__(self, device: Any, compute_ms: float) -> None:
+        import torch
+
+        self.torch, self.device, self.compute_ms = torch, device, compute_ms
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.work = 0
+        if self.stream is not None:
+            self.mat = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+            with torch.cuda.stream(self.stream):
+                for _ in range(3):
+                    self.mat @ self.mat
+                began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                began.record(self.stream)
+                for _ in range(10):
+                    self.mat @ self.mat
+                ended.record(self.stream)
+            ended.synchronize()
+            self.work = max(1, round(compute_ms / (began.elapsed_time(ended) / 10)))
+
+    async def compute(self) -> Any:
+        if self.stream is None:
+            await asyncio.sleep(self.compute_ms / 1e3)
+            return None
+        torch = self.torch
+        with torch.cuda.stream(self.stream):
+            for _ in range(self.work):
+                self.mat @ self.mat
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        await asyncio.sleep(0)
+        return event
+
+
 @dataclass
 class Row:
     transport: str
@@ -77,8 +114,7 @@ class _Setup:
         self.kv_src = KVCache.from_tensors(self.src, tp_size=1, tp_rank=0, num_kv_heads=H)
         self.kv_dst = KVCache.from_tensors(self.dst, tp_size=1, tp_rank=0, num_kv_heads=H)
         self.room_bytes = 2 * L * args.tokens * H * D * 2
-        self.engine = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.work = self._calibrate() if device.type == "cuda" else 0
+        self.engine = Engine(device, args.compute_ms)
 
     def config(self, role: str) -> Any:
         from kvproto.aio import EndpointConfig
@@ -90,38 +126,6 @@ class _Setup:
         t = 120.0
         return EndpointConfig(transport=self.transport, transport_options=options, staging_bytes=0,
                               instance="bench-layers", timeouts=Timeouts(bootstrap=t, waiting=t, transfer=t, parked=t))
-
-    def _calibrate(self) -> int:
-        """Matrix products of 4096^2 bf16 per layer so that a layer computes ``--compute-ms``."""
-        torch = self.torch
-        a = torch.randn(4096, 4096, device=self.device, dtype=torch.bfloat16)
-        self.mat = a
-        with torch.cuda.stream(self.engine):
-            for _ in range(3):
-                a @ a
-            began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            began.record(self.engine)
-            for _ in range(10):
-                a @ a
-            ended.record(self.engine)
-        ended.synchronize()
-        per = began.elapsed_time(ended) / 10
-        return max(1, round(self.args.compute_ms / per))
-
-    async def compute(self) -> Any:
-        """One layer of the engine's compute; returns its readiness event (None on the CPU, where
-        the compute has ended when this returns)."""
-        if self.engine is None:
-            await asyncio.sleep(self.args.compute_ms / 1e3)
-            return None
-        torch = self.torch
-        with torch.cuda.stream(self.engine):
-            for _ in range(self.work):
-                self.mat @ self.mat
-            event = torch.cuda.Event()
-            event.record(self.engine)
-        await asyncio.sleep(0)
-        return event
 
     def check(self, src_pages: list[int], dst_pages: list[int]) -> int:
         torch = self.torch
@@ -157,7 +161,7 @@ async def _room(setup: _Setup, prefill: Any, decode: Any, room_id: int, mode: st
     event = None
     for layer in range(args.layers):
         if compute:
-            event = await setup.compute()
+            event = await setup.engine.compute()
         if mode == "layer":
             p.send(src_pages if layer == 0 else [], args.tokens, last=True, layers=range(layer, layer + 1),
                    ready=event)

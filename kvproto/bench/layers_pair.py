@@ -35,6 +35,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvproto.bench.layers import Engine
+
 
 @dataclass
 class PairRow:
@@ -85,45 +87,6 @@ def _config(args: argparse.Namespace, transport: str) -> Any:
                           timeouts=Timeouts(bootstrap=t, waiting=t, transfer=t, parked=t))
 
 
-class _Engine:
-    """The prefill's engine: ``compute()`` queues one layer on its stream and returns the layer's
-    event (a sleep and None on the CPU)."""
-
-    def __init__(self, device: Any, compute_ms: float) -> None:
-        import torch
-
-        self.torch, self.device, self.compute_ms = torch, device, compute_ms
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.work = 0
-        if self.stream is not None:
-            self.mat = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
-            with torch.cuda.stream(self.stream):
-                for _ in range(3):
-                    self.mat @ self.mat
-                began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                began.record(self.stream)
-                for _ in range(10):
-                    self.mat @ self.mat
-                ended.record(self.stream)
-            ended.synchronize()
-            self.work = max(1, round(compute_ms / (began.elapsed_time(ended) / 10)))
-
-    async def compute(self, enabled: bool) -> Any:
-        if not enabled:
-            return None
-        if self.stream is None:
-            await asyncio.sleep(self.compute_ms / 1e3)
-            return None
-        torch = self.torch
-        with torch.cuda.stream(self.stream):
-            for _ in range(self.work):
-                self.mat @ self.mat
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        await asyncio.sleep(0)
-        return event
-
-
 async def _fired(event: Any) -> float:
     while event is not None and not event.query():
         await asyncio.sleep(0)
@@ -140,7 +103,7 @@ async def _prefill(args: argparse.Namespace, device: Any, transport: str, conn: 
     from kvproto.aio import PrefillEndpoint
 
     _planes, kv = _cache(args, device, seed=7)
-    engine = _Engine(device, args.compute_ms)
+    engine = Engine(device, args.compute_ms)
     async with PrefillEndpoint(kv, config=_config(args, transport)) as prefill:
         conn.send(prefill.bootstrap_address)
         while (msg := await asyncio.to_thread(conn.recv)) is not None:
@@ -148,7 +111,7 @@ async def _prefill(args: argparse.Namespace, device: Any, transport: str, conn: 
             rooms = [prefill.open_room(first_room + i) for i in range(args.batch)]
             event = None
             for layer in range(args.layers):
-                event = await engine.compute(compute)
+                event = await engine.compute() if compute else None
                 if mode == "layer":
                     for i, room in enumerate(rooms):
                         room.send(_pages(args, i, False) if layer == 0 else [], args.tokens, last=True,

@@ -17,7 +17,10 @@ work. One mechanism joins the two processes:
   not per call), once it holds 64 calls, or 0.5 ms after its first call whatever the engine does
   (a helper thread, which looks every 0.5 ms while calls keep coming and sleeps once they stop
   for 50 ms: waking a sleeping thread costs the caller 5-50 us, so a call wakes it only after such
-  a pause, never step after step); the child's main thread reads them in order and
+  a pause, never step after step). A call never waits for the child either: the pipe is
+  non-blocking, and what it cannot take now (a child behind by a pipe's worth of calls) waits in
+  order in the engine's process, written by the helper thread as the child reads. The child's
+  main thread reads the calls in order and
   makes the same calls on a ``SyncDecode``/``SyncPrefill`` of its own (refusals behave exactly as
   there). A layer's ``ready`` event crosses as a CUDA IPC event handle
   (``torch.cuda.Event(interprocess=True)``);
@@ -25,8 +28,9 @@ work. One mechanism joins the two processes:
   end (room id, state, code) as 17-byte records, never blocking (what the pipe cannot take now
   waits in the child until it can), and counts the bytes in a shared counter. The engine reads
   the counter (no system call) and drains the pipe only when it moved, inside ``poll`` and
-  ``get_finished``. Why a room failed travels beside, as text, read only by
-  ``failure_exception``;
+  ``get_finished``. Why a room failed travels beside, as text up a third pipe, written the
+  same way (never blocking: an engine that never asks why must not stall the child) and read
+  with the events, kept for ``failure_exception`` (the newest 65536);
 * **the cache is shared, not copied.** The child builds its ``KVCache`` from the engine's own
   tensors, passed through ``torch.multiprocessing``: CUDA tensors arrive as CUDA IPC mappings of
   the same memory; CPU tensors are moved into shared memory first (their storage is replaced in
@@ -46,10 +50,12 @@ from __future__ import annotations
 import collections
 import errno
 import os
+import select
 import struct
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from kvproto.aio import EndpointConfig, KVCache, StateCache, TransferFailed
@@ -57,6 +63,15 @@ from kvproto.core import RoomState
 from kvproto.sync.calls import FinishedRooms, group_lists, slot_dict
 from kvproto.wire import ErrorCode, LocalProtocolError
 
+_FRAME = struct.Struct("!i")
+"""A message's length ahead of its pickle, as ``multiprocessing.Connection`` frames it (the child
+reads calls with ``Connection.recv``)."""
+_REASON = struct.Struct("<QBI")
+"""Why a room failed, ahead of its end event: room id, kind (index in ``_KINDS``), text length;
+the text (UTF-8) follows."""
+_KINDS = ("TransferFailed", "LocalProtocolError")
+_REASONS_KEPT = 1 << 16
+"""Failure reasons the engine's process keeps for ``failure_exception`` (the newest)."""
 _EVENT = struct.Struct("<QBq")
 """One room event: room id, state (``RoomState``), code (-1: none)."""
 _NO_CODE = -1
@@ -191,10 +206,18 @@ class _ProcessFacade(FinishedRooms):
         self.address, self.bootstrap_address = status
         self._rooms: dict[int, _ProcessRoom] = {}
         self._finished: collections.deque[tuple[int, RoomState, Any]] = collections.deque()
-        self._why_text: dict[int, tuple[str, str]] = {}
+        self._why_text: collections.OrderedDict[int, tuple[str, str]] = collections.OrderedDict()
+        self._reason_fd = self._reasons.fileno()
+        os.set_blocking(self._reason_fd, False)
+        self._reason_buffer = b""
         self._lock = threading.Lock()
         self._pending: list[tuple[Any, ...]] = []
         self._send_lock = threading.Lock()
+        self._calls_fd = self._calls.fileno()
+        os.set_blocking(self._calls_fd, False)
+        self._out = bytearray()
+        """Framed call batches the pipe could not take yet (``Connection.recv``'s framing)."""
+        self._broken = False
         self._kick = threading.Event()
         self._parked = True
         """The helper thread sleeps on ``_kick`` (else it looks for waiting calls by itself)."""
@@ -225,14 +248,14 @@ class _ProcessFacade(FinishedRooms):
         Blocks until done; idempotent."""
         if self._closed:
             return
-        self._flush()
         self._closed = True
         self._kick.set()
-        try:
-            with self._send_lock:
-                self._calls.send([("close",)])
-        except (BrokenPipeError, OSError):
-            pass
+        self._pending.append(("close",))
+        deadline = time.monotonic() + timeout
+        self._flush()
+        while self._out and not self._broken and time.monotonic() < deadline and self._proc.is_alive():
+            select.select([], [self._calls_fd], [], 0.05)
+            self._flush()
         self._proc.join(timeout)
         if self._proc.is_alive():
             self._proc.kill()
@@ -268,15 +291,33 @@ class _ProcessFacade(FinishedRooms):
             self._kick.set()  # nothing may wait longer than _LINGER_S, whatever the engine does next
 
     def _flush(self) -> None:
-        """Send the calls made since the last flush, as one message (one system call)."""
+        """Send the calls made since the last flush as one message, without waiting: the bytes the
+        pipe cannot take now wait in ``_out`` (in order, ahead of any later batch) and the helper
+        thread writes them once the child has read enough."""
         with self._send_lock:
-            if not self._pending:
-                return
-            batch, self._pending = self._pending, []
-            try:
-                self._calls.send(batch)
-            except (BrokenPipeError, OSError):
-                pass  # the child has died: its rooms fail through _drain
+            if self._pending:
+                batch, self._pending = self._pending, []
+                data = ForkingPickler.dumps(batch)
+                self._out += _FRAME.pack(len(data))
+                self._out += data
+            if self._out and not self._broken:
+                self._write_some()
+            stuck = bool(self._out) and not self._broken
+        if stuck and self._parked:
+            self._parked = False
+            self._kick.set()
+
+    def _write_some(self) -> None:
+        """Write what the calls pipe takes now (``_send_lock`` held); never waits."""
+        try:
+            while self._out:
+                n = os.write(self._calls_fd, self._out)
+                del self._out[:n]
+        except BlockingIOError:
+            pass
+        except OSError:  # the child has died: its rooms fail through _drain
+            self._broken = True
+            self._out.clear()
 
     def _flush_later(self) -> None:
         """A thread that sends the calls the engine left waiting for ``_LINGER_S``: it looks every
@@ -285,14 +326,17 @@ class _ProcessFacade(FinishedRooms):
             self._kick.wait()
             self._kick.clear()
             quiet, seen = 0.0, -1
-            while not self._closed and quiet < _AWAKE_S:
-                time.sleep(_LINGER_S)
-                if self._pending:
+            while not self._closed and (quiet < _AWAKE_S or self._out):
+                if self._out:  # the pipe was full: wait (up to _LINGER_S) until the child reads
+                    select.select([], [self._calls_fd], [], _LINGER_S)
+                else:
+                    time.sleep(_LINGER_S)
+                if self._pending or self._out:
                     self._flush()
                 quiet = 0.0 if self._called != seen else quiet + _LINGER_S
                 seen = self._called
             self._parked = True
-            if self._pending:  # a call came as it parked, and saw it awake: look once more
+            if self._pending or self._out:  # a call came as it parked, and saw it awake: look once more
                 self._parked = False
                 self._kick.set()
 
@@ -324,10 +368,33 @@ class _ProcessFacade(FinishedRooms):
                 break
             self._read += len(chunk)
             self._buffer += chunk
+        self._read_reasons()  # a room's reason is written before its end: read it with the end
         usable = len(self._buffer) - len(self._buffer) % _EVENT.size
         for room_id, value, code in _EVENT.iter_unpack(self._buffer[:usable]):
             self._event(room_id, _STATES[value], _code(code))
         self._buffer = self._buffer[usable:]
+
+    def _read_reasons(self) -> None:
+        """Read the failure reasons the child wrote (never waits; ``_lock`` held)."""
+        while True:
+            try:
+                chunk = os.read(self._reason_fd, 1 << 16)
+            except (BlockingIOError, OSError):
+                break
+            if not chunk:
+                break
+            self._reason_buffer += chunk
+        buf, at = self._reason_buffer, 0
+        while len(buf) - at >= _REASON.size:
+            room_id, kind, size = _REASON.unpack_from(buf, at)
+            if len(buf) - at - _REASON.size < size:
+                break
+            text = buf[at + _REASON.size:at + _REASON.size + size].decode("utf-8", "replace")
+            at += _REASON.size + size
+            self._why_text[room_id] = (_KINDS[kind], text)
+            if len(self._why_text) > _REASONS_KEPT:
+                self._why_text.popitem(last=False)
+        self._reason_buffer = buf[at:]
 
     def _event(self, room_id: int, state: RoomState, code: ErrorCode | int | None) -> None:
         """Apply one room event (a drain may bring hundreds: kept to a few operations)."""
@@ -362,12 +429,8 @@ class _ProcessFacade(FinishedRooms):
                 self._event(room_id, RoomState.FAILED, ErrorCode.INTERNAL_ERROR)
 
     def _why(self, room_id: int, code: ErrorCode | int | None) -> BaseException:  # noqa: D401
-        while self._reasons.poll():
-            try:
-                rid, kind, text = self._reasons.recv()
-            except (EOFError, OSError):
-                break
-            self._why_text[rid] = (kind, text)
+        with self._lock:
+            self._read_reasons()
         kind, text = self._why_text.get(room_id, ("TransferFailed", ""))
         if kind == "LocalProtocolError":
             return LocalProtocolError(text, code if isinstance(code, ErrorCode) else ErrorCode.INTERNAL_ERROR)
@@ -453,7 +516,7 @@ class _Sink:
     (and why a room failed, up the reasons pipe, first). An open refused on the endpoint's loop may
     end before ``_perform`` holds the room's handle: that end waits for it (``opened``)."""
 
-    def __init__(self, writer: _Writer, rooms: dict[int, Any], reasons: Any, stats: Any = None,
+    def __init__(self, writer: _Writer, rooms: dict[int, Any], reasons: _Writer, stats: Any = None,
                  expired: Any = None) -> None:
         self.writer, self.rooms, self.reasons = writer, rooms, reasons
         self.stats, self.expired = stats, expired
@@ -490,10 +553,8 @@ class _Sink:
                 why = ("LocalProtocolError", str(exc))
             except TransferFailed as exc:
                 why = ("TransferFailed", exc.reason)
-            try:
-                self.reasons.send((room_id, *why))
-            except OSError:
-                pass
+            text = why[1].encode("utf-8")
+            self.reasons.write_bytes(_REASON.pack(room_id, _KINDS.index(why[0]), len(text)) + text)
         self.rooms.pop(room_id, None)
         if self.expired is not None:
             self.expired.value = self.stats.rooms_expired
@@ -504,7 +565,9 @@ class _Sink:
 
 
 class _Writer:
-    """Writes room events up the pipe without ever blocking the endpoint's loop."""
+    """Writes records up a pipe (room events; failure reasons) without ever blocking the endpoint's
+    loop: what the pipe cannot take now waits here, and the loop writes it once the pipe drains.
+    ``written`` (if given) counts the bytes written, for the engine's cheap look."""
 
     def __init__(self, conn: Any, written: Any, loop: Any) -> None:
         self.fd = conn.fileno()
@@ -518,8 +581,11 @@ class _Writer:
 
     def write(self, room_id: int, state: RoomState, code: Any) -> None:
         value = _NO_CODE if code is None else int(code)
+        self.write_bytes(_EVENT.pack(room_id, int(state), value))
+
+    def write_bytes(self, data: bytes) -> None:
         with self.lock:
-            self.pending += _EVENT.pack(room_id, int(state), value)
+            self.pending += data
             self._flush()
 
     def _flush(self) -> None:
@@ -537,7 +603,8 @@ class _Writer:
                     self.loop.call_soon_threadsafe(self.loop.add_writer, self.fd, self._writable)
                 return
             del self.pending[:n]
-            self.written.value += n
+            if self.written is not None:
+                self.written.value += n
 
     def _writable(self) -> None:
         with self.lock:
@@ -562,7 +629,7 @@ def _child(role: str, recipe: Any, config: EndpointConfig, bootstrap: str | None
     rooms: dict[int, Any] = {}
     writer = _Writer(events, written, facade.loop.loop)
     core = facade._endpoint.core
-    sink = facade._finished = _Sink(writer, rooms, reasons, core.stats, expired)
+    sink = facade._finished = _Sink(writer, rooms, _Writer(reasons, None, facade.loop.loop), core.stats, expired)
 
     def entered(room_id: int, state: RoomState) -> None:
         writer.write(room_id, state, None)

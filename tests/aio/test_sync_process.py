@@ -168,6 +168,55 @@ def hybrid(seed: int) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]
     return full, lin, state, kv
 
 
+def test_calls_never_wait_for_a_stalled_endpoint_process_and_none_is_lost() -> None:
+    """A child that reads no calls (stopped with SIGSTOP) fills the calls pipe; the engine's calls
+    still return (a watchdog thread fails the test if one blocks), and once the child runs again
+    every call reaches it in order: each room opened while it was stopped ends exactly once. Their
+    3000 failure reasons, far more than a pipe holds, never stall the child either (the engine
+    reads them with the ends), and each room's reason is still there for failure_exception."""
+    import threading
+
+    _dst, dkv = cache(6)
+    _src, skv = cache(7)
+    with SyncPrefill(skv, config=config()) as prefill, ProcessDecode(dkv, config=config()) as decode:
+        pid = decode._proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        done = threading.Event()
+        opened: list[int] = []
+        handles = {}
+
+        def engine() -> None:
+            for rid in range(1000, 4000):  # ~0.25 MB of calls: several times what a pipe holds
+                handles[rid] = decode.receiver(rid, prefill.bootstrap_address, pages=[rid % 32], num_tokens=4)
+                opened.append(rid)
+                assert decode.get_finished() == []  # the engine's step: flushes the calls, reads ends
+            done.set()
+
+        try:
+            worker = threading.Thread(target=engine, daemon=True)
+            worker.start()
+            assert done.wait(60), f"a call blocked on the stopped endpoint process after {len(opened)} rooms"
+            assert decode._out, "the calls pipe never filled: the test did not test a stalled child"
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        for rid in opened:
+            handles[rid].abort()
+        ended: dict[int, RoomState] = {}
+        deadline = time.monotonic() + 60
+        while len(ended) < len(opened):
+            assert time.monotonic() < deadline, f"{len(opened) - len(ended)} rooms never ended"
+            for rid, state, _code in decode.get_finished():
+                assert rid not in ended, f"room {rid} reported twice"
+                ended[rid] = state
+            time.sleep(0.005)
+        assert sorted(ended) == opened
+        assert set(ended.values()) == {RoomState.FAILED}
+        for rid in (opened[0], opened[len(opened) // 2], opened[-1]):
+            with pytest.raises(TransferFailed, match="abort") as info:
+                handles[rid].failure_exception()
+            assert info.value.code is ErrorCode.ABORTED
+
+
 def test_hybrid_caches_cross_to_the_endpoints_processes_and_land_byte_exact() -> None:
     """A hybrid model's cache (two paged groups and a state group) through ProcessPrefill and
     ProcessDecode: the children rebuild it over the engine's own tensors, and a room in two
