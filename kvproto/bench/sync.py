@@ -211,9 +211,11 @@ ABORT_EVERY = 50
 
 def _decode_child(transport: str, blocks: int, address: str, rooms: int, window: int, aborted: list[int],
                   conn: Any) -> None:
-    """The decode rank of the prefill-side run, in a process of its own: opens rooms 1..``rooms``
-    keeping ``window`` in flight, checks the pages of the last rooms that were not aborted, and
-    reports how many rooms failed."""
+    """The decode rank of the prefill-side run, in a process of its own: says ``ready`` once its
+    endpoint has started (the parent's clock starts then, not at the spawn: a process that imports
+    torch and starts a NIXL agent takes seconds, which are no part of the prefill's rate), opens
+    rooms 1..``rooms`` keeping ``window`` in flight, checks the pages of the last rooms that were not
+    aborted, and reports how many rooms failed."""
     import asyncio
 
     async def serve() -> int:
@@ -223,6 +225,7 @@ def _decode_child(transport: str, blocks: int, address: str, rooms: int, window:
         dst, kv = _cache(2, blocks)
         failures: list[str] = []
         async with DecodeEndpoint(kv, config=_config(transport)) as decode:
+            conn.send(("ready", None))
             await _decode_rooms(decode, address, 1, rooms, window, blocks, failures)
         _check(src, dst, 1, rooms, blocks, skip=frozenset(aborted))
         return len(failures)
@@ -254,6 +257,11 @@ def run_prefill(rooms: int, window: int, step_ms: float, blocks: int, transport:
         child = ctx.Process(target=_decode_child, args=(transport, blocks, prefill.bootstrap_address or prefill.address,
                                                         rooms, window, aborted, child_conn), daemon=True)
         child.start()
+        if not conn.poll(120):
+            raise RuntimeError("the decode process did not start")
+        status, value = conn.recv()
+        if status != "ready":
+            raise RuntimeError(f"the decode process failed: {value}")
         pc = time.perf_counter
         live: dict[int, Any] = {}
         next_room, ended, failed = 1, 0, 0
