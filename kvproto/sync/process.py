@@ -250,7 +250,8 @@ class _ProcessFacade(FinishedRooms):
             return
         self._closed = True
         self._kick.set()
-        self._pending.append(("close",))
+        with self._send_lock:  # the helper thread may be taking the batch right now
+            self._pending.append(("close",))
         deadline = time.monotonic() + timeout
         self._flush()
         while self._out and not self._broken and time.monotonic() < deadline and self._proc.is_alive():
