@@ -31,13 +31,17 @@ from kvproto.core.groups import GroupSpec
 from kvproto.geometry import DType, GeometryError, KVGeometry, Layout
 from kvproto.geometry.groups import CacheGeometry, PagedGroup, StateGroup, StateTensor
 from kvproto.transport.base import MemKind, MemoryRegion, merge_regions
-from kvproto.wire import (NO_SHARD, NO_SLOT, GroupKind, LocalProtocolError, RegionKind, WireGeometry, WireGroup,
+from kvproto.wire import (NAMED_WINDOW, NO_SHARD, NO_SLOT, GroupKind, LocalProtocolError, RegionKind, WireGeometry, WireGroup,
                           WireGroupLayout, WireRegion, WireStateTensor, WireTensorLayout)
 
 LAYOUT_MINOR = 4
 """The first minor version whose ``CACHE_GROUPS`` carries the groups' layouts (sections, slot
 strides): a peer of an older one describes every state tensor as one section with slots back to
 back, and cannot address slots that lie further apart (``older_peer_refusal``)."""
+
+NAMED_MINOR = 5
+"""The first minor version that knows windows the engine names (``NAMED_WINDOW``): an older peer
+takes that value of ``window`` for a window of 2**32 - 1 tokens (``older_peer_refusal``)."""
 
 _TORCH_DTYPES = {
     "torch.float16": DType.FLOAT16,
@@ -614,7 +618,15 @@ def older_peer_refusal(mine: CacheGeometry, peer_minor: int) -> str | None:
     """Why a decode cache ``mine`` cannot take writes from a prefill rank of minor ``peer_minor``
     (None: it can): a peer older than ``LAYOUT_MINOR`` never learns that a state group's slots lie
     further apart than their bytes, and would write them back to back. (Sections need no rule of
-    their own: such a peer lists one section, which ``check_groups`` refuses beside ours.)"""
+    their own: such a peer lists one section, which ``check_groups`` refuses beside ours.) Nor does
+    a peer older than ``NAMED_MINOR`` know a window the engine names: it would refuse every room
+    whose window starts past page 0."""
+    if peer_minor >= NAMED_MINOR:
+        return None
+    for g in mine.groups:
+        if isinstance(g, PagedGroup) and g.window == NAMED_WINDOW:
+            return (f"group {g.name!r}: its window is named by the engine, which a peer of version 1.{peer_minor} "
+                    f"does not know (version 1.{NAMED_MINOR})")
     if peer_minor >= LAYOUT_MINOR:
         return None
     for g in mine.groups:

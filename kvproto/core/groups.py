@@ -19,6 +19,12 @@ left behind silently:
   distinct. On a link whose rooms stage, the paged groups without a
   window ride in the staged pieces instead (``kvproto.geometry.groups.staged_groups``: one block
   per group after the first group's);
+* a paged group whose window is **named by the engine** (``NAMED_WINDOW``: SGLang's sliding-window
+  and indexer pools) gets its pages with the last chunk only: the prefill's engine names the
+  group's last pages (those it still holds), the decode names the pages it needs, from any
+  ``first_page`` to the prompt's end, and the prefill writes those tokens, past the prefix, with
+  the last chunk. A decode that needs a token before the first the prefill's engine named fails
+  the room (``TOKEN_COUNT_MISMATCH``): the prefill no longer holds it;
 * a **state** group is the request's slot (of the group's layers in a layer-wise chunk), moved
   with the last token range, like the aux slot.
 
@@ -53,7 +59,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvproto.core.base import duplicate_page, page_outside
-from kvproto.wire import NO_SLOT, ErrorCode, GroupDestination
+from kvproto.wire import NAMED_WINDOW, NO_SLOT, ErrorCode, GroupDestination
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,10 +74,19 @@ class GroupSpec:
     layers: tuple[int, ...] = ()
     """The model layer of each of the group's layers (ascending)."""
 
-    def needed_pages(self, num_tokens: int, block_size: int | None = None) -> range:
-        """Page indices a decode rank names for ``num_tokens`` (``block_size``: the decode's)."""
+    @property
+    def named(self) -> bool:
+        """Whether the engine names the group's window, room by room (``NAMED_WINDOW``)."""
+        return self.window == NAMED_WINDOW
+
+    def needed_pages(self, num_tokens: int, block_size: int | None = None, first_page: int = 0) -> range:
+        """Page indices a decode rank names for ``num_tokens`` (``block_size``: the decode's;
+        ``first_page``: the first a decode names of a window named by the engine)."""
         block = block_size or self.block_size
-        first = 0 if self.window is None else max(0, num_tokens - self.window) // block
+        if self.named:
+            first = first_page
+        else:
+            first = 0 if self.window is None else max(0, num_tokens - self.window) // block
         return range(first, -(-num_tokens // block)) if num_tokens > 0 else range(0)
 
     def window_start(self, num_tokens: int) -> int:
@@ -143,6 +158,24 @@ def check_chunk_pages(groups: Sequence[GroupSpec], held: Sequence[Sequence[int]]
             if pages:
                 return None, f"group {spec.name!r} is a state group: it takes a slot, not pages"
             continue
+        if spec.window == NAMED_WINDOW:  # its last pages, with the last chunk
+            if not last:
+                if pages:
+                    return None, (f"group {spec.name!r}'s window is named by the engine: its pages come with the "
+                                  f"last chunk")
+                continue
+            need = -(-end_token // spec.block_size)
+            if len(held[g]) + len(pages) > need:
+                return None, (f"{end_token} tokens fill {need} pages of group {spec.name!r}, the last chunk names "
+                              f"{len(held[g]) + len(pages)}")
+            bad = page_outside(pages, spec.pool)
+            if bad is not None:
+                return ErrorCode.INDEX_OUT_OF_RANGE, f"page {bad} of group {spec.name!r} outside [0, {spec.pool})"
+            twice = duplicate_page(pages)
+            if twice is not None:
+                return ErrorCode.INDEX_OUT_OF_RANGE, (
+                    f"page {twice} of group {spec.name!r} is listed twice: two token ranges would share it")
+            continue
         if not last and end_token % spec.block_size:
             return None, (f"a non-last chunk must end on a page boundary of every paged group: group {spec.name!r} "
                           f"has blocks of {spec.block_size}, the chunk ends at {end_token}")
@@ -189,7 +222,10 @@ def check_destinations(groups: Sequence[GroupSpec], sizes: Sequence[GroupSpec | 
                 return _first_problem(groups, sizes, dests, num_tokens, prefix_tokens)
             continue
         block, pages, window = size.block_size, dest.pages, spec.window
-        first = 0 if window is None or num_tokens <= window else (num_tokens - window) // block
+        if window == NAMED_WINDOW:
+            first = dest.first_page  # the decode's to choose: its page count must reach the prompt's end
+        else:
+            first = 0 if window is None or num_tokens <= window else (num_tokens - window) // block
         # one test for the common case (every page fits): the reasons are worked out only on a refusal
         if dest.slot != NO_SLOT or dest.first_page != first or len(pages) != -(-num_tokens // block) - first \
                 or prefix_tokens % block or not (pages is first_pages and size.pool >= first_pool
@@ -197,6 +233,10 @@ def check_destinations(groups: Sequence[GroupSpec], sizes: Sequence[GroupSpec | 
                     page_outside(pages, size.pool) is not None or len(set(pages)) != len(pages)):
             return _first_problem(groups, sizes, dests, num_tokens, prefix_tokens)
     return None
+
+
+def _window_words(spec: GroupSpec) -> str:
+    return "" if spec.window is None else ", window named by the engine" if spec.named else f", window {spec.window}"
 
 
 def _first_problem(groups: Sequence[GroupSpec], sizes: Sequence[GroupSpec | LinkGroup],
@@ -216,12 +256,12 @@ def _first_problem(groups: Sequence[GroupSpec], sizes: Sequence[GroupSpec | Link
         if not spec.state and dest.slot != NO_SLOT:
             return ErrorCode.PEER_PROTOCOL_ERROR, f"paged group {spec.name!r} takes pages, not a slot"
     for spec, size, dest in paged:
-        need = spec.needed_pages(num_tokens, size.block_size)
+        need = spec.needed_pages(num_tokens, size.block_size, dest.first_page)
         if dest.first_page != need.start or len(dest.pages) != len(need):
             return ErrorCode.TOKEN_COUNT_MISMATCH, (
                 f"{num_tokens} tokens need pages {need.start}..{need.stop - 1} of group {spec.name!r} (blocks of "
-                f"{size.block_size}{'' if spec.window is None else f', window {spec.window}'}), the room names "
-                f"{len(dest.pages)} from page {dest.first_page}")
+                f"{size.block_size}{_window_words(spec)}), the "
+                f"room names {len(dest.pages)} from page {dest.first_page}")
     for spec, size, _ in paged:
         if prefix_tokens % size.block_size:
             return ErrorCode.INDEX_OUT_OF_RANGE, (

@@ -311,7 +311,8 @@ class ReceiverCore(ReceiverHolds, CoreBase):
                           state_slots: Sequence[int] = ()) -> Destination:
         """The destination, validated against this rank's cache; ``LocalProtocolError`` if unusable.
         ``group_pages`` / ``state_slots``: per group beyond the first, its pages (those holding the
-        tokens needed: ``GroupSpec.needed_pages``) or its slot; the other kind's entry is ignored."""
+        tokens needed: ``GroupSpec.needed_pages``; for a window the engine names, the last pages of
+        the prompt that it needs) or its slot; the other kind's entry is ignored."""
         need = -(-num_tokens // self.block_size)
         given, pages = pages, tuple(pages)
         if not 0 < num_tokens < 2**32:
@@ -337,7 +338,8 @@ class ReceiverCore(ReceiverHolds, CoreBase):
                                          f"slot for each ({', '.join(repr(g.name) for g in self.groups) or 'none'})")
             groups = tuple([
                 slot_destination(int(slot)) if spec.state else
-                GroupDestination(first_page=spec.window_start(num_tokens) // spec.block_size,
+                GroupDestination(first_page=(-(-num_tokens // spec.block_size) - len(group) if spec.named else
+                                             spec.window_start(num_tokens) // spec.block_size),
                                  pages=pages if group is given else _one_of(tuple(group), pages), slot=NO_SLOT)
                 for spec, group, slot in zip(self.groups, group_pages, state_slots)])
             problem = check_destinations(self.groups, self.groups, groups, num_tokens, prefix_tokens,

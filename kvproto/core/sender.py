@@ -235,8 +235,9 @@ class SenderCore(SenderHolds, SenderRequests, SenderWrites, CoreBase):
             if room.chunks or first_token < 0 or first_token % self.block_size:
                 raise LocalProtocolError(f"first_token {first_token} needs the room's first chunk and whole blocks of "
                                          f"{self.block_size}")
-            if any(not g.state for g in self.groups):
-                raise LocalProtocolError("first_token: a cache with paged groups beyond the first names every page")
+            if any(not g.state and not g.named for g in self.groups):
+                raise LocalProtocolError("first_token: a cache with paged groups beyond the first names every page "
+                                         "(but those whose window the engine names)")
             start, skip = first_token, first_token // self.block_size
         if end_token < start or (end_token == start and not last):
             raise LocalProtocolError(f"chunk end token {end_token} does not advance past {start}")
@@ -280,6 +281,9 @@ class SenderCore(SenderHolds, SenderRequests, SenderWrites, CoreBase):
         src.extend(pages)
         for g, new in enumerate(group_pages):
             held = room.group_pages[g]
+            if self.groups[g].named:  # its last pages, given once (with the last chunk)
+                held.extend(new)
+                continue
             if new is pages and (held is src or not held and not before):
                 room.group_pages[g] = src  # the first group's very list, from token 0: held once (``group_pages``)
             elif held is src:  # it parts ways with the first group's pages: a list of its own from here on

@@ -160,6 +160,23 @@ class SenderRequests:
                 return f"prefill reached token {room.end_token}, decode expects {n} tokens"
             if room.last_given and room.end_token != n:
                 return f"prefill's last chunk ends at token {room.end_token}, decode expects {n} tokens"
+            if room.last_given:
+                return self._named_short(room)
+        return None
+
+    def _named_short(self, room: SenderRoom) -> str | None:
+        """Why a decode rank needs tokens of a group whose window the engine names that the
+        prefill's engine did not name (the first token it named is later), or None."""
+        for g, spec in enumerate(self.groups):
+            if not spec.named:
+                continue
+            held_from = (-(-room.end_token // spec.block_size) - len(room.group_pages[g])) * spec.block_size
+            for peer in room.peers.values():
+                lg, req = peer.link.groups[g], peer.request
+                needed = max(req.prefix_tokens, req.groups[g].first_page * lg.block_size)
+                if lg.writes and needed < min(held_from, req.num_tokens):
+                    return (f"group {spec.name!r}: the decode needs its tokens from {needed}, the prefill's engine "
+                            f"named them from {held_from}")
         return None
 
     def _park(self, key: LinkKey, msg: TransferRequest, now: float) -> None:

@@ -39,6 +39,7 @@ from kvproto.core.groups import local_span, pages_from_zero
 from kvproto.core.sender_room import SenderRoom, _Chunk, _Peer
 from kvproto.core.state import Input
 from kvproto.wire import (
+    NAMED_WINDOW,
     NO_SLOT,
     ErrorCode,
     StagingGrant,
@@ -228,6 +229,10 @@ class SenderWrites:
             if state:  # (group, layers, src_slot, dst_slot): the part's group counts the first as 0
                 parts.append(new_part(StatePart, (g + 1, span, room.state_slots[g], dest.slot)))  # type: ignore[index]
                 continue
+            if window == NAMED_WINDOW:  # with the last chunk: the tokens the decode names, past its prefix
+                if chunk.last:
+                    self._named_part(parts, room, g, lg.block_size, dest, req.prefix_tokens, span, end)
+                continue
             first = start if window is None else max(start, self.groups[g].window_start(req.num_tokens))
             if first < end:  # (group, start_token, end_token, layers, src_pages, dst_pages)
                 held = room.group_pages[g]
@@ -236,6 +241,17 @@ class SenderWrites:
                 to = req.dst_pages if dest.first_page == 0 and (pages is req.dst_pages or
                                                                 pages == req.dst_pages) else pages_from_zero(dest)
                 parts.append(new_part(PagedPart, (g + 1, first, end, span, own, to)))
+
+    def _named_part(self, parts: list[Part], room: SenderRoom, g: int, dst_block: int, dest: Any, prefix: int,
+                    span: tuple[int, int] | None, end: int) -> None:
+        """A group whose window the engine names: the tokens from the decode's first named page (or
+        its prefix) to the end, from the last pages the prefill's engine named (``_token_mismatch``
+        failed the room before any write if they do not reach that far back)."""
+        first = max(prefix, dest.first_page * dst_block)
+        if first < end:
+            held = room.group_pages[g]
+            own = (0,) * (-(-end // self.groups[g].block_size) - len(held)) + tuple(held)
+            parts.append(new_part(PagedPart, (g + 1, first, end, span, own, pages_from_zero(dest))))
 
     def _piece_states(self, room: SenderRoom, peer: _Peer, end_token: int) -> tuple[StatePart, ...]:
         """The state slots gathered into a staged piece's state block: every state group the link

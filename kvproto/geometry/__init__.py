@@ -10,6 +10,7 @@ from kvproto.geometry.groups import (
     check_groups,
     plan_state,
     state_writers,
+    NAMED_WINDOW,
     window_pages,
     window_tokens,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "check_groups",
     "plan_state",
     "state_writers",
+    "NAMED_WINDOW",
     "window_pages",
     "window_tokens",
     "DType",

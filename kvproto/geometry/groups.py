@@ -12,7 +12,12 @@ alone, so that both sides compute the same plan without talking:
 * a **paged group** is a set of layers with a page pool of its own, described by a
   ``KVGeometry`` (heads, head size, dtype, block size, layout, MLA or fused K/V): its plans are
   ``plan_pair``'s. ``window`` (sliding-window layers) says the decode needs only the prompt's last
-  ``window`` tokens of it (``window_tokens``);
+  ``window`` tokens of it (``window_tokens``). ``window=NAMED_WINDOW`` leaves the window to the
+  engine, room by room (SGLang keeps no window size where a backend can read it, and names a
+  sliding-window pool's pages, or an indexer's past the decode's prefix, only with a request's last
+  chunk): the prefill's engine gives the group's last pages with the last chunk, the decode names
+  the pages it needs from some page to the prompt's end, and the prefill writes those tokens with
+  the last chunk, failing the room if its engine named fewer (``kvproto.core.groups``);
 * a **state group** holds, for every layer, fixed-shape tensors per request *slot* (a GDN layer's
   conv state and temporal state, say). Each tensor is either *sharded* over TP along one
   dimension (heads, channels: SGLang's ``_send_mamba_state_slice``) or *replicated*. Its memory is
@@ -74,6 +79,7 @@ from typing import NamedTuple
 
 from kvproto.geometry.model import DType, GeometryError, KVGeometry
 from kvproto.geometry.plan import IncompatibleGeometry, check_compatible, paired, plan_pair, writers
+from kvproto.wire.messages import NAMED_WINDOW
 
 
 class IncompatibleGroups(ValueError):
@@ -221,7 +227,8 @@ class StateGroup:
 @dataclass(frozen=True, slots=True)
 class PagedGroup:
     """Layers with a page pool of their own; ``window``: the decode needs only the last ``window``
-    tokens of a prompt (sliding-window attention), None: every token."""
+    tokens of a prompt (sliding-window attention), None: every token, ``NAMED_WINDOW``: the tokens
+    the engine names, room by room (module docstring)."""
 
     name: str
     geometry: KVGeometry
@@ -314,7 +321,8 @@ def check_groups(prefill: CacheGeometry, decode: CacheGeometry) -> None:
             except IncompatibleGeometry as exc:
                 raise IncompatibleGroups(p.name, str(exc)) from None
             if p.window != d.window:
-                raise IncompatibleGroups(p.name, f"window {p.window} on the prefill, {d.window} on the decode")
+                raise IncompatibleGroups(p.name, f"window {window_name(p.window)} on the prefill, "
+                                                 f"{window_name(d.window)} on the decode")
         else:
             assert isinstance(d, StateGroup)
             if p.num_layers != d.num_layers:
@@ -328,6 +336,11 @@ def check_groups(prefill: CacheGeometry, decode: CacheGeometry) -> None:
 
 
 # --- sliding windows -----------------------------------------------------------------------------
+def window_name(window: int | None) -> str:
+    """A group's window as a reason names it."""
+    return "named by the engine" if window == NAMED_WINDOW else str(window)
+
+
 def window_tokens(num_tokens: int, window: int | None) -> range:
     """The prompt tokens a decode needs of a group with ``window`` (all of them without one)."""
     start = 0 if window is None else max(0, num_tokens - window)

@@ -12,6 +12,7 @@ from kvproto.wire.errors import (
 )
 from kvproto.wire.messages import (
     MESSAGE_TYPES,
+    NAMED_WINDOW,
     NO_SLOT,
     Abort,
     BootstrapInfo,

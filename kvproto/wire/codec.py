@@ -82,7 +82,7 @@ from kvproto.wire.errors import FrameTooLarge, MalformedFrame, UnsupportedVersio
 
 MAGIC = b"KV"
 MAJOR = 1
-MINOR = 4
+MINOR = 5
 HEADER = struct.Struct("<2sBBBBHQII")
 HEADER_SIZE = HEADER.size  # 24
 MAX_FRAME = 16 * 1024 * 1024

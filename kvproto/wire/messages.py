@@ -17,6 +17,11 @@ from kvproto.wire.errors import MalformedFrame
 NO_SLOT = 0xFFFFFFFF
 """``aux_slot`` value meaning "no aux region for this room"."""
 
+NAMED_WINDOW = 0xFFFFFFFF
+"""(minor 5) A PAGED ``WireGroup``'s ``window`` meaning "the engine names the window, room by
+room": the prefill's engine gives the group's last pages with the last chunk, the decode names the
+pages it needs from some ``first_page`` to the prompt's end (transfer.md, engine-named windows)."""
+
 
 class MsgType(enum.IntEnum):
     BOOTSTRAP_QUERY = 1
@@ -132,7 +137,8 @@ class WireStateTensor(Body):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WireGroup(Body):
     """(minor 2) One cache group beyond the first (see ``kvproto.geometry.groups``). A PAGED group
-    has ``geometry`` and ``window`` (0: every token); a STATE group ``num_layers``, ``num_slots``
+    has ``geometry`` and ``window`` (0: every token; ``NAMED_WINDOW``: named by the engine, room by
+    room); a STATE group ``num_layers``, ``num_slots``
     and ``tensors``. The fields of the other kind are zero or empty."""
 
     name: str

@@ -60,16 +60,16 @@ GEOMETRY_BYTES = struct.pack("<HHIIIBIBBI", 2, 1, 3, 8, 128, 2, 16, 1, 0, 1000)
 
 
 def test_codec_header_constants() -> None:
-    """The header is 24 bytes; this build speaks major 1, minor 4 (version 1.4: state layouts, room holds)."""
+    """The header is 24 bytes; this build speaks major 1, minor 5 (version 1.5: windows the engine names)."""
     assert HEADER_SIZE == struct.calcsize(HEADER_FMT) == 24
-    assert (MAJOR, MINOR) == (1, 4)
+    assert (MAJOR, MINOR) == (1, 5)
 
 
 def test_codec_heartbeat_matches_hand_assembled_bytes() -> None:
-    """HEARTBEAT encodes as the header (minor 4 by default, 0 on request) then two u64, little-endian."""
+    """HEARTBEAT encodes as the header (this build's minor by default, 0 on request) then two u64, little-endian."""
     msg = Heartbeat(room_id=0, generation=0, boot_id=0x0123456789ABCDEF, seq=42)
     body = struct.pack("<QQ", 0x0123456789ABCDEF, 42)
-    assert encode(msg) == frame_by_hand(10, body, minor=4)
+    assert encode(msg) == frame_by_hand(10, body, minor=MINOR)
     assert encode(msg, minor=0) == frame_by_hand(10, body, minor=0)
 
 
@@ -78,7 +78,7 @@ def test_codec_transfer_request_matches_hand_assembled_bytes() -> None:
     msg = TransferRequest(room_id=2**64 - 1, generation=7, num_tokens=33, prefix_tokens=16, aux_slot=NO_SLOT,
                           expected_writers=3, dst_pages=(5, 0, 2**32 - 1))
     body = struct.pack("<IIIH", 33, 16, 0xFFFFFFFF, 3) + struct.pack("<I3I", 3, 5, 0, 2**32 - 1)
-    assert encode(msg) == frame_by_hand(7, body, room_id=2**64 - 1, generation=7, minor=4)
+    assert encode(msg) == frame_by_hand(7, body, room_id=2**64 - 1, generation=7, minor=MINOR)
     assert encode(msg, minor=0) == frame_by_hand(7, body, room_id=2**64 - 1, generation=7, minor=0)
     for minor in (0, 1):
         assert decode(frame_by_hand(7, body, room_id=2**64 - 1, generation=7, minor=minor)) == msg
@@ -98,7 +98,7 @@ def test_codec_register_matches_hand_assembled_bytes() -> None:
             + struct.pack("<I", 2)
             + struct.pack("<BIQQIB", 0, 0, 0x1000, 64, 3, 1) + struct.pack("<BIQQIB", 1, 0, 0x2000, 32, 0, 0))
     assert len(GEOMETRY_BYTES) == 27 and struct.calcsize("<BIQQIB") == 26
-    assert encode(msg) == frame_by_hand(4, body, minor=4)
+    assert encode(msg) == frame_by_hand(4, body, minor=MINOR)
     assert encode(msg, minor=0) == frame_by_hand(4, body, minor=0)
     assert decode(frame_by_hand(4, body)) == msg
 
@@ -122,7 +122,7 @@ def test_codec_staging_request_matches_hand_assembled_bytes() -> None:
     """STAGING_REQUEST (type 11, minor 1): room and generation in the header, then seq, start, end as u32."""
     msg = StagingRequest(room_id=0xC0FFEE, generation=5, seq=3, start_token=64, end_token=2**32 - 1)
     body = struct.pack("<III", 3, 64, 0xFFFFFFFF)
-    assert encode(msg) == frame_by_hand(11, body, room_id=0xC0FFEE, generation=5, minor=4)
+    assert encode(msg) == frame_by_hand(11, body, room_id=0xC0FFEE, generation=5, minor=MINOR)
     assert decode(frame_by_hand(11, body, room_id=0xC0FFEE, generation=5, minor=1)) == msg
 
 
@@ -131,7 +131,7 @@ def test_codec_staging_grant_matches_hand_assembled_bytes() -> None:
     msg = StagingGrant(room_id=1, generation=2, seq=3, start_token=64, end_token=80, offset=2**64 - 1)
     body = struct.pack("<IIIQ", 3, 64, 80, 2**64 - 1)
     assert len(body) == 20
-    assert encode(msg) == frame_by_hand(12, body, room_id=1, generation=2, minor=4)
+    assert encode(msg) == frame_by_hand(12, body, room_id=1, generation=2, minor=MINOR)
     assert decode(frame_by_hand(12, body, room_id=1, generation=2, minor=1)) == msg
 
 
@@ -140,7 +140,7 @@ def test_codec_staging_watermark_matches_hand_assembled_bytes() -> None:
     msg = StagingWatermark(room_id=1, generation=2, seq=7, watermark=0x0123456789ABCDEF)
     body = struct.pack("<IQ", 7, 0x0123456789ABCDEF)
     assert len(body) == 12
-    assert encode(msg) == frame_by_hand(13, body, room_id=1, generation=2, minor=4)
+    assert encode(msg) == frame_by_hand(13, body, room_id=1, generation=2, minor=MINOR)
     assert decode(frame_by_hand(13, body, room_id=1, generation=2, minor=1)) == msg
 
 
@@ -160,7 +160,7 @@ def test_codec_cache_groups_layouts_are_a_trailing_optional_field() -> None:
 
     plain = CacheGroups(link_id=9, groups=())
     body = struct.pack("<II", 9, 0)
-    assert encode(plain) == frame_by_hand(14, body, minor=4)
+    assert encode(plain) == frame_by_hand(14, body, minor=MINOR)
     layouts = (WireGroupLayout(tensors=()),
                WireGroupLayout(tensors=(WireTensorLayout(sections=(8, 8, 16), slot_stride=2**40 + 3),
                                         WireTensorLayout(sections=(), slot_stride=0))))
@@ -168,11 +168,11 @@ def test_codec_cache_groups_layouts_are_a_trailing_optional_field() -> None:
     tail = struct.pack("<I", 2) + struct.pack("<I", 0) + struct.pack("<I", 2) + struct.pack("<I3IQ", 3, 8, 8, 16,
                                                                                        2**40 + 3) + \
         struct.pack("<IQ", 0, 0)
-    assert encode(full) == frame_by_hand(14, body + tail, minor=4)
-    assert decode(frame_by_hand(14, body + tail, minor=4)) == full
+    assert encode(full) == frame_by_hand(14, body + tail, minor=MINOR)
+    assert decode(frame_by_hand(14, body + tail, minor=MINOR)) == full
     assert decode(frame_by_hand(14, body, minor=2)) == plain
     with pytest.raises(MalformedFrame):  # once the count is sent, its records must be there
-        decode(frame_by_hand(14, body + tail[:-4], minor=4))
+        decode(frame_by_hand(14, body + tail[:-4], minor=MINOR))
 
 
 def test_codec_string_length_counts_bytes_not_characters() -> None:
@@ -182,11 +182,11 @@ def test_codec_string_length_counts_bytes_not_characters() -> None:
 
 
 def test_codec_encode_sets_version_flags_reserved() -> None:
-    """encode writes magic KV, major 1, the requested minor (default: this build's, 4), flags 0 and reserved 0."""
+    """encode writes magic KV, major 1, the requested minor (default: this build's, 5), flags 0 and reserved 0."""
     frame = encode(Abort(code=1, reason=""), minor=2)
     magic, major, minor, msg_type, flags, reserved, *_ = struct.unpack_from(HEADER_FMT, frame)
     assert (magic, major, minor, msg_type, flags, reserved) == (b"KV", 1, 2, 9, 0, 0)
-    for msg, want in ((Abort(code=1, reason=""), 4), (StagingWatermark(seq=0, watermark=0), 4)):
+    for msg, want in ((Abort(code=1, reason=""), MINOR), (StagingWatermark(seq=0, watermark=0), MINOR)):
         assert struct.unpack_from(HEADER_FMT, encode(msg))[:4] == (b"KV", 1, want, msg.MSG_TYPE)
     assert struct.unpack_from(HEADER_FMT, encode(Abort(code=1, reason=""), minor=0))[2] == 0
 
@@ -254,12 +254,12 @@ def test_codec_decode_unknown_type_carries_header() -> None:
 
 
 def test_codec_decode_unknown_type_of_newer_minor_is_ignorable() -> None:
-    """Type 200 at minor 5 raises UnknownMessage carrying the header; its minor exceeds this build's
-    MINOR (4), which is what lets a receiver ignore it (README.md, versioning)."""
+    """Type 200 at minor 6 raises UnknownMessage carrying the header; its minor exceeds this build's
+    MINOR (5), which is what lets a receiver ignore it (README.md, versioning)."""
     with pytest.raises(UnknownMessage) as info:
-        decode(frame_by_hand(200, b"\x01\x02", room_id=0xC0FFEE, generation=9, minor=5, flags=0x80))
+        decode(frame_by_hand(200, b"\x01\x02", room_id=0xC0FFEE, generation=9, minor=6, flags=0x80))
     header = info.value.header
-    assert header == Header(msg_type=200, room_id=0xC0FFEE, generation=9, flags=0x80, major=1, minor=5)
+    assert header == Header(msg_type=200, room_id=0xC0FFEE, generation=9, flags=0x80, major=1, minor=6)
     assert header.minor > MINOR
     assert info.value.code is ErrorCode.MALFORMED_FRAME
     with pytest.raises(UnknownMessage) as same_minor:

@@ -27,6 +27,7 @@ from typing import Any
 
 from kvproto.wire import (
     NO_SHARD,
+    NAMED_WINDOW,
     NO_SLOT,
     CacheGroups,
     GroupDestination,
@@ -326,6 +327,17 @@ bytes later, each reaching its 64th slot's end (63 strides and the tensor's loca
 # Version 1.4 (minor 4): room holds. The decode rank of transfer_request.hex's room waits for its
 # destination and holds the room on the prefill rank for 10 s (Timeouts.hold's default).
 ROOM_HOLD = RoomHold(room_id=0x00C0FFEE, generation=1_000_001, hold_ms=10_000)
+
+
+# Version 1.5 (minor 5): windows the engine names. The decode rank of REGISTER_GROUPS serves a model
+# whose engine names swa's window room by room (window NAMED_WINDOW): for transfer_request_groups's
+# 300-token room it names swa's pages from page 12 on (tokens [192, 300), 7 pages of block 16).
+GROUPS_NAMED = (dataclasses.replace(GROUPS[0], window=NAMED_WINDOW), GROUPS[1])
+CACHE_GROUPS_NAMED = CacheGroups(link_id=7, groups=GROUPS_NAMED)
+TRANSFER_REQUEST_NAMED = dataclasses.replace(
+    TRANSFER_REQUEST_GROUPS,
+    groups=(GroupDestination(first_page=12, pages=(210, 211, 212, 213, 214, 215, 216), slot=NO_SLOT),
+            TRANSFER_REQUEST_GROUPS.groups[1]))
 
 
 def _vectors() -> list[Vector]:
@@ -670,8 +682,26 @@ def _vectors() -> list[Vector]:
                "message type 203 at minor 5: decoders raise UnknownMessage; a receiver of minor 4 or lower ignores "
                "it (newer minor)"),
     ]
+    named = [
+        frame("cache_groups_named_window.hex", CACHE_GROUPS_NAMED,
+              "minor 5: cache_groups.hex with swa's window named by the engine, room by room "
+              "(window 0xFFFFFFFF, NAMED_WINDOW)", minor=5),
+        frame("transfer_request_named_window.hex", TRANSFER_REQUEST_NAMED,
+              "minor 5: transfer_request_groups.hex's room on a link of cache_groups_named_window.hex: the decode "
+              "names swa's pages from page 12 (tokens [192, 300)), where its engine's window begins", minor=5),
+        decode_only("staging_grant_minor6_trailing.hex",
+                    with_trailing(encode(STAGING_GRANT, minor=6), bytes.fromhex("5a5a"), minor=6),
+                    STAGING_GRANT,
+                    "minor 6: a STAGING_GRANT with 2 bytes of fields this decoder does not know: they are ignored",
+                    twin="staging_grant.hex", minor=6),
+        reject("reject_unknown_type_minor6.hex", patched(encode(HEARTBEAT, minor=6), 4, "<B", 204),
+               "UnknownMessage", ErrorCode.MALFORMED_FRAME,
+               "message type 204 at minor 6: decoders raise UnknownMessage; a receiver of minor 5 or lower ignores "
+               "it (newer minor)"),
+    ]
     # The MAX_FRAME bound is tested in tests/wire/test_fuzz.py rather than with 16 MiB files.
-    return good + tail + rejects + tags + tag_rejects + staging + duplicates + groups + state_block + exact + layouts + holds
+    return good + tail + rejects + tags + tag_rejects + staging + duplicates + groups + state_block + exact + layouts + \
+        holds + named
 
 
 VECTORS = _vectors()
