@@ -519,6 +519,8 @@ class KVCache:
         aux: AuxBuffer | None = None,
         owner: Any = None,
         model_layers: Sequence[int] | None = None,
+        name: str = "kv",
+        window: int | None = None,
     ) -> KVCache:
         """Describe a cache an engine gives as raw addresses (SGLang's ``KVArgs``): ``planes`` is
         ``[k_addresses, v_addresses]`` (``[latent_addresses]`` for MLA), one per layer; each layer
@@ -526,7 +528,8 @@ class KVCache:
         tokens of this rank's heads, token-major (NHD). The head size is what the page holds per
         token and head, in bytes (the cache is described as bytes: both sides describe it so, and
         the engine checks the element type); ``num_kv_heads`` is the model's total; ``model_layers``
-        the model layer of each layer (a hybrid model's first group). The memory is the
+        the model layer of each layer (a hybrid model's first group); ``name`` and ``window`` a
+        group's beyond the first (as ``from_tensors``). The memory is the
         caller's (keep it alive, or pass it as ``owner``). The staged path needs tensors, so such a
         cache moves direct or sliced (``EndpointConfig.staging_bytes=0``)."""
         if not planes or not planes[0] or len(planes) != (1 if mla else 2):
@@ -545,7 +548,7 @@ class KVCache:
         )
         addresses = tuple(int(plane[layer]) for layer in range(layers) for plane in planes)
         return cls(geometry=geometry, region_addresses=addresses, mem_kind=mem_kind, device_id=device_id, aux=aux,
-                   owner=owner, layers=None if model_layers is None else tuple(model_layers))
+                   owner=owner, layers=None if model_layers is None else tuple(model_layers), name=name, window=window)
 
     # --- what gets registered and advertised ------------------------------------------------
     def regions(self) -> list[MemoryRegion]:

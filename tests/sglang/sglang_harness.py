@@ -54,6 +54,10 @@ KV_LORA, ROPE = 24, 8
 POOL_PAGES = 48
 SLOTS = 8
 FULL_LAYERS, MAMBA_LAYERS = [0, 2, 4], [1, 3]
+SWA_LAYERS = MAMBA_LAYERS
+"""A sliding-window model's window layers (SGLang's SWAKVPool: full attention on FULL_LAYERS)."""
+WINDOW = 2 * PAGE + 5
+"""The sliding window both servers name the window pool's pages by (SGLang's scheduler's)."""
 UNTOUCHED = 0xEE
 RESERVED = 4
 """Pages at the pool's end that no request is given: no write may reach them."""
@@ -198,6 +202,34 @@ def expected(req: Request, layer: int, plane: int, head: int, tokens: np.ndarray
     return _mix(req.room, chunk_of(req, t), layer, plane, head, t, np.arange(head_bytes)[None, :])
 
 
+def window_start(req: Request) -> int:
+    """The first token of the window pool's pages a request's servers name, by SGLang's rule (both
+    sides): ``⌊max(prefix, length − window) / page⌋ · page``."""
+    return max(req.prefix, req.tokens - WINDOW) // PAGE * PAGE
+
+
+def window_tokens(rank: Rank, req: Request, pages: list[int], write: bool) -> tuple[int, int]:
+    """Write (prefill) or check (decode) every byte of the window's tokens ``[window_start, tokens)``
+    in ``pages`` (the window pool's, from the window's first page) of every window layer, plane and
+    held head; returns (bytes, mismatching tokens x heads)."""
+    start = window_start(req)
+    tokens = np.arange(start, req.tokens)
+    checked = bad = 0
+    for plane in range(2):
+        for li, layer in enumerate(SWA_LAYERS):
+            for h in range(rank.local_heads):
+                want = expected(req, 100 + layer, plane, rank.head_start + h, tokens, rank.head_bytes)
+                for page in sorted(set(((tokens - start) // PAGE).tolist())):
+                    sel = (tokens - start) // PAGE == page
+                    view = rank.swa_page_view(plane, li, pages[page])
+                    if write:
+                        view[tokens[sel] % PAGE, h] = want[sel]
+                    else:
+                        bad += int((view[tokens[sel] % PAGE, h] != want[sel]).any(axis=1).sum())
+                        checked += want[sel].size
+    return checked, bad
+
+
 def aux_expected(room: int, buffer: int, nbytes: int) -> np.ndarray:
     return _mix(room, 7777, buffer, np.arange(nbytes))
 
@@ -254,6 +286,9 @@ class RankSpec:
     """A hybrid model (a key of ``STATE_MODELS``): SGLang's HybridLinearKVPool, full attention on
     model layers 0, 2, 4 and that model's state (conv and temporal tensors, one slot per request)
     on layers 1 and 3."""
+    swa: bool = False
+    """A sliding-window model: SGLang's SWAKVPool, full attention on FULL_LAYERS, a window of WINDOW
+    tokens on SWA_LAYERS in a pool of its own (KVArgs' ``StateType.SWA``)."""
 
 
 class Rank:
@@ -293,6 +328,15 @@ class Rank:
             self.state_tensors = [(cache.conv[0], model.conv_axis, model.conv_sections), (cache.temporal, 0, None)]
             """Per state tensor: SGLang's ``(layers, slots + 1, *per-slot shape)`` tensor, the axis split
             over TP and the model's projections along it (global sizes; None: one)."""
+        elif spec.swa:
+            from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+            self.local_heads = max(1, HEADS // spec.tp)
+            self.head_start = spec.rank * self.local_heads if spec.tp <= HEADS else spec.rank * HEADS // spec.tp
+            self.pool = SWAKVPool(size=POOL_PAGES * PAGE - PAGE, size_swa=POOL_PAGES * PAGE - PAGE, page_size=PAGE,
+                                  dtype=torch.bfloat16, head_num=self.local_heads, head_dim=HEAD_DIM,
+                                  swa_attention_layer_ids=SWA_LAYERS, full_attention_layer_ids=FULL_LAYERS,
+                                  device="cpu", enable_memory_saver=False)
         elif spec.mla:
             from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
@@ -326,11 +370,17 @@ class Rank:
         self.head_bytes = self.page_bytes // (PAGE * self.local_heads)
         self.aux = list(zip(self.manager.kv_args.aux_data_ptrs, self.manager.kv_args.aux_item_lens))
         args = self.manager.kv_args
-        self.states = bool(args.state_types)
+        self.states = spec.mamba is not None
         """Whether the rank keeps a Mamba state (``state_tensors``)."""
-        for plane in self.planes:
+        self.swa_planes: list[list[int]] = []
+        """A sliding-window model's window pool: per plane (K, V), each window layer's buffer."""
+        if spec.swa:
+            (swa_ptrs,), (swa_lens,), (swa_items,) = args.state_data_ptrs, args.state_data_lens, args.state_item_lens
+            self.swa_planes = [swa_ptrs[p * len(SWA_LAYERS):(p + 1) * len(SWA_LAYERS)] for p in range(2)]
+            self.swa_region_bytes, self.swa_page_bytes = swa_lens[0], swa_items[0]
+        for plane in self.planes + self.swa_planes:
             for address in plane:
-                raw(address, self.region_bytes)[:] = UNTOUCHED
+                raw(address, self.region_bytes if plane in self.planes else self.swa_region_bytes)[:] = UNTOUCHED
         if spec.role == "decode":
             for tensor, _, _ in getattr(self, "state_tensors", []):
                 tensor.view(-1).view(torch.uint8)[:] = UNTOUCHED
@@ -343,7 +393,7 @@ class Rank:
         from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
 
         model_config = SimpleNamespace(hf_text_config=SimpleNamespace(full_attention_layer_ids=FULL_LAYERS),
-                                       num_hidden_layers=LAYERS + len(MAMBA_LAYERS) if self.spec.mamba else LAYERS,
+                                       num_hidden_layers=LAYERS + len(MAMBA_LAYERS) if self.spec.mamba or self.spec.swa else LAYERS,
                                        get_total_num_kv_heads=lambda: HEADS)
         scheduler = SimpleNamespace(rust_server=None, server_args=self.args, model_config=model_config,
                                     tp_worker=SimpleNamespace(model_runner=SimpleNamespace(kv_cache_dtype_str="bfloat16")),
@@ -359,6 +409,12 @@ class Rank:
         region = raw(self.planes[plane][layer], self.region_bytes)
         return region[page * self.page_bytes:(page + 1) * self.page_bytes].reshape(PAGE, self.local_heads,
                                                                                   self.head_bytes)
+
+    def swa_page_view(self, plane: int, layer: int, page: int) -> np.ndarray:
+        """(PAGE, local heads, head bytes) of one page of the window pool (``layer``: its index in SWA_LAYERS)."""
+        region = raw(self.swa_planes[plane][layer], self.swa_region_bytes)
+        return region[page * self.swa_page_bytes:(page + 1) * self.swa_page_bytes].reshape(
+            PAGE, self.local_heads, self.head_bytes)
 
     def bootstrap_addr(self) -> str:
         return f"127.0.0.1:{self.spec.bootstrap_port}"
@@ -382,6 +438,12 @@ def prefill_steps(rank: Rank, req: Request, free: list[int], conn: Any, results:
         for _, _, view, _ in state_views(rank, state_slot(req, "prefill")):
             view[:] = rank.rng.randrange(256)
     slot = free_slot = req.room % SLOTS
+    swa_pages = [rank.swa_free.pop() for _ in range(-(-req.tokens // PAGE) - window_start(req) // PAGE)] \
+        if rank.swa_planes else []
+    for page in swa_pages:  # what a read-ahead of the window would move
+        for plane in range(2):
+            for li in range(len(SWA_LAYERS)):
+                rank.swa_page_view(plane, li, page)[:] = rank.rng.randrange(256)
     poll = yield sender
     while poll == KVPoll.Bootstrapping:
         poll = yield sender
@@ -412,6 +474,9 @@ def prefill_steps(rank: Rank, req: Request, free: list[int], conn: Any, results:
                 for layer, t, view, index in state_views(rank, state_slot(req, "prefill")):
                     view[:] = state_expected(req.room, layer, t, index, view.shape[0], view.shape[2])
             states = [np.asarray([state_slot(req, "prefill")])] if rank.states else []
+            if swa_pages:  # the window's pages, written now (SGLang keeps only the window's)
+                window_tokens(rank, req, swa_pages, write=True)
+                states = [np.asarray(swa_pages, dtype=np.int64)]
         chunk_pages = pages[start // PAGE:(-(-end // PAGE)) if last else end // PAGE]
         sender.send(np.asarray(chunk_pages, dtype=np.int64), states, num_kv_tokens=end - start)
         start, sent = end, sent + 1
@@ -429,6 +494,7 @@ def prefill_steps(rank: Rank, req: Request, free: list[int], conn: Any, results:
     results.append(Result(req.room, int(poll)) if poll == KVPoll.Success else _failed(req.room, sender))
     sender.clear()
     free.extend(pages)
+    rank.swa_free.extend(swa_pages)
 
 
 def _failed(room: int, party: Any) -> Result:
@@ -459,12 +525,16 @@ def decode_steps(rank: Rank, req: Request, free: list[int], conn: Any, results: 
     while poll == KVPoll.Bootstrapping:
         poll = yield receiver
     pages: list[int] = []
+    swa_pages: list[int] = []
     if poll != KVPoll.Failed:
         if req.abort == "decode-before-metadata":
             receiver.abort()
         else:
             pages = [free.pop() for _ in range(-(-(req.tokens - req.prefix) // PAGE))]
             states = [np.asarray([state_slot(req, "decode")])] if rank.states else []
+            if rank.swa_planes:
+                swa_pages = [rank.swa_free.pop() for _ in range(-(-req.tokens // PAGE) - window_start(req) // PAGE)]
+                states = [np.asarray(swa_pages, dtype=np.int64)]
             receiver.send_metadata(np.asarray(pages, dtype=np.int64), req.room % SLOTS, states,
                                    decode_prefix_len=req.prefix)
             if req.abort == "decode-after-metadata":
@@ -473,15 +543,17 @@ def decode_steps(rank: Rank, req: Request, free: list[int], conn: Any, results: 
         while poll not in (KVPoll.Success, KVPoll.Failed):
             poll = yield receiver
     if poll == KVPoll.Success:
-        results.append(verify(rank, req, pages))
+        results.append(verify(rank, req, pages, swa_pages))
     else:
         results.append(_failed(req.room, receiver))
     receiver.clear()
     free.extend(pages)
+    rank.swa_free.extend(swa_pages)
 
 
-def verify(rank: Rank, req: Request, pages: list[int]) -> Result:
-    """Every byte of every token past the prefix, every layer, plane and held head; the metadata slot."""
+def verify(rank: Rank, req: Request, pages: list[int], swa_pages: list[int]) -> Result:
+    """Every byte of every token past the prefix, every layer, plane and held head; the metadata
+    slot; a sliding-window model's window, in every window layer (``state_bytes``)."""
     tokens = np.arange(req.prefix, req.tokens)
     local = tokens - req.prefix
     checked = mismatches = 0
@@ -504,6 +576,9 @@ def verify(rank: Rank, req: Request, pages: list[int]) -> Result:
             checked += view.size
             states += view.size
             mismatches += int((view != want).any(axis=2).sum())
+    if rank.swa_planes:
+        window, bad = window_tokens(rank, req, swa_pages, write=False)
+        checked, states, mismatches = checked + window, states + window, mismatches + bad
     return Result(req.room, 4, checked_bytes=checked, mismatches=mismatches, state_bytes=states)
 
 
@@ -518,6 +593,8 @@ def run_rank(spec: RankSpec, conn: Any) -> None:
         steps = prefill_steps if spec.role == "prefill" else decode_steps
         free = list(range(1, POOL_PAGES - RESERVED))
         rank.rng.shuffle(free)
+        rank.swa_free = list(range(1, POOL_PAGES - RESERVED))
+        rank.rng.shuffle(rank.swa_free)
         results: list[Result] = []
         active = []
         for req in spec.requests:
@@ -550,6 +627,10 @@ def run_rank(spec: RankSpec, conn: Any) -> None:
                 for layer in range(LAYERS):
                     for page in never:
                         untouched &= bool((rank.page_view(plane, layer, page) == UNTOUCHED).all())
+            for plane in range(len(rank.swa_planes)):  # window pages never handed out
+                for li in range(len(SWA_LAYERS)):
+                    for page in never:
+                        untouched &= bool((rank.swa_page_view(plane, li, page) == UNTOUCHED).all())
             if rank.states:  # state slots no request was given
                 given = {state_slot(req, "decode") for req in spec.requests}
                 for slot in set(range(SLOTS + 1)) - given:
@@ -617,7 +698,7 @@ class Pair:
 
 
 def start_pair(tmp: Path, *, p_tp: int, d_tp: int, mla: bool, prefill: list[Request], decode: list[Request],
-               seed: int = 0, entry: Any = None, mamba: str | None = None) -> Pair:
+               seed: int = 0, entry: Any = None, mamba: str | None = None, swa: bool = False) -> Pair:
     """Start the bootstrap registry here and every rank process (module docstring)."""
     from kvproto.integrations.sglang.bootstrap import KVProtoBootstrapServer
 
@@ -629,7 +710,7 @@ def start_pair(tmp: Path, *, p_tp: int, d_tp: int, mla: bool, prefill: list[Requ
     for role, tp, reqs in (("prefill", p_tp, prefill), ("decode", d_tp, decode)):
         dist = free_port()
         for rank in range(tp):
-            spec = RankSpec(role, rank, tp, str(model), port, bport, dist, mla, reqs, seed, mamba=mamba)
+            spec = RankSpec(role, rank, tp, str(model), port, bport, dist, mla, reqs, seed, mamba=mamba, swa=swa)
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(target=entry or run_rank, args=(spec, theirs), name=f"sglang-{role}-{rank}",
                                daemon=True)

@@ -171,3 +171,38 @@ def test_sglang_pair_mamba2_replicated_groups_between_tp_sizes_fail_naming_the_g
     for r in [*decode, prefill]:
         assert r.state == FAILED and "KVTransferError" in r.reason, r
     assert any("'mamba'" in r.reason and "INCOMPATIBLE_GEOMETRY" in r.reason for r in decode), decode
+
+
+@pytest.mark.parametrize("p_tp, d_tp", [(1, 1), (1, 2), (2, 1)], ids=["swa-tp1-1", "swa-tp1-2", "swa-tp2-1"])
+def test_sglang_pair_sliding_window_moves_the_window_pool(tmp_path, p_tp, d_tp):
+    """A sliding-window model (SGLang's SWAKVPool: full attention on layers 0, 2, 4, a window pool
+    for layers 1, 3, StateType.SWA): every KV byte of the full layers past the decode's prefix, and
+    every byte of the window's tokens in the window pool (the pages both servers name with the last
+    chunk, from ``⌊max(prefix, length − window) / page⌋``), each decode rank holding its heads,
+    between TP sizes both ways; no page of either pool the decode never handed out written; aborted
+    rooms fail."""
+    from sglang_harness import window_start
+
+    requests = [r for r in rooms(9100 + 10 * p_tp + d_tp) if r.abort in (None, "decode-after-metadata")]
+    requests.append(Request(9199, 9 * PAGE + 2, [3 * PAGE, 6 * PAGE, 9 * PAGE + 2], prefix=7 * PAGE))  # prefix in window
+    pair = start_pair(tmp_path, p_tp=p_tp, d_tp=d_tp, mla=False, prefill=requests, decode=requests, swa=True)
+    try:
+        decode = [pair.results(("decode", r)) for r in range(d_tp)]
+        prefill = [pair.results(("prefill", r)) for r in range(p_tp)]
+    finally:
+        pair.close()
+    from sglang_harness import HEADS, HEAD_DIM
+
+    for side, ranks in (("decode", decode), ("prefill", prefill)):
+        for results, untouched in ranks:
+            assert untouched
+            for req in requests:
+                r = results[req.room]
+                if req.abort:
+                    assert r.state == FAILED, (side, r)
+                    continue
+                assert r.state == SUCCESS, (side, r)
+                window = (req.tokens - window_start(req)) * 2 * 2 * (HEADS // d_tp if d_tp <= HEADS else 1) * \
+                    HEAD_DIM * 2  # tokens x K, V x 2 layers x held heads x bf16 head
+                assert side == "prefill" or (r.mismatches == 0 and r.state_bytes == window > 0
+                                             and r.checked_bytes > r.state_bytes), (req, r)

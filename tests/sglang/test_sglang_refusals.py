@@ -41,19 +41,20 @@ def published(tmp_path, mode: str, extra: list[str]):
     return args
 
 
-SWA = ("a sliding-window pool ('swa') names a request's pages (its window's, in the SWA pool) only with the last "
-       "chunk and KVArgs carry no window size, while kvproto moves a paged group's pages with each chunk")
+STATES = "(kvproto maps SGLang's 'mamba', 'swa' and 'dsa' states, one at a time)"
 
 
 @pytest.mark.parametrize("mode, extra, fields, reason", [
     ("prefill", ["--pp-size", "2"], {}, "pipeline parallelism (--pp-size 2); kvproto moves TP ranks only"),
-    ("decode", [], {"state_types": ["MAMBA", "SWA"]}, f"the cache states ['mamba', 'swa']: {SWA}"),
-    ("prefill", [], {"state_types": ["SWA"]}, f"the cache states ['swa']: {SWA}"),
-    ("prefill", [], {"state_types": ["MAMBA", "DSA"]},
-     "the cache states ['mamba', 'dsa'] (hybrid models: kvproto maps SGLang's 'mamba' state only)"),
+    ("decode", [], {"state_types": ["MAMBA", "SWA"]}, f"the cache states ['mamba', 'swa'] {STATES}"),
+    ("prefill", [], {"state_types": ["SWA", "SWA_RING"]}, f"the cache states ['swa', 'swa_ring'] {STATES}"),
+    ("prefill", [], {"state_types": ["DSA", "DSA_TAIL"]}, f"the cache states ['dsa', 'dsa_tail'] {STATES}"),
+    ("decode", [], {"state_types": ["SWA"], "swa_kv_cache_layout": None},
+     "a sliding-window pool of layout None (kvproto moves SGLang's SWAKVPool of MHA pools, NHD pages)"),
+    ("prefill", [], {"state_types": ["MAMBA", "DSA"]}, f"the cache states ['mamba', 'dsa'] {STATES}"),
     ("decode", [], {"num_draft_entries": 2}, "speculative decoding's draft KV cache"),
     ("prefill", [], {"kv_layout": "dsv4"}, "the KV layout 'dsv4'"),
-], ids=["pp", "mamba-swa", "swa", "mamba-dsa", "draft", "layout"])
+], ids=["pp", "mamba-swa", "swa-ring", "dsa-tail", "swa-not-nhd", "mamba-dsa", "draft", "layout"])
 def test_sglang_refusal_at_start_names_the_reason(sglang_env, tmp_path, mode, extra, fields, reason):
     """The manager SGLang builds refuses at once with a ValueError naming what is not supported."""
     manager, KVArgs, StateType, Mode = sglang_env

@@ -34,11 +34,25 @@ them: a Mamba2 mixer's is ``[x | B | C]``, on which one range would put ``x`` ch
 belongs. For SGLang's own Mamba2 mixer models the manager reads those sub-blocks from the model
 config (``manager.mamba2_conv_sections``).
 
+A sliding-window model's window pool (``StateType.SWA``: SGLang's ``SWAKVPool`` of MHA pools, K
+then V of each sliding-window layer, pages of the window pool) and a sparse-attention model's
+indexer (``StateType.DSA``: ``DSATokenToKVPool``'s index keys with their scales, one buffer per
+layer, pages of the KV's page table, replicated over attention TP as the latent is) become paged
+groups named ``swa`` and ``dsa`` whose window the engine names (``NAMED_WINDOW``, protocol 1.5):
+SGLang keeps no window size a backend can read, and names those pages only with the last chunk, on
+both sides by one rule (the window's: from ``⌊max(prefix, length − window) / page⌋``; the indexer's:
+those past the decode's prefix). The prefill gives them with its last chunk, the decode with its
+metadata (``state_args``), and kvproto moves the tokens the decode names, with the last chunk; the
+window's heads split over TP as the KV's do (SGLang's own NIXL backend slices them so, in NHD pages).
+An indexer layer SGLang keeps no rows for (its shared-top-k layers: ``item_len`` 0) is left out on
+both sides alike.
+
 What kvproto cannot do is refused here, before any room, with the reason (``refusal``):
 pipeline parallelism, attention or decode context parallelism, KV cache sharding, speculative
-decoding's draft KV, cache states other than Mamba's (SWA: its window's pages come only with the
-last chunk; DSA, ...), compressed/custom KV layouts, and the ``prefill_complete`` decode
-allocation policy.
+decoding's draft KV, cache states other than these (DeepSeek-V4's SWA ring and request state, the
+indexer's compressed tail, MiniMax's sparse pools, block scales, ...), a window pool SGLang gives no
+NHD layout for, compressed/custom KV layouts, and the ``prefill_complete`` decode allocation
+policy.
 """
 
 from __future__ import annotations
@@ -47,6 +61,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from kvproto.aio import AuxBuffer, KVCache, StateCache
+from kvproto.geometry import NAMED_WINDOW
 from kvproto.transport import MemKind
 
 
@@ -63,13 +78,13 @@ def refusal(kv_args: Any, *, parallel: Any, disagg: Any) -> str | None:
     if getattr(kv_args, "num_draft_entries", 0):
         return "speculative decoding's draft KV cache"
     states = [getattr(s, "value", str(s)) for s in getattr(kv_args, "state_types", None) or []]
-    if "swa" in states:
-        return (f"the cache states {states}: a sliding-window pool ('swa') names a request's pages (its window's, "
-                f"in the SWA pool) only with the last chunk and KVArgs carry no window size, while kvproto moves a "
-                f"paged group's pages with each chunk")
-    if states and states != [MAMBA]:
-        return f"the cache states {states} (hybrid models: kvproto maps SGLang's 'mamba' state only)"
-    if states and getattr(kv_args, "is_hybrid_mla_backend", False):
+    if states and states not in ([MAMBA], [SWA], [DSA]):
+        return (f"the cache states {states} (kvproto maps SGLang's {MAMBA!r}, {SWA!r} and {DSA!r} states, one "
+                f"at a time)")
+    if states == [SWA] and str(getattr(kv_args, "swa_kv_cache_layout", None) or "").lower() != "nhd":
+        return (f"a sliding-window pool of layout {getattr(kv_args, 'swa_kv_cache_layout', None)!r} (kvproto moves "
+                f"SGLang's SWAKVPool of MHA pools, NHD pages)")
+    if states == [MAMBA] and getattr(kv_args, "is_hybrid_mla_backend", False):
         return "a Mamba state beside an MLA cache"
     if getattr(kv_args, "kv_layout", None) is not None:
         return f"the KV layout {kv_args.kv_layout!r}"
@@ -81,6 +96,12 @@ def refusal(kv_args: Any, *, parallel: Any, disagg: Any) -> str | None:
 MAMBA = "mamba"
 """SGLang's ``StateType.MAMBA`` (Mamba2, GDN, Kimi linear attention: conv and temporal state per
 request slot), the kvproto state group of that name."""
+SWA = "swa"
+"""SGLang's ``StateType.SWA`` (a sliding-window pool), the kvproto paged group of that name."""
+DSA = "dsa"
+"""SGLang's ``StateType.DSA`` (a sparse-attention indexer), the kvproto paged group of that name."""
+NAMED = (SWA, DSA)
+"""The states that are paged groups whose window the engine names (module docstring)."""
 
 
 class MambaLayout(NamedTuple):
@@ -185,25 +206,64 @@ def mamba_group(kv_args: Any, *, tp_size: int, tp_rank: int, on_gpu: bool,
                                     device_id=int(getattr(kv_args, "gpu_id", 0) or 0) if on_gpu else 0)
 
 
-def state_slots(kv_args: Any, state_indices: list | None) -> dict[str, int] | None:
-    """The request's slot of each kvproto state group, from SGLang's ``state_indices`` (one entry
-    per ``KVArgs.state_types``; for Mamba a one-element array of the request's state slot)."""
+class StateArgs(NamedTuple):
+    """What SGLang's ``state_indices`` give kvproto's room: each state group's slot, each named
+    group's pages (None where there is none of that kind)."""
+
+    slots: dict[str, int] | None
+    group_pages: dict[str, list[int]] | None
+
+
+def state_args(kv_args: Any, state_indices: list | None) -> StateArgs:
+    """SGLang's ``state_indices`` (one entry per ``KVArgs.state_types``: for Mamba a one-element
+    array of the request's state slot; for a window or indexer pool the pages it names) as a
+    kvproto room takes them."""
     if not state_indices:
-        return None
+        return StateArgs(None, None)
     names = [getattr(s, "value", str(s)) for s in kv_args.state_types]
-    out = {}
+    slots: dict[str, int] = {}
+    pages: dict[str, list[int]] = {}
     for name, indices in zip(names, state_indices):
         values = [int(v) for v in (indices.tolist() if hasattr(indices, "tolist") else indices)]
-        if name != MAMBA or len(values) != 1:
+        if name in NAMED:
+            pages[name] = values
+        elif name == MAMBA and len(values) == 1:
+            slots[name] = values[0]
+        else:
             raise ValueError(f"kvproto: state {name!r} with indices {values}: one Mamba slot expected")
-        out[name] = values[0]
-    return out
+    return StateArgs(slots or None, pages or None)
+
+
+def named_group(kv_args: Any, name: str, *, tp_size: int, tp_rank: int, total_kv_heads: int, on_gpu: bool) -> KVCache:
+    """A window or indexer pool (``SWA``, ``DSA``) as a kvproto paged group whose window the engine
+    names: the window pool's K then V of each sliding-window layer (the model's heads, as the KV's),
+    or the indexer's one buffer per layer (one head of its page's bytes per token, replicated); the
+    indexer's layers without rows left out."""
+    i = [getattr(s, "value", str(s)) for s in kv_args.state_types].index(name)
+    ptrs, lens, items = list(kv_args.state_data_ptrs[i]), list(kv_args.state_data_lens[i]), \
+        list(kv_args.state_item_lens[i])
+    if name == DSA:
+        keep = [k for k, item in enumerate(items) if item]
+        ptrs, lens, items = [ptrs[k] for k in keep], [lens[k] for k in keep], [items[k] for k in keep]
+    planes = 2 if name == SWA else 1
+    if not ptrs or len(ptrs) % planes or len(set(lens)) != 1 or len(set(items)) != 1:
+        raise ValueError(f"kvproto: KVArgs' {name!r} state lists {len(ptrs)} buffers of lengths {sorted(set(lens))} "
+                         f"and pages of {sorted(set(items))} bytes; expected {'K and V per layer' if planes == 2 else 'one per layer'}, alike")
+    layers = len(ptrs) // planes
+    return KVCache.from_pointers(
+        [ptrs[p * layers:(p + 1) * layers] for p in range(planes)], page_bytes=items[0], region_bytes=lens[0],
+        block_size=int(kv_args.page_size), tp_size=tp_size, tp_rank=tp_rank,
+        num_kv_heads=total_kv_heads if name == SWA else 1, mla=name == DSA,
+        mem_kind=MemKind.VRAM if on_gpu else MemKind.DRAM,
+        device_id=int(getattr(kv_args, "gpu_id", 0) or 0) if on_gpu else 0, owner=kv_args, name=name,
+        window=NAMED_WINDOW)
 
 
 def cache_from_kvargs(kv_args: Any, *, mla: bool, tp_size: int, tp_rank: int, total_kv_heads: int,
                       on_gpu: bool, conv_sections: Sequence[int] | None = None) -> KVCache:
-    """kvproto's description of the rank's KV and aux memory as ``KVArgs`` gives it (with a Mamba
-    state group after the attention layers' KV, for a hybrid model: ``mamba_layout``)."""
+    """kvproto's description of the rank's KV and aux memory as ``KVArgs`` gives it, with the group
+    of its one cache state after the attention layers' KV: a Mamba state group (``mamba_layout``),
+    or a window or indexer pool (``named_group``)."""
     ptrs, lens, items = list(kv_args.kv_data_ptrs), list(kv_args.kv_data_lens), list(kv_args.kv_item_lens)
     planes = 1 if mla else 2
     if not ptrs or len(ptrs) % planes or len(set(lens)) != 1 or len(set(items)) != 1:
@@ -219,7 +279,7 @@ def cache_from_kvargs(kv_args: Any, *, mla: bool, tp_size: int, tp_rank: int, to
             raise ValueError(f"kvproto: the metadata buffers hold different numbers of slots: {sorted(slots)}")
         aux = AuxBuffer.from_pointers(list(zip(aux_ptrs, slot_bytes)), slots.pop())
     hybrid = bool(getattr(kv_args, "state_types", None))
-    ids = list(getattr(kv_args, "kv_layer_ids", None) or [])
+    ids = list(getattr(kv_args, "kv_layer_ids", None) or []) if hybrid else []
     kv = KVCache.from_pointers(
         [ptrs[p * layers:(p + 1) * layers] for p in range(planes)], page_bytes=items[0], region_bytes=lens[0],
         block_size=int(kv_args.page_size), tp_size=tp_size, tp_rank=tp_rank, num_kv_heads=1 if mla else total_kv_heads,
@@ -227,5 +287,9 @@ def cache_from_kvargs(kv_args: Any, *, mla: bool, tp_size: int, tp_rank: int, to
         if on_gpu else 0, aux=aux, owner=kv_args, model_layers=ids[:layers] if hybrid and ids else None)
     if not hybrid:
         return kv
+    (state,) = [getattr(s, "value", str(s)) for s in kv_args.state_types]  # (``refusal``: one at a time)
+    if state in NAMED:
+        return kv.with_groups(named_group(kv_args, state, tp_size=tp_size, tp_rank=tp_rank,
+                                          total_kv_heads=total_kv_heads, on_gpu=on_gpu))
     return kv.with_groups(mamba_group(kv_args, tp_size=tp_size, tp_rank=tp_rank, on_gpu=on_gpu,
                                       conv_sections=conv_sections))

@@ -38,7 +38,7 @@ from sglang.srt.utils.network import NetworkAddress
 
 from kvproto.aio import EndpointConfig
 from kvproto.core import RoomState, Timeouts
-from kvproto.integrations.sglang.cache import cache_from_kvargs, mamba_layout, refusal
+from kvproto.integrations.sglang.cache import MAMBA, cache_from_kvargs, mamba_layout, refusal
 from kvproto.sync import EngineLoop, SyncDecode, SyncPrefill
 
 log = logging.getLogger("kvproto.sglang")
@@ -111,7 +111,7 @@ class KVProtoManager(CommonKVManager):
         """Decode rooms SGLang may still hold pages for (``is_abort_release_safe``)."""
         conv_sections, self._same_tp_only = None, None
         """Why this rank's Mamba state moves between equal attention TP sizes only (None: any)."""
-        if getattr(args, "state_types", None):
+        if [getattr(s, "value", str(s)) for s in getattr(args, "state_types", None) or []] == [MAMBA]:
             layout = mamba_layout(args, tp_size=parallel.attn_tp_size)
             if layout.same_tp_only and layout.shapes is not None:  # no conv sub-blocks: the model's, if known
                 conv_sections = mamba2_conv_sections(server_args)

@@ -36,7 +36,7 @@ from sglang.srt.disaggregation.common.conn import CommonKVReceiver
 
 from kvproto.core import RoomState
 from kvproto.wire import ErrorCode
-from kvproto.integrations.sglang.cache import state_slots
+from kvproto.integrations.sglang.cache import state_args
 from kvproto.integrations.sglang.sender import failure
 from kvproto.sync import KVReceiver
 
@@ -94,7 +94,7 @@ class KVProtoReceiver(CommonKVReceiver):
             if self.conclude_state is None:
                 self._fail("kvproto: send_metadata before the room was bootstrapped")
             return
-        slots = state_slots(self.kv_mgr.kv_args, state_indices)
+        states = state_args(self.kv_mgr.kv_args, state_indices)
         block = self.kv_mgr.kv_args.page_size
         prefix = int(decode_prefix_len or 0)
         if prefix % block:
@@ -104,7 +104,7 @@ class KVProtoReceiver(CommonKVReceiver):
         pages = kv_indices.tolist() if hasattr(kv_indices, "tolist") else list(kv_indices)
         skipped = placeholder_pages(prefix // block, pages, self.kv_mgr.kvproto_cache.geometry.num_blocks)
         self._room.init(skipped + pages, prefix + len(pages) * block, prefix_tokens=prefix, aux_slot=aux_index,
-                        state_slots=slots)
+                        state_slots=states.slots, group_pages=states.group_pages)
         self.init_time = time.time()
 
     def poll(self) -> int:

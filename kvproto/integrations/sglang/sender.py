@@ -14,8 +14,8 @@ kvproto knows a room by tokens; SGLang by pages. The sender counts the room as t
 prefix plus ``num_pages`` whole pages (the decode does the same: both sides move whole pages,
 the last page's tail included, as SGLang's own backends do), starts its first chunk at the
 prefix (``first_token``: no page is named for it) and gives each chunk the end of its pages.
-SGLang's ``state_indices`` (``[]`` for a cache without states) give a hybrid model's Mamba slot
-with the last chunk (``cache.state_slots``). ``poll`` maps kvproto's state to ``KVPoll`` (equal values); ``failure_exception`` raises
+SGLang's ``state_indices`` (``[]`` for a cache without states) give a hybrid model's Mamba slot, or
+the pages of its window or indexer pool, with the last chunk (``cache.state_args``). ``poll`` maps kvproto's state to ``KVPoll`` (equal values); ``failure_exception`` raises
 SGLang's ``KVTransferError`` with kvproto's code and reason (a failure SGLang saw on another
 rank of the TP group, through the MIN-reduced poll, aborts this rank's room and is marked
 ``is_from_another_rank``); ``abort`` fails the room and tells the decode.
@@ -29,7 +29,7 @@ from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferMetric
 from sglang.srt.disaggregation.common.conn import CommonKVSender, KVTransferError
 
 from kvproto.core import RoomState
-from kvproto.integrations.sglang.cache import state_slots
+from kvproto.integrations.sglang.cache import state_args
 from kvproto.sync import KVSender
 
 
@@ -96,10 +96,11 @@ class KVProtoSender(CommonKVSender):
         ``indices_event`` only to senders with ``supports_host_tensor_indices``, which this is not."""
         if self.conclude_state in (KVPoll.Success, KVPoll.Failed) or self._room is None:
             return
-        slots = state_slots(self.kv_mgr.kv_args, state_indices)  # the last chunk's (a hybrid model's)
+        states = state_args(self.kv_mgr.kv_args, state_indices)  # the last chunk's (a hybrid model's)
         pages = kv_indices.tolist() if hasattr(kv_indices, "tolist") else list(kv_indices)
         self._pages += len(pages)
-        self._room.send(pages, (self._prefix or 0) + self._pages * self.kv_mgr.kv_args.page_size, state_slots=slots)
+        self._room.send(pages, (self._prefix or 0) + self._pages * self.kv_mgr.kv_args.page_size,
+                        state_slots=states.slots, group_pages=states.group_pages)
 
     def abort(self) -> None:
         if self._room is not None:
