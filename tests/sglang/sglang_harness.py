@@ -46,7 +46,8 @@ sglang_cpu_env.prepare()  # before anything imports SGLang (this module is the s
 
 os.environ["SGLANG_HOST_IP"] = "127.0.0.1"  # every socket on loopback (SGLang's rank address, kvproto's)
 
-PAGE = 16
+PAGE = int(os.environ.get("KVPROTO_SGLANG_PAGE", "16"))
+"""Tokens a page (SGLang's --page-size); a sparse-attention indexer needs pages of 64 (``dsa_pair``)."""
 LAYERS = 3
 HEADS = 2
 HEAD_DIM = 16
@@ -230,6 +231,22 @@ def window_tokens(rank: Rank, req: Request, pages: list[int], write: bool) -> tu
     return checked, bad
 
 
+def index_pages(rank: Rank, req: Request, pages: list[int], write: bool) -> tuple[int, int]:
+    """Write (prefill) or check (decode) every byte of the indexer's pages past the decode's prefix
+    (``pages``: the request's, from that prefix), every layer; returns (bytes, mismatching pages)."""
+    checked = bad = 0
+    for layer in range(len(rank.index_pages)):
+        for i, page in enumerate(pages):
+            view = rank.index_page(layer, page)
+            want = _mix(req.room, 3333, layer, req.prefix // PAGE + i, np.arange(view.size))
+            if write:
+                view[:] = want
+            else:
+                checked += view.size
+                bad += int((view != want).any())
+    return checked, bad
+
+
 def aux_expected(room: int, buffer: int, nbytes: int) -> np.ndarray:
     return _mix(room, 7777, buffer, np.arange(nbytes))
 
@@ -286,6 +303,9 @@ class RankSpec:
     """A hybrid model (a key of ``STATE_MODELS``): SGLang's HybridLinearKVPool, full attention on
     model layers 0, 2, 4 and that model's state (conv and temporal tensors, one slot per request)
     on layers 1 and 3."""
+    dsa: bool = False
+    """A sparse-attention model: SGLang's DSATokenToKVPool (an MLA latent and an indexer cache of
+    index keys with their scales on every layer, KVArgs' ``StateType.DSA``); pages of 64 tokens."""
     swa: bool = False
     """A sliding-window model: SGLang's SWAKVPool, full attention on FULL_LAYERS, a window of WINDOW
     tokens on SWA_LAYERS in a pool of its own (KVArgs' ``StateType.SWA``)."""
@@ -337,6 +357,13 @@ class Rank:
                                   dtype=torch.bfloat16, head_num=self.local_heads, head_dim=HEAD_DIM,
                                   swa_attention_layer_ids=SWA_LAYERS, full_attention_layer_ids=FULL_LAYERS,
                                   device="cpu", enable_memory_saver=False)
+        elif spec.dsa:
+            from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+
+            self.pool = DSATokenToKVPool(size=POOL_PAGES * PAGE - PAGE, page_size=PAGE, kv_lora_rank=KV_LORA,
+                                         dtype=torch.bfloat16, qk_rope_head_dim=ROPE, layer_num=LAYERS, device="cpu",
+                                         index_head_dim=128, enable_memory_saver=False, kv_cache_dim=KV_LORA + ROPE)
+            self.local_heads, self.head_start = 1, 0
         elif spec.mla:
             from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
@@ -374,6 +401,14 @@ class Rank:
         """Whether the rank keeps a Mamba state (``state_tensors``)."""
         self.swa_planes: list[list[int]] = []
         """A sliding-window model's window pool: per plane (K, V), each window layer's buffer."""
+        self.index_pages: list[tuple[int, int]] = []
+        """A sparse-attention model's indexer: per layer, (address, bytes a page)."""
+        if spec.dsa:
+            (index_ptrs,), (index_lens,), (index_items,) = args.state_data_ptrs, args.state_data_lens, \
+                args.state_item_lens
+            self.index_pages = list(zip(index_ptrs, index_items))
+            for address, nbytes in zip(index_ptrs, index_lens):
+                raw(address, nbytes)[:] = UNTOUCHED
         if spec.swa:
             (swa_ptrs,), (swa_lens,), (swa_items,) = args.state_data_ptrs, args.state_data_lens, args.state_item_lens
             self.swa_planes = [swa_ptrs[p * len(SWA_LAYERS):(p + 1) * len(SWA_LAYERS)] for p in range(2)]
@@ -416,6 +451,11 @@ class Rank:
         return region[page * self.swa_page_bytes:(page + 1) * self.swa_page_bytes].reshape(
             PAGE, self.local_heads, self.head_bytes)
 
+    def index_page(self, layer: int, page: int) -> np.ndarray:
+        """One page of a sparse-attention model's indexer cache (its bytes)."""
+        address, nbytes = self.index_pages[layer]
+        return raw(address + page * nbytes, nbytes)
+
     def bootstrap_addr(self) -> str:
         return f"127.0.0.1:{self.spec.bootstrap_port}"
 
@@ -434,6 +474,8 @@ def prefill_steps(rank: Rank, req: Request, free: list[int], conn: Any, results:
         for plane in range(len(rank.planes)):
             for layer in range(LAYERS):
                 rank.page_view(plane, layer, page)[:] = rank.rng.randrange(256)
+        for layer in range(len(rank.index_pages)):
+            rank.index_page(layer, page)[:] = rank.rng.randrange(256)
     if rank.states:  # bytes the last chunk has not written yet: what a read-ahead would move
         for _, _, view, _ in state_views(rank, state_slot(req, "prefill")):
             view[:] = rank.rng.randrange(256)
@@ -474,6 +516,9 @@ def prefill_steps(rank: Rank, req: Request, free: list[int], conn: Any, results:
                 for layer, t, view, index in state_views(rank, state_slot(req, "prefill")):
                     view[:] = state_expected(req.room, layer, t, index, view.shape[0], view.shape[2])
             states = [np.asarray([state_slot(req, "prefill")])] if rank.states else []
+            if rank.index_pages:  # the indexer's pages past the decode's prefix: the KV's page table
+                index_pages(rank, req, pages[prefix // PAGE:], write=True)
+                states = [np.asarray(pages[prefix // PAGE:], dtype=np.int64)]
             if swa_pages:  # the window's pages, written now (SGLang keeps only the window's)
                 window_tokens(rank, req, swa_pages, write=True)
                 states = [np.asarray(swa_pages, dtype=np.int64)]
@@ -532,6 +577,8 @@ def decode_steps(rank: Rank, req: Request, free: list[int], conn: Any, results: 
         else:
             pages = [free.pop() for _ in range(-(-(req.tokens - req.prefix) // PAGE))]
             states = [np.asarray([state_slot(req, "decode")])] if rank.states else []
+            if rank.index_pages:  # (SGLang: suffix_page_indices, the KV's pages past the prefix)
+                states = [np.asarray(pages, dtype=np.int64)]
             if rank.swa_planes:
                 swa_pages = [rank.swa_free.pop() for _ in range(-(-req.tokens // PAGE) - window_start(req) // PAGE)]
                 states = [np.asarray(swa_pages, dtype=np.int64)]
@@ -576,6 +623,9 @@ def verify(rank: Rank, req: Request, pages: list[int], swa_pages: list[int]) -> 
             checked += view.size
             states += view.size
             mismatches += int((view != want).any(axis=2).sum())
+    if rank.index_pages:
+        index, bad = index_pages(rank, req, pages, write=False)
+        checked, states, mismatches = checked + index, states + index, mismatches + bad
     if rank.swa_planes:
         window, bad = window_tokens(rank, req, swa_pages, write=False)
         checked, states, mismatches = checked + window, states + window, mismatches + bad
@@ -627,6 +677,9 @@ def run_rank(spec: RankSpec, conn: Any) -> None:
                 for layer in range(LAYERS):
                     for page in never:
                         untouched &= bool((rank.page_view(plane, layer, page) == UNTOUCHED).all())
+            for layer in range(len(rank.index_pages)):  # indexer pages never handed out
+                for page in never:
+                    untouched &= bool((rank.index_page(layer, page) == UNTOUCHED).all())
             for plane in range(len(rank.swa_planes)):  # window pages never handed out
                 for li in range(len(SWA_LAYERS)):
                     for page in never:
@@ -698,7 +751,8 @@ class Pair:
 
 
 def start_pair(tmp: Path, *, p_tp: int, d_tp: int, mla: bool, prefill: list[Request], decode: list[Request],
-               seed: int = 0, entry: Any = None, mamba: str | None = None, swa: bool = False) -> Pair:
+               seed: int = 0, entry: Any = None, mamba: str | None = None, swa: bool = False,
+               dsa: bool = False) -> Pair:
     """Start the bootstrap registry here and every rank process (module docstring)."""
     from kvproto.integrations.sglang.bootstrap import KVProtoBootstrapServer
 
@@ -710,7 +764,7 @@ def start_pair(tmp: Path, *, p_tp: int, d_tp: int, mla: bool, prefill: list[Requ
     for role, tp, reqs in (("prefill", p_tp, prefill), ("decode", d_tp, decode)):
         dist = free_port()
         for rank in range(tp):
-            spec = RankSpec(role, rank, tp, str(model), port, bport, dist, mla, reqs, seed, mamba=mamba, swa=swa)
+            spec = RankSpec(role, rank, tp, str(model), port, bport, dist, mla, reqs, seed, mamba=mamba, swa=swa, dsa=dsa)
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(target=entry or run_rank, args=(spec, theirs), name=f"sglang-{role}-{rank}",
                                daemon=True)

@@ -206,3 +206,39 @@ def test_sglang_pair_sliding_window_moves_the_window_pool(tmp_path, p_tp, d_tp):
                     HEAD_DIM * 2  # tokens x K, V x 2 layers x held heads x bf16 head
                 assert side == "prefill" or (r.mismatches == 0 and r.state_bytes == window > 0
                                              and r.checked_bytes > r.state_bytes), (req, r)
+
+
+@pytest.mark.parametrize("p_tp, d_tp", [(1, 1), (1, 2), (2, 1)], ids=["dsa-tp1-1", "dsa-tp1-2", "dsa-tp2-1"])
+def test_sglang_pair_sparse_attention_moves_the_indexer(tmp_path, monkeypatch, p_tp, d_tp):
+    """A sparse-attention model (SGLang's DSATokenToKVPool: an MLA latent and, on every layer, an
+    indexer cache of index keys and scales; StateType.DSA), on SGLang's pages of 64 tokens: every
+    latent byte past the decode's prefix, and every byte of the indexer's pages past it (the KV's
+    pages, which both servers name with the last chunk), on every decode rank (the indexer is
+    replicated over TP as the latent is), between TP sizes both ways; no page the decode never
+    handed out written."""
+    page = 64
+    monkeypatch.setenv("KVPROTO_SGLANG_PAGE", str(page))  # (the rank processes read it at start)
+    base = 9300 + 10 * p_tp + d_tp
+    requests = [Request(base + 1, 3 * page + 5, [page, 2 * page, 3 * page + 5]),
+                Request(base + 2, 2 * page, [2 * page]),
+                Request(base + 3, 4 * page + 9, [2 * page, 4 * page + 9], prefix=page),
+                Request(base + 4, 2 * page + 1, [page, 2 * page + 1], abort="decode-after-metadata")]
+    pair = start_pair(tmp_path, p_tp=p_tp, d_tp=d_tp, mla=True, prefill=requests, decode=requests, dsa=True)
+    try:
+        decode = [pair.results(("decode", r)) for r in range(d_tp)]
+        prefill = [pair.results(("prefill", r)) for r in range(p_tp)]
+    finally:
+        pair.close()
+    for side, ranks in (("decode", decode), ("prefill", prefill)):
+        for results, untouched in ranks:
+            assert untouched
+            for req in requests:
+                r = results[req.room]
+                if req.abort:
+                    assert r.state == FAILED, (side, r)
+                    continue
+                assert r.state == SUCCESS, (side, r)
+                pages = -(-(req.tokens - req.prefix) // page)
+                index = 3 * pages * page * (128 + 4)  # 3 layers x pages x (fp8 key + fp32 scale) a token
+                assert side == "prefill" or (r.mismatches == 0 and r.state_bytes == index
+                                             and r.checked_bytes > r.state_bytes), (req, r)
