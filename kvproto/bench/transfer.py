@@ -175,6 +175,9 @@ class Row:
     vs_one_pairs: list[float] = field(default_factory=list)
     """With ``--interleave``: the hybrid's GB/s over the one-group's in every pair of adjacent
     segments (JSON only); ``vs_one`` is their median."""
+    prefill_threads: dict[str, float] = field(default_factory=dict)
+    """The busiest prefill rank's ``prefill_us_per_room`` split by thread name (Linux; printed
+    under the table): the event loop's (``MainThread``), the transport's, the driver's own."""
     prefill_us_runs: list[float] = field(default_factory=list)
     """With ``--repeat``: ``prefill_us_per_room`` of every run, in order (JSON only): a slow run
     whose prefill spent more CPU per room had a slower host; one that spent less waited."""
@@ -311,7 +314,8 @@ def _row(case: Case, shape: Shape, raw_gbps: float, gbps: float, p_results: list
         room_p99_ms=latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1e3 if latencies else 0.0,
         bad_bytes=sum(r["bad"] for r in d_results), paths=sorted({p for r in p_results for p in r["paths"]}),
         groups="hybrid" if case.hybrid else "one", prefill_cpu=max(r["cpu"] for r in p_results),
-        decode_cpu=max(r["cpu"] for r in d_results), prefill_us_per_room=max(r["cpu_us_per_room"] for r in p_results))
+        decode_cpu=max(r["cpu"] for r in d_results), prefill_us_per_room=max(r["cpu_us_per_room"] for r in p_results),
+        prefill_threads=max(p_results, key=lambda r: r["cpu_us_per_room"]).get("threads_us_per_room", {}))
 
 
 def median_run(runs: list[Row]) -> Row:
@@ -393,6 +397,9 @@ def _print(row: Row) -> None:
           + ("  runs " + " ".join(f"{g:.1f}" for g in row.gbps_runs) if len(row.gbps_runs) > 1 else "")
           + ("  vs one 90 % {:.2f}-{:.2f}".format(*row.vs_one_interval) if row.vs_one_interval else "")
           + (f" (median of {len(row.vs_one_pairs)} adjacent segment pairs)" if row.vs_one_pairs else ""), flush=True)
+    if row.prefill_threads:
+        split = sorted(row.prefill_threads.items(), key=lambda kv: -kv[1])
+        print(f"{'':>5} p us/room by thread: " + ", ".join(f"{name} {us:.0f}" for name, us in split[:6]), flush=True)
 
 
 def memory_needed(case: Case, shape: Shape, devices: tuple[str, str]) -> dict[str, int]:

@@ -456,6 +456,41 @@ class _Rank:
         return nbytes / statistics.median(times)
 
 
+def thread_cpu() -> dict[tuple[int, str], float]:
+    """This process's CPU seconds so far per thread, by (thread id, name) (Linux's ``/proc``; empty
+    elsewhere): which threads a room's host time goes to (the event loop's, the transport's and
+    the driver's own threads). Python's threads go by their Python names, the others by the
+    operating system's."""
+    import threading
+
+    named = {t.native_id: t.name for t in threading.enumerate()}
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        out[(int(tid), named.get(int(tid), name))] = (int(rest[11]) + int(rest[12])) / tick  # utime, stime
+    return out
+
+
+def cpu_by_thread(before: dict[tuple[int, str], float], after: dict[tuple[int, str], float]) -> dict[str, float]:
+    """CPU seconds between two ``thread_cpu`` snapshots per thread name (threads of one name summed)."""
+    out: dict[str, float] = {}
+    for key, seconds in after.items():
+        spent = seconds - before.get(key, 0.0)
+        if spent > 0:
+            out[key[1]] = out.get(key[1], 0.0) + spent
+    return out
+
+
 async def send_rooms(order: list[tuple[_Rank, Case, int]], in_flight: int) -> list[dict[str, Any]]:
     """A prefill rank's side of a run: open and send every room of ``order`` ((rank, case, room)
     in the order the decode ranks open them), at most ``2 * in_flight`` unfinished, and wait for
@@ -465,7 +500,7 @@ async def send_rooms(order: list[tuple[_Rank, Case, int]], in_flight: int) -> li
     stats = {id(rank): {"paths": set(), "descriptors": []} for rank in ranks}
     live: set[Any] = set()
     changed = asyncio.Event()
-    began, cpu = time.monotonic(), time.process_time()
+    began, cpu, threads = time.monotonic(), time.process_time(), thread_cpu()
 
     def finished(handle: Any, mine: dict[str, Any], i: int, task: Any) -> None:
         live.discard(task)
@@ -492,9 +527,10 @@ async def send_rooms(order: list[tuple[_Rank, Case, int]], in_flight: int) -> li
         changed.clear()
         await changed.wait()
     used = time.process_time() - cpu
+    split = {name: seconds / len(order) * 1e6 for name, seconds in cpu_by_thread(threads, thread_cpu()).items()}
     return [{"paths": sorted(stats[id(rank)]["paths"]), "descriptors": stats[id(rank)]["descriptors"],
-             "cpu": used / max(1e-9, time.monotonic() - began), "cpu_us_per_room": used / len(order) * 1e6}
-            for rank in ranks]
+             "cpu": used / max(1e-9, time.monotonic() - began), "cpu_us_per_room": used / len(order) * 1e6,
+             "threads_us_per_room": split} for rank in ranks]
 
 
 def quiet_gc(threshold: int = GC_THRESHOLD) -> None:

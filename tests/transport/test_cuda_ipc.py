@@ -76,8 +76,10 @@ def test_cuda_ipc_route_is_kernel_for_mapped_peers_else_fallback() -> None:
 
 
 def test_cuda_ipc_garbage_or_foreign_metadata_raises() -> None:
-    """Metadata that is not this adapter's, or whose agent differs from its fallback's, is refused."""
-    a, b = _agents(**KERNELS)
+    """Metadata that is not this adapter's, or whose agent differs from its fallback's, is refused:
+    at ``add_peer`` for a peer that goes through the fallback, and for a mapped peer (added to the
+    fallback only when something first goes through it there) by the first thing that would."""
+    a, b = _agents()  # no kernels on this CPU: b goes through the fallback, added at once
     try:
         with pytest.raises(TransportError, match="kvproto-cuda-ipc"):
             a.add_peer(b'{"format": "other"}')
@@ -85,6 +87,46 @@ def test_cuda_ipc_garbage_or_foreign_metadata_raises() -> None:
         doc["agent"] = "impostor"
         with pytest.raises(TransportError, match="impostor"):
             a.add_peer(json.dumps(doc).encode())
+    finally:
+        a.close()
+        b.close()
+    a, b = _agents(**KERNELS)
+    try:
+        buf = np.zeros(4096, np.uint8)
+        b.register([region(buf)])
+        doc = json.loads(b.metadata())
+        doc["agent"] = "impostor"
+        assert a.add_peer(json.dumps(doc).encode()) == "impostor" and route_of(a, "impostor").pattern
+        a._peers["impostor"].tags = None  # a tag its channel cannot carry goes through the fallback
+        with pytest.raises(TransportError, match="notify 'impostor'.*carries agent 'b'"):
+            a.notify("impostor", b"t")
+    finally:
+        a.close()
+        b.close()
+
+
+def test_cuda_ipc_mapped_peer_joins_the_fallback_only_when_used() -> None:
+    """A mapped peer's writes and tags never touch the fallback, so the peer is not loaded into it
+    (tens of milliseconds of a new link with NIXL) until something goes through it; removing a peer
+    never added there touches nothing."""
+    a, b = _agents(**KERNELS)
+    try:
+        buf = np.zeros(4096, np.uint8)
+        b.register([region(buf)])
+        src = pattern(4096, seed=5)
+        a.register([region(src)])
+        assert a.add_peer(b.metadata()) == "b" and route_of(a, "b").pattern
+        assert "b" not in a._fallback._peers
+        xfer = a.post_pattern("b", [src.ctypes.data], DRAM, [buf.ctypes.data], DRAM, np.array([[0, 0, 16]]), b"t")
+        assert _finish(a, b, xfer) and "b" not in a._fallback._peers
+        assert (buf[:16] == src[:16]).all()
+        a._peers["b"].tags = None
+        a.notify("b", b"u")
+        assert "b" in a._fallback._peers
+        a.remove_peer("b")
+        a.add_peer(b.metadata())
+        a.remove_peer("b")  # (never added to the fallback this time)
+        assert "b" not in a._fallback._peers
     finally:
         a.close()
         b.close()

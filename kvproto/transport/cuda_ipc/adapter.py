@@ -145,6 +145,8 @@ class CudaIpcTransport(LaunchPlanner, AdapterKit):
         self._running: collections.deque[KernelXfer] = collections.deque()
         """Kernel writes not yet seen finished, in launch order (see ``_advance``)."""
         self._tags = TagChannel()
+        self._unadded: dict[str, bytes] = {}
+        """Mapped peers not yet added to the fallback: their fallback metadata (``_fallback_peer``)."""
         self._fallback_poll_s = fallback_poll_s
         self._fallback_drained = 0.0
         self._fallback_busy_until = 0.0
@@ -201,25 +203,41 @@ class CudaIpcTransport(LaunchPlanner, AdapterKit):
                                     fallback=base64.b64encode(self._fallback.metadata()).decode())
 
     def add_peer(self, metadata: bytes) -> str:
+        """Map the peer where it can be (``_map``). A mapped peer is added to the fallback only when
+        something first goes through it (``_fallback_peer``: host memory, a tag its channel cannot
+        carry): loading a NIXL agent's metadata takes tens of milliseconds (UCX), which a new link
+        would otherwise pay before its first room, for a fallback its kernel writes never use."""
         self._check_open()
         agent, (doc, inner, regions) = self._read_metadata(metadata, lambda doc: (
             doc, base64.b64decode(doc["fallback"]),
             [(int(r["address"]), int(r["length"]), int(r["kind"])) for r in doc["regions"]]))
+        self._forget_peer(agent, f"peer {agent!r} was reloaded by add_peer")
+        self._unadded.pop(agent, None)
+        peer, why = self._map(agent, doc, regions)
+        if peer is not None:
+            tags = doc.get("tags")
+            peer.tags = tags if isinstance(tags, str) and self._tags.address is not None else None
+            self._unadded[agent] = inner
+            self._peers[agent] = peer
+            self._routes[agent] = Route(name="kernel", pattern=True)
+            return agent
         name = self._fallback.add_peer(inner)
         if name != agent:
             self._fallback.remove_peer(name)
             raise TransportError(f"add_peer: metadata of {agent!r} carries agent {name!r}")
-        self._forget_peer(name, f"peer {name!r} was reloaded by add_peer")
-        peer, why = self._map(name, doc, regions)
-        if peer is not None:
-            tags = doc.get("tags")
-            peer.tags = tags if isinstance(tags, str) and self._tags.address is not None else None
-            self._peers[name] = peer
-            self._routes[name] = Route(name="kernel", pattern=True)
-        else:
-            self._routes[name] = Route(name=self.fallback_name, pattern=False)
-            log.info("peer %s goes through %s: %s", name, self.fallback_name, why)
+        self._routes[name] = Route(name=self.fallback_name, pattern=False)
+        log.info("peer %s goes through %s: %s", name, self.fallback_name, why)
         return name
+
+    def _fallback_peer(self, peer: str) -> None:
+        """Add a mapped peer to the fallback before the first thing that goes through it there."""
+        inner = self._unadded.pop(peer, None)
+        if inner is None:
+            return
+        name = self._fallback.add_peer(inner)
+        if name != peer:
+            self._fallback.remove_peer(name)
+            raise TransportError(f"{self.fallback_name}: metadata of {peer!r} carries agent {name!r}")
 
     def _map(self, name: str, doc: dict[str, Any], regions: list[tuple[int, int, int]]) -> tuple[_Peer | None, str]:
         """The peer as a mapped peer, or (None, why not)."""
@@ -299,7 +317,8 @@ class CudaIpcTransport(LaunchPlanner, AdapterKit):
 
     def remove_peer(self, peer: str) -> None:
         self._check_open()
-        self._fallback.remove_peer(peer)
+        if self._unadded.pop(peer, None) is None:
+            self._fallback.remove_peer(peer)
         self._forget_peer(peer, f"peer {peer!r} was removed")
         self._routes.pop(peer, None)
 
@@ -335,6 +354,7 @@ class CudaIpcTransport(LaunchPlanner, AdapterKit):
             return dual
         mapped = self._peers.get(peer)
         if mapped is None or not self._kernel_kind(kind):
+            self._fallback_peer(peer)
             return self._fallback.prepare(peer, rows, kind)
         if len(arr) == 0:
             raise TransportError("prepare: cannot prepare an empty descriptor list")
@@ -366,6 +386,7 @@ class CudaIpcTransport(LaunchPlanner, AdapterKit):
             if isinstance(local, _Dual) and local.released:
                 raise TransportError("post_prepared: the local list was released")
             self._fallback_busy()
+            self._fallback_peer(peer)
             return self._fallback.post_prepared(peer, inner, local_idx, remote, remote_idx, tag)
         mapped = self._mapped(peer, "post_prepared")
         if not isinstance(local, _Dual) or local.released:
@@ -383,6 +404,7 @@ class CudaIpcTransport(LaunchPlanner, AdapterKit):
         mapped = self._peers.get(peer)
         if mapped is None or not (self._kernel_kind(local_kind) and self._kernel_kind(remote_kind)):
             self._fallback_busy()
+            self._fallback_peer(peer)
             return self._fallback.post_descs(peer, local_rows, local_kind, remote_rows, remote_kind, tag)
         return self._run(mapped, [self._descs_launch(mapped, local_rows, local_kind, remote_rows, remote_kind,
                                                      "post_descs")], tag)
@@ -534,6 +556,7 @@ class CudaIpcTransport(LaunchPlanner, AdapterKit):
                         continue
                 else:
                     self._fallback_busy()
+                    self._fallback_peer(xfer.peer)
                     self._fallback.notify(xfer.peer, xfer.tag)
                 xfer.state = XferState.DONE
             except TransportError as exc:
