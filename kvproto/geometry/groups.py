@@ -79,7 +79,6 @@ from typing import NamedTuple
 
 from kvproto.geometry.model import DType, GeometryError, KVGeometry
 from kvproto.geometry.plan import IncompatibleGeometry, check_compatible, paired, plan_pair, writers
-from kvproto.wire.messages import NAMED_WINDOW
 
 
 class IncompatibleGroups(ValueError):
@@ -336,6 +335,11 @@ def check_groups(prefill: CacheGeometry, decode: CacheGeometry) -> None:
 
 
 # --- sliding windows -----------------------------------------------------------------------------
+NAMED_WINDOW = 0xFFFF_FFFF
+"""A paged group's ``window`` meaning "the tokens the engine names, room by room" (module
+docstring); the value ``CACHE_GROUPS`` carries (``kvproto.wire.NAMED_WINDOW``, protocol 1.5)."""
+
+
 def window_name(window: int | None) -> str:
     """A group's window as a reason names it."""
     return "named by the engine" if window == NAMED_WINDOW else str(window)

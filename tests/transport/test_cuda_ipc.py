@@ -79,8 +79,9 @@ def test_cuda_ipc_garbage_or_foreign_metadata_raises() -> None:
     """Metadata that is not this adapter's, or whose agent differs from its fallback's, is refused:
     at ``add_peer`` for a peer that goes through the fallback, and for a mapped peer (added to the
     fallback only when something first goes through it there) by the first thing that would."""
-    a, b = _agents()  # no kernels on this CPU: b goes through the fallback, added at once
+    a, b = _agents()  # no kernels for host memory: b goes through the fallback, added at once
     try:
+        b.register([region(np.zeros(4096, np.uint8))])
         with pytest.raises(TransportError, match="kvproto-cuda-ipc"):
             a.add_peer(b'{"format": "other"}')
         doc = json.loads(b.metadata())
