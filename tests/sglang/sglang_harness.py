@@ -688,7 +688,8 @@ def run_rank(spec: RankSpec, conn: Any) -> None:
                 given = {state_slot(req, "decode") for req in spec.requests}
                 for slot in set(range(SLOTS + 1)) - given:
                     untouched &= all(bool((view == UNTOUCHED).all()) for *_, view, _ in state_views(rank, slot))
-        conn.send(("results", [asdict(r) for r in results], untouched))
+        transport = type(rank.manager.endpoint._endpoint.transport).__name__
+        conn.send(("results", [asdict(r) for r in results], untouched, transport))
         conn.recv()  # the test says when to close (the peers may still need this rank)
         rank.manager.close()
         conn.send(("closed",))
@@ -717,6 +718,8 @@ class Pair:
     processes: dict[tuple[str, int], Any]
     conns: dict[tuple[str, int], Any]
     server: Any
+    transports: dict[tuple[str, int], str] = field(default_factory=dict)
+    """Each rank's transport class, as it reported with its results."""
 
     def wait(self, kind: str, who: tuple[str, int], timeout: float = 120.0) -> tuple:
         conn = self.conns[who]
@@ -733,6 +736,8 @@ class Pair:
 
     def results(self, who: tuple[str, int], timeout: float = 240.0) -> tuple[dict[int, Result], bool]:
         msg = self.wait("results", who, timeout)
+        if len(msg) > 3:
+            self.transports[who] = msg[3]
         return {r["room"]: Result(**r) for r in msg[1]}, msg[2]
 
     def close(self) -> None:

@@ -242,3 +242,24 @@ def test_sglang_pair_sparse_attention_moves_the_indexer(tmp_path, monkeypatch, p
                 index = 3 * pages * page * (128 + 4)  # 3 layers x pages x (fp8 key + fp32 scale) a token
                 assert side == "prefill" or (r.mismatches == 0 and r.state_bytes == index
                                              and r.checked_bytes > r.state_bytes), (req, r)
+
+
+def test_sglang_pair_over_the_cuda_ipc_transport(tmp_path, monkeypatch):
+    """KVPROTO_SGLANG_TRANSPORT=cuda-ipc on both servers: the kernel path where a decode rank's GPU
+    memory can be mapped, NIXL for every other peer; on this CPU the pages are host memory, so the
+    rooms go through its NIXL fallback, byte-exact, TP 1 -> 2."""
+    monkeypatch.setenv("KVPROTO_SGLANG_TRANSPORT", "cuda-ipc")
+    requests = [r for r in rooms(9500) if r.abort is None]
+    pair = start_pair(tmp_path, p_tp=1, d_tp=2, mla=False, prefill=requests, decode=requests)
+    try:
+        decode = [pair.results(("decode", r)) for r in range(2)]
+        prefill = [pair.results(("prefill", 0))]
+    finally:
+        pair.close()
+    assert set(pair.transports.values()) == {"CudaIpcTransport"}, pair.transports
+    for side, ranks in (("decode", decode), ("prefill", prefill)):
+        for results, untouched in ranks:
+            assert untouched
+            for req in requests:
+                r = results[req.room]
+                assert r.state == SUCCESS and (side == "prefill" or (r.mismatches == 0 and r.checked_bytes > 0)), r

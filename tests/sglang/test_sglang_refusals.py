@@ -78,3 +78,18 @@ def test_sglang_refusal_decode_context_parallelism(sglang_env, tmp_path):
     with get_parallel().override(attn_dcp_size=2):
         with pytest.raises(ValueError, match="decode context parallelism"):
             manager(kv_args(KVArgs), Mode("decode"), args, False)
+
+
+def test_sglang_transport_choice_reads_the_environment_and_names_a_bad_value():
+    """KVPROTO_SGLANG_TRANSPORT picks the transport (NIXL by default; cuda-ipc: the kernel path on
+    one machine), KVPROTO_SGLANG_TRANSPORT_OPTIONS its options; a bad value names the variable."""
+    from kvproto.integrations.sglang.manager import transport_choice
+
+    assert transport_choice({}) == ("nixl", {})
+    assert transport_choice({"KVPROTO_SGLANG_TRANSPORT": "cuda-ipc",
+                             "KVPROTO_SGLANG_TRANSPORT_OPTIONS": '{"fallback": "nixl"}'}) == \
+        ("cuda-ipc", {"fallback": "nixl"})
+    with pytest.raises(ValueError, match="KVPROTO_SGLANG_TRANSPORT='rdma-magic': kvproto knows the transports"):
+        transport_choice({"KVPROTO_SGLANG_TRANSPORT": "rdma-magic"})
+    with pytest.raises(ValueError, match="KVPROTO_SGLANG_TRANSPORT_OPTIONS must be a JSON object"):
+        transport_choice({"KVPROTO_SGLANG_TRANSPORT_OPTIONS": "[1]"})

@@ -20,11 +20,18 @@ group share one kvproto ``instance`` name (the engine's address and DP rank).
 
 What kvproto cannot serve is refused here, before anything starts, with the reason
 (``cache.refusal``). ``close`` stops the endpoint (its live rooms fail, peers are told).
+
+The transport is NIXL unless ``KVPROTO_SGLANG_TRANSPORT`` names another (SGLang has no place for a
+backend's own settings): ``cuda-ipc`` writes into a decode rank on the same machine with one kernel
+per write (the kernel path) and takes NIXL for every other peer; ``KVPROTO_SGLANG_TRANSPORT_OPTIONS``
+(JSON) passes the transport's options. Both servers' ranks read them at start (``transport_choice``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -81,6 +88,29 @@ def mamba2_conv_sections(server_args: Any) -> tuple[int, ...] | None:
     if shape.conv_shard_groups or len(shape.conv) != 1 or conv <= inner or (conv - inner) % 2:
         return None
     return inner, (conv - inner) // 2, (conv - inner) // 2
+
+
+TRANSPORT_ENV = "KVPROTO_SGLANG_TRANSPORT"
+TRANSPORT_OPTIONS_ENV = "KVPROTO_SGLANG_TRANSPORT_OPTIONS"
+
+
+def transport_choice(environ: Any = os.environ) -> tuple[str, dict[str, Any]]:
+    """The transport and its options this rank's endpoint uses (module docstring); a value that is
+    not a known transport or not a JSON object raises ``ValueError`` naming the variable."""
+    from kvproto.transport import adapters
+
+    name = environ.get(TRANSPORT_ENV, "").strip() or "nixl"
+    known = adapters()
+    if name not in known:
+        raise ValueError(f"{TRANSPORT_ENV}={name!r}: kvproto knows the transports {sorted(known)}")
+    raw = environ.get(TRANSPORT_OPTIONS_ENV, "").strip()
+    try:
+        options = json.loads(raw) if raw else {}
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{TRANSPORT_OPTIONS_ENV} is not JSON: {exc}") from None
+    if not isinstance(options, dict):
+        raise ValueError(f"{TRANSPORT_OPTIONS_ENV} must be a JSON object, got {raw!r}")
+    return name, options
 
 
 def _route_host(dist_init_addr: str | None, bootstrap_host: str) -> str:
@@ -143,7 +173,9 @@ class KVProtoManager(CommonKVManager):
         # chunks, and both for progress once transferring, SGLang's waiting timeout.
         timeouts = Timeouts(bootstrap=bootstrap, waiting=None if decode else waiting, transfer=waiting,
                             parked=bootstrap)
-        return EndpointConfig(instance=instance, timeouts=timeouts, staging_bytes=0,
+        transport, transport_options = transport_choice()
+        return EndpointConfig(instance=instance, timeouts=timeouts, staging_bytes=0, transport=transport,
+                              transport_options=transport_options,
                               compat_key=f"sglang-kv-{self.kv_cache_dtype_str}", **options)
 
     def register_to_bootstrap(self) -> None:
