@@ -109,6 +109,25 @@ class AuxBuffer:
         return [(a, n * self.slots) for a, n in self.buffers]
 
 
+class _DeviceBytes:
+    """``n`` bytes of device memory at ``address``, for ``torch.as_tensor`` (CUDA array interface)."""
+
+    def __init__(self, address: int, n: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (address, False), "version": 3}
+
+
+def bytes_at(address: int, n: int, device: Any) -> Any:
+    """A uint8 tensor over ``n`` bytes of this process's memory at ``address`` on ``device`` (a
+    ``torch.device``): a view, no copy; the memory must outlive it."""
+    import ctypes
+
+    import torch
+
+    if device.type == "cuda":
+        return torch.as_tensor(_DeviceBytes(address, n), device=device)
+    return torch.frombuffer((ctypes.c_uint8 * n).from_address(address), dtype=torch.uint8)
+
+
 def _torch_dtype(dtype: Any) -> DType:
     try:
         return _TORCH_DTYPES[str(dtype)]
@@ -521,6 +540,7 @@ class KVCache:
         model_layers: Sequence[int] | None = None,
         name: str = "kv",
         window: int | None = None,
+        views: bool = False,
     ) -> KVCache:
         """Describe a cache an engine gives as raw addresses (SGLang's ``KVArgs``): ``planes`` is
         ``[k_addresses, v_addresses]`` (``[latent_addresses]`` for MLA), one per layer; each layer
@@ -530,8 +550,10 @@ class KVCache:
         the engine checks the element type); ``num_kv_heads`` is the model's total; ``model_layers``
         the model layer of each layer (a hybrid model's first group); ``name`` and ``window`` a
         group's beyond the first (as ``from_tensors``). The memory is the
-        caller's (keep it alive, or pass it as ``owner``). The staged path needs tensors, so such a
-        cache moves direct or sliced (``EndpointConfig.staging_bytes=0``)."""
+        caller's (keep it alive, or pass it as ``owner``). The staged path needs tensors: with
+        ``views`` each region is also given as a uint8 tensor over its pages (``bytes_at``: a view,
+        on ``device_id`` for VRAM), so the cache can stage; without, it moves direct or sliced
+        (``EndpointConfig.staging_bytes=0``)."""
         if not planes or not planes[0] or len(planes) != (1 if mla else 2):
             raise ValueError(f"expected {'1 plane (MLA)' if mla else '2 planes (K, V)'} of layer addresses")
         layers = len(planes[0])
@@ -547,8 +569,16 @@ class KVCache:
             layout=Layout.NHD, mla=mla, num_blocks=region_bytes // page_bytes,
         )
         addresses = tuple(int(plane[layer]) for layer in range(layers) for plane in planes)
+        tensors: tuple[Any, ...] = ()
+        if views:
+            import torch
+
+            device = torch.device("cuda", device_id) if mem_kind == MemKind.VRAM else torch.device("cpu")
+            shape = (geometry.num_blocks, block_size, heads, geometry.head_dim)
+            tensors = tuple(bytes_at(a, geometry.num_blocks * page_bytes, device).view(shape) for a in addresses)
         return cls(geometry=geometry, region_addresses=addresses, mem_kind=mem_kind, device_id=device_id, aux=aux,
-                   owner=owner, layers=None if model_layers is None else tuple(model_layers), name=name, window=window)
+                   owner=owner, tensors=tensors, layers=None if model_layers is None else tuple(model_layers),
+                   name=name, window=window)
 
     # --- what gets registered and advertised ------------------------------------------------
     def regions(self) -> list[MemoryRegion]:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from kvproto.aio.memory import StateCache
+from kvproto.aio.memory import StateCache, bytes_at
 from kvproto.geometry.groups import BlockRun, block_bytes
 from kvproto.transport import MemKind
 
@@ -179,22 +179,8 @@ class StateBlock:
             return
         for state, offset, length in zip(slot_at.tolist(), self._offset.tolist(), self._length.tolist()):
             staged = buf.tensor[at + offset:at + offset + length]
-            mine = _bytes_at(state, length, self.device)
+            mine = bytes_at(state, length, self.device)
             if gather:
                 staged.copy_(mine, non_blocking=True)
             else:
                 mine.copy_(staged, non_blocking=True)
-
-
-class _DeviceBytes:
-    """``n`` bytes of device memory at ``address``, for ``torch.as_tensor`` (CUDA array interface)."""
-
-    def __init__(self, address: int, n: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "|u1", "data": (address, False), "version": 3}
-
-
-def _bytes_at(address: int, n: int, device: torch.device) -> torch.Tensor:
-    """A uint8 tensor over ``n`` bytes of this process's memory at ``address`` on ``device``."""
-    if device.type == "cuda":
-        return torch.as_tensor(_DeviceBytes(address, n), device=device)
-    return torch.frombuffer((ctypes.c_uint8 * n).from_address(address), dtype=torch.uint8)

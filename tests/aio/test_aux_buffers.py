@@ -128,6 +128,46 @@ async def test_from_pointers_cache_moves_like_the_tensors(transport: str) -> Non
     assert torch.equal(dst.aux[1], src.aux[3])
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize("transport", [t for t in TRANSPORTS if str(getattr(t, "values", [t])[0]) in ("loopback", "nixl")])
+async def test_from_pointers_with_views_stages_between_tp_sizes(transport: str) -> None:
+    """``views=True``: the regions are also uint8 tensors over the same pages (no copy), so a cache
+    given as addresses can take the staged path: TP 1 -> 2 rooms stage, and every decode rank's pages
+    hold its heads of the prefill's."""
+    src = make_cache(seed=1)
+    dsts = [make_cache(seed=2 + r, heads=1) for r in range(2)]
+
+    def viewed(cache, tp: int, rank: int, heads: int) -> KVCache:
+        k, v = cache.planes
+        kv = KVCache.from_pointers([[t.data_ptr() for t in k], [t.data_ptr() for t in v]],
+                                   page_bytes=k[0][0].numel() * k[0].element_size(),
+                                   region_bytes=k[0].numel() * k[0].element_size(), block_size=k[0].shape[1],
+                                   tp_size=tp, tp_rank=rank, num_kv_heads=heads * tp, owner=cache, views=True)
+        assert all(t.data_ptr() == a for t, a in zip(kv.tensors, kv.region_addresses))
+        return kv
+
+    opts = dict(staging_bytes=1 << 20)
+    async with PrefillEndpoint(viewed(src, 1, 0, 2), config=config(transport, **opts)) as prefill:
+        decodes = [DecodeEndpoint(viewed(d, 2, r, 1), config=config(transport, instance="dec", **opts))
+                   for r, d in enumerate(dsts)]
+        for d in decodes:
+            await d.start()
+        try:
+            rxs = [d.open_room(5, prefill.address, pages=[7, 3], num_tokens=7) for d in decodes]
+            tx = prefill.open_room(5)
+            tx.send([2, 40], 7, last=True)
+            await asyncio.gather(*(rx.wait() for rx in rxs))
+            assert any(p.startswith("staged") for p in tx.stats.paths), tx.stats.paths
+        finally:
+            for d in decodes:
+                await d.close()
+    for r, dst in enumerate(dsts):
+        for plane in range(2):
+            for layer in range(2):
+                for s_page, d_page, n in ((2, 7, 4), (40, 3, 3)):
+                    assert torch.equal(dst.planes[plane][layer][d_page][:n], src.planes[plane][layer][s_page][:n, r:r + 1])
+
+
 def test_from_pointers_describes_pages_as_bytes() -> None:
     """Heads and head bytes come from the page size; pages that do not tile a layer are refused."""
     kv = KVCache.from_pointers([[1000, 2000], [3000, 4000]], page_bytes=1024, region_bytes=8192, block_size=16,

@@ -177,6 +177,8 @@ class Result:
     """(The queue test's summary row) the most requests SGLang held for deferred release at once."""
     state_bytes: int = 0
     """Of ``checked_bytes``, those of the request's Mamba state slot."""
+    paths: list[str] = field(default_factory=list)
+    """(Prefill) the paths kvproto's room took: direct, sliced, staged-..."""
 
 
 def _mix(*parts: np.ndarray) -> np.ndarray:
@@ -536,7 +538,9 @@ def prefill_steps(rank: Rank, req: Request, free: list[int], conn: Any, results:
             break
     while poll not in (KVPoll.Success, KVPoll.Failed):
         poll = yield sender
-    results.append(Result(req.room, int(poll)) if poll == KVPoll.Success else _failed(req.room, sender))
+    handle = getattr(getattr(sender, "_room", None), "_handle", None)
+    paths = sorted(handle.stats.paths) if handle is not None else []
+    results.append(Result(req.room, int(poll), paths=paths) if poll == KVPoll.Success else _failed(req.room, sender))
     sender.clear()
     free.extend(pages)
     rank.swa_free.extend(swa_pages)

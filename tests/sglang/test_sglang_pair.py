@@ -263,3 +263,35 @@ def test_sglang_pair_over_the_cuda_ipc_transport(tmp_path, monkeypatch):
             for req in requests:
                 r = results[req.room]
                 assert r.state == SUCCESS and (side == "prefill" or (r.mismatches == 0 and r.checked_bytes > 0)), r
+
+
+@pytest.mark.parametrize("p_tp, d_tp, mla, hybrid", [(1, 2, False, {}), (2, 1, False, {}), (1, 2, True, {}),
+                                                     (1, 2, False, {"mamba": "gdn"}), (2, 1, False, {"swa": True})],
+                         ids=["tp1-2", "tp2-1", "mla-tp1-2", "gdn-tp1-2", "swa-tp2-1"])
+def test_sglang_pair_with_staging_buffers_moves_staged(tmp_path, monkeypatch, p_tp, d_tp, mla, hybrid):
+    """KVPROTO_SGLANG_STAGING_MIB on both servers: kvproto sees SGLang's pools as tensors too, and
+    rooms between different attention TP sizes gather into the staging buffers and move as bulk
+    writes (kvproto's cost model picks the staged path for every such room here), byte-exact, with a
+    decode prefix and chunks; an MLA latent, whole on every rank, still moves direct; a GDN hybrid's
+    state rides in the pieces' state block, a sliding window's pool (named by the engine) in writes
+    of its own, every byte checked as without staging."""
+    monkeypatch.setenv("KVPROTO_SGLANG_STAGING_MIB", "8")
+    base = 9600 + 10 * p_tp + d_tp + (5 if mla else 0) + (100 if hybrid else 0) + (100 if "swa" in hybrid else 0)
+    requests = [r for r in rooms(base) if r.abort is None]
+    pair = start_pair(tmp_path, p_tp=p_tp, d_tp=d_tp, mla=mla, prefill=requests, decode=requests, **hybrid)
+    try:
+        decode = [pair.results(("decode", r)) for r in range(d_tp)]
+        prefill = [pair.results(("prefill", r)) for r in range(p_tp)]
+    finally:
+        pair.close()
+    for side, ranks in (("decode", decode), ("prefill", prefill)):
+        for results, untouched in ranks:
+            assert untouched
+            for req in requests:
+                r = results[req.room]
+                assert r.state == SUCCESS and (side == "prefill" or (r.mismatches == 0 and r.checked_bytes > 0
+                                                                     and (not hybrid or r.state_bytes > 0))), r
+    paths = [r.paths for results, _ in prefill for r in results.values()]
+    want = "direct" if mla else "staged"  # (an MLA latent goes whole to every decode rank: one run a page)
+    window = "swa" in hybrid  # (the window pool's own writes move sliced: a named window is never staged)
+    assert paths and all(any(p.startswith(want) for p in ps) and (window or "sliced" not in ps) for ps in paths), paths

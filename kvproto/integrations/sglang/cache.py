@@ -234,7 +234,8 @@ def state_args(kv_args: Any, state_indices: list | None) -> StateArgs:
     return StateArgs(slots or None, pages or None)
 
 
-def named_group(kv_args: Any, name: str, *, tp_size: int, tp_rank: int, total_kv_heads: int, on_gpu: bool) -> KVCache:
+def named_group(kv_args: Any, name: str, *, tp_size: int, tp_rank: int, total_kv_heads: int, on_gpu: bool,
+                views: bool = False) -> KVCache:
     """A window or indexer pool (``SWA``, ``DSA``) as a kvproto paged group whose window the engine
     names: the window pool's K then V of each sliding-window layer (the model's heads, as the KV's),
     or the indexer's one buffer per layer (one head of its page's bytes per token, replicated); the
@@ -256,14 +257,15 @@ def named_group(kv_args: Any, name: str, *, tp_size: int, tp_rank: int, total_kv
         num_kv_heads=total_kv_heads if name == SWA else 1, mla=name == DSA,
         mem_kind=MemKind.VRAM if on_gpu else MemKind.DRAM,
         device_id=int(getattr(kv_args, "gpu_id", 0) or 0) if on_gpu else 0, owner=kv_args, name=name,
-        window=NAMED_WINDOW)
+        window=NAMED_WINDOW, views=views)
 
 
 def cache_from_kvargs(kv_args: Any, *, mla: bool, tp_size: int, tp_rank: int, total_kv_heads: int,
-                      on_gpu: bool, conv_sections: Sequence[int] | None = None) -> KVCache:
+                      on_gpu: bool, conv_sections: Sequence[int] | None = None, views: bool = False) -> KVCache:
     """kvproto's description of the rank's KV and aux memory as ``KVArgs`` gives it, with the group
     of its one cache state after the attention layers' KV: a Mamba state group (``mamba_layout``),
-    or a window or indexer pool (``named_group``)."""
+    or a window or indexer pool (``named_group``). ``views``: the paged groups' regions as tensors
+    too (``KVCache.from_pointers``), which the staged path needs."""
     ptrs, lens, items = list(kv_args.kv_data_ptrs), list(kv_args.kv_data_lens), list(kv_args.kv_item_lens)
     planes = 1 if mla else 2
     if not ptrs or len(ptrs) % planes or len(set(lens)) != 1 or len(set(items)) != 1:
@@ -284,12 +286,12 @@ def cache_from_kvargs(kv_args: Any, *, mla: bool, tp_size: int, tp_rank: int, to
         [ptrs[p * layers:(p + 1) * layers] for p in range(planes)], page_bytes=items[0], region_bytes=lens[0],
         block_size=int(kv_args.page_size), tp_size=tp_size, tp_rank=tp_rank, num_kv_heads=1 if mla else total_kv_heads,
         mla=mla, mem_kind=MemKind.VRAM if on_gpu else MemKind.DRAM, device_id=int(getattr(kv_args, "gpu_id", 0) or 0)
-        if on_gpu else 0, aux=aux, owner=kv_args, model_layers=ids[:layers] if hybrid and ids else None)
+        if on_gpu else 0, aux=aux, owner=kv_args, model_layers=ids[:layers] if hybrid and ids else None, views=views)
     if not hybrid:
         return kv
     (state,) = [getattr(s, "value", str(s)) for s in kv_args.state_types]  # (``refusal``: one at a time)
     if state in NAMED:
         return kv.with_groups(named_group(kv_args, state, tp_size=tp_size, tp_rank=tp_rank,
-                                          total_kv_heads=total_kv_heads, on_gpu=on_gpu))
+                                          total_kv_heads=total_kv_heads, on_gpu=on_gpu, views=views))
     return kv.with_groups(mamba_group(kv_args, tp_size=tp_size, tp_rank=tp_rank, on_gpu=on_gpu,
                                       conv_sections=conv_sections))

@@ -25,6 +25,11 @@ The transport is NIXL unless ``KVPROTO_SGLANG_TRANSPORT`` names another (SGLang 
 backend's own settings): ``cuda-ipc`` writes into a decode rank on the same machine with one kernel
 per write (the kernel path) and takes NIXL for every other peer; ``KVPROTO_SGLANG_TRANSPORT_OPTIONS``
 (JSON) passes the transport's options. Both servers' ranks read them at start (``transport_choice``).
+``KVPROTO_SGLANG_STAGING_MIB`` gives each rank a staging buffer of that size (0, the default: none):
+rooms between different attention TP sizes then gather into it and move as a few bulk writes, where
+without it they move sliced, a descriptor per head and page (kvproto's cost model picks per room).
+The buffer is memory beside SGLang's pools (on the rank's GPU), which SGLang does not count: leave
+room for it (``--mem-fraction-static``).
 """
 
 from __future__ import annotations
@@ -92,6 +97,20 @@ def mamba2_conv_sections(server_args: Any) -> tuple[int, ...] | None:
 
 TRANSPORT_ENV = "KVPROTO_SGLANG_TRANSPORT"
 TRANSPORT_OPTIONS_ENV = "KVPROTO_SGLANG_TRANSPORT_OPTIONS"
+STAGING_ENV = "KVPROTO_SGLANG_STAGING_MIB"
+
+
+def staging_bytes(environ: Any = os.environ) -> int:
+    """Each rank's staging buffer in bytes (module docstring); a value that is not a whole number of
+    MiB ≥ 0 raises ``ValueError`` naming the variable."""
+    raw = environ.get(STAGING_ENV, "").strip() or "0"
+    try:
+        mib = int(raw)
+    except ValueError:
+        mib = -1
+    if mib < 0:
+        raise ValueError(f"{STAGING_ENV}={raw!r}: a whole number of MiB, 0 for none")
+    return mib << 20
 
 
 def transport_choice(environ: Any = os.environ) -> tuple[str, dict[str, Any]]:
@@ -147,10 +166,12 @@ class KVProtoManager(CommonKVManager):
                 conv_sections = mamba2_conv_sections(server_args)
                 layout = mamba_layout(args, tp_size=parallel.attn_tp_size, conv_sections=conv_sections)
             self._same_tp_only = layout.same_tp_only
+        self._staging = staging_bytes()
         self.kvproto_cache = cache_from_kvargs(
             args, mla=bool(is_mla_backend), tp_size=parallel.attn_tp_size, tp_rank=parallel.attn_tp_rank,
             total_kv_heads=_total_kv_heads(args, server_args, bool(is_mla_backend)),
-            on_gpu=str(get_device().device).startswith("cuda"), conv_sections=conv_sections)
+            on_gpu=str(get_device().device).startswith("cuda"), conv_sections=conv_sections,
+            views=self._staging > 0)
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)  # prefill: register_to_bootstrap
         if disaggregation_mode == DisaggregationMode.DECODE:
             where = self.dist_init_addr or f"{self.local_ip}:{get_serving().port}"
@@ -174,7 +195,7 @@ class KVProtoManager(CommonKVManager):
         timeouts = Timeouts(bootstrap=bootstrap, waiting=None if decode else waiting, transfer=waiting,
                             parked=bootstrap)
         transport, transport_options = transport_choice()
-        return EndpointConfig(instance=instance, timeouts=timeouts, staging_bytes=0, transport=transport,
+        return EndpointConfig(instance=instance, timeouts=timeouts, staging_bytes=self._staging, transport=transport,
                               transport_options=transport_options,
                               compat_key=f"sglang-kv-{self.kv_cache_dtype_str}", **options)
 
