@@ -89,6 +89,11 @@ class GroupSpec:
             first = 0 if self.window is None else max(0, num_tokens - self.window) // block
         return range(first, -(-num_tokens // block)) if num_tokens > 0 else range(0)
 
+    def named_from(self, end_token: int, named: int) -> int:
+        """A window the engine names: the page (of this side's blocks) where the ``named`` last
+        pages of a prompt of ``end_token`` tokens begin."""
+        return -(-end_token // self.block_size) - named
+
     def window_start(self, num_tokens: int) -> int:
         """The first token a decode rank needs of this group."""
         return 0 if self.window is None else max(0, num_tokens - self.window)

@@ -338,7 +338,7 @@ class ReceiverCore(ReceiverHolds, CoreBase):
                                          f"slot for each ({', '.join(repr(g.name) for g in self.groups) or 'none'})")
             groups = tuple([
                 slot_destination(int(slot)) if spec.state else
-                GroupDestination(first_page=(-(-num_tokens // spec.block_size) - len(group) if spec.named else
+                GroupDestination(first_page=(spec.named_from(num_tokens, len(group)) if spec.named else
                                              spec.window_start(num_tokens) // spec.block_size),
                                  pages=pages if group is given else _one_of(tuple(group), pages), slot=NO_SLOT)
                 for spec, group, slot in zip(self.groups, group_pages, state_slots)])

@@ -170,7 +170,7 @@ class SenderRequests:
         for g, spec in enumerate(self.groups):
             if not spec.named:
                 continue
-            held_from = (-(-room.end_token // spec.block_size) - len(room.group_pages[g])) * spec.block_size
+            held_from = spec.named_from(room.end_token, len(room.group_pages[g])) * spec.block_size
             for peer in room.peers.values():
                 lg, req = peer.link.groups[g], peer.request
                 needed = max(req.prefix_tokens, req.groups[g].first_page * lg.block_size)

@@ -250,7 +250,7 @@ class SenderWrites:
         first = max(prefix, dest.first_page * dst_block)
         if first < end:
             held = room.group_pages[g]
-            own = (0,) * (-(-end // self.groups[g].block_size) - len(held)) + tuple(held)
+            own = (0,) * self.groups[g].named_from(end, len(held)) + tuple(held)
             parts.append(new_part(PagedPart, (g + 1, first, end, span, own, pages_from_zero(dest))))
 
     def _piece_states(self, room: SenderRoom, peer: _Peer, end_token: int) -> tuple[StatePart, ...]:

@@ -35,13 +35,29 @@ def rooms(base: int) -> list[Request]:
 
 def run(tmp_path, p_tp: int, d_tp: int, *, mla: bool = False, requests: list[Request] | None = None):
     requests = requests or rooms(1000 * (p_tp * 10 + d_tp) + (500 if mla else 0))
-    pair = start_pair(tmp_path, p_tp=p_tp, d_tp=d_tp, mla=mla, prefill=requests, decode=requests)
+    _, prefill, decode = run_pair(tmp_path, p_tp, d_tp, requests, mla=mla)
+    return requests, prefill, decode
+
+
+def run_pair(tmp_path, p_tp: int, d_tp: int, requests: list[Request], **options):
+    """Every rank's (results, untouched) of a pair that served ``requests`` (``options``: start_pair's)."""
+    pair = start_pair(tmp_path, p_tp=p_tp, d_tp=d_tp, prefill=requests, decode=requests, **{"mla": False, **options})
     try:
         decode = [pair.results(("decode", r)) for r in range(d_tp)]
         prefill = [pair.results(("prefill", r)) for r in range(p_tp)]
     finally:
         pair.close()
-    return requests, prefill, decode
+    return pair, prefill, decode
+
+
+def room_results(requests: list[Request], prefill, decode):
+    """(side, request, its result on one rank) for every rank of both sides, once each rank's
+    pages it never handed out are checked untouched."""
+    for side, ranks in (("decode", decode), ("prefill", prefill)):
+        for results, untouched in ranks:
+            assert untouched
+            for req in requests:
+                yield side, req, results[req.room]
 
 
 @pytest.mark.parametrize("p_tp, d_tp, mla", [(1, 1, False), (1, 2, False), (2, 1, False), (1, 2, True),
@@ -185,27 +201,18 @@ def test_sglang_pair_sliding_window_moves_the_window_pool(tmp_path, p_tp, d_tp):
 
     requests = [r for r in rooms(9100 + 10 * p_tp + d_tp) if r.abort in (None, "decode-after-metadata")]
     requests.append(Request(9199, 9 * PAGE + 2, [3 * PAGE, 6 * PAGE, 9 * PAGE + 2], prefix=7 * PAGE))  # prefix in window
-    pair = start_pair(tmp_path, p_tp=p_tp, d_tp=d_tp, mla=False, prefill=requests, decode=requests, swa=True)
-    try:
-        decode = [pair.results(("decode", r)) for r in range(d_tp)]
-        prefill = [pair.results(("prefill", r)) for r in range(p_tp)]
-    finally:
-        pair.close()
+    _, prefill, decode = run_pair(tmp_path, p_tp, d_tp, requests, swa=True)
     from sglang_harness import HEADS, HEAD_DIM
 
-    for side, ranks in (("decode", decode), ("prefill", prefill)):
-        for results, untouched in ranks:
-            assert untouched
-            for req in requests:
-                r = results[req.room]
-                if req.abort:
-                    assert r.state == FAILED, (side, r)
-                    continue
-                assert r.state == SUCCESS, (side, r)
-                window = (req.tokens - window_start(req)) * 2 * 2 * (HEADS // d_tp if d_tp <= HEADS else 1) * \
-                    HEAD_DIM * 2  # tokens x K, V x 2 layers x held heads x bf16 head
-                assert side == "prefill" or (r.mismatches == 0 and r.state_bytes == window > 0
-                                             and r.checked_bytes > r.state_bytes), (req, r)
+    for side, req, r in room_results(requests, prefill, decode):
+        if req.abort:
+            assert r.state == FAILED, (side, r)
+            continue
+        assert r.state == SUCCESS, (side, r)
+        window = (req.tokens - window_start(req)) * 2 * 2 * (HEADS // d_tp if d_tp <= HEADS else 1) * \
+            HEAD_DIM * 2  # tokens x K, V x 2 layers x held heads x bf16 head
+        assert side == "prefill" or (r.mismatches == 0 and r.state_bytes == window > 0
+                                     and r.checked_bytes > r.state_bytes), (req, r)
 
 
 @pytest.mark.parametrize("p_tp, d_tp", [(1, 1), (1, 2), (2, 1)], ids=["dsa-tp1-1", "dsa-tp1-2", "dsa-tp2-1"])
@@ -223,25 +230,16 @@ def test_sglang_pair_sparse_attention_moves_the_indexer(tmp_path, monkeypatch, p
                 Request(base + 2, 2 * page, [2 * page]),
                 Request(base + 3, 4 * page + 9, [2 * page, 4 * page + 9], prefix=page),
                 Request(base + 4, 2 * page + 1, [page, 2 * page + 1], abort="decode-after-metadata")]
-    pair = start_pair(tmp_path, p_tp=p_tp, d_tp=d_tp, mla=True, prefill=requests, decode=requests, dsa=True)
-    try:
-        decode = [pair.results(("decode", r)) for r in range(d_tp)]
-        prefill = [pair.results(("prefill", r)) for r in range(p_tp)]
-    finally:
-        pair.close()
-    for side, ranks in (("decode", decode), ("prefill", prefill)):
-        for results, untouched in ranks:
-            assert untouched
-            for req in requests:
-                r = results[req.room]
-                if req.abort:
-                    assert r.state == FAILED, (side, r)
-                    continue
-                assert r.state == SUCCESS, (side, r)
-                pages = -(-(req.tokens - req.prefix) // page)
-                index = 3 * pages * page * (128 + 4)  # 3 layers x pages x (fp8 key + fp32 scale) a token
-                assert side == "prefill" or (r.mismatches == 0 and r.state_bytes == index
-                                             and r.checked_bytes > r.state_bytes), (req, r)
+    _, prefill, decode = run_pair(tmp_path, p_tp, d_tp, requests, mla=True, dsa=True)
+    for side, req, r in room_results(requests, prefill, decode):
+        if req.abort:
+            assert r.state == FAILED, (side, r)
+            continue
+        assert r.state == SUCCESS, (side, r)
+        pages = -(-(req.tokens - req.prefix) // page)
+        index = 3 * pages * page * (128 + 4)  # 3 layers x pages x (fp8 key + fp32 scale) a token
+        assert side == "prefill" or (r.mismatches == 0 and r.state_bytes == index
+                                     and r.checked_bytes > r.state_bytes), (req, r)
 
 
 def test_sglang_pair_over_the_cuda_ipc_transport(tmp_path, monkeypatch):
@@ -250,19 +248,10 @@ def test_sglang_pair_over_the_cuda_ipc_transport(tmp_path, monkeypatch):
     rooms go through its NIXL fallback, byte-exact, TP 1 -> 2."""
     monkeypatch.setenv("KVPROTO_SGLANG_TRANSPORT", "cuda-ipc")
     requests = [r for r in rooms(9500) if r.abort is None]
-    pair = start_pair(tmp_path, p_tp=1, d_tp=2, mla=False, prefill=requests, decode=requests)
-    try:
-        decode = [pair.results(("decode", r)) for r in range(2)]
-        prefill = [pair.results(("prefill", 0))]
-    finally:
-        pair.close()
+    pair, prefill, decode = run_pair(tmp_path, 1, 2, requests)
     assert set(pair.transports.values()) == {"CudaIpcTransport"}, pair.transports
-    for side, ranks in (("decode", decode), ("prefill", prefill)):
-        for results, untouched in ranks:
-            assert untouched
-            for req in requests:
-                r = results[req.room]
-                assert r.state == SUCCESS and (side == "prefill" or (r.mismatches == 0 and r.checked_bytes > 0)), r
+    for side, _, r in room_results(requests, prefill, decode):
+        assert r.state == SUCCESS and (side == "prefill" or (r.mismatches == 0 and r.checked_bytes > 0)), r
 
 
 @pytest.mark.parametrize("p_tp, d_tp, mla, hybrid", [(1, 2, False, {}), (2, 1, False, {}), (1, 2, True, {}),
@@ -278,19 +267,10 @@ def test_sglang_pair_with_staging_buffers_moves_staged(tmp_path, monkeypatch, p_
     monkeypatch.setenv("KVPROTO_SGLANG_STAGING_MIB", "8")
     base = 9600 + 10 * p_tp + d_tp + (5 if mla else 0) + (100 if hybrid else 0) + (100 if "swa" in hybrid else 0)
     requests = [r for r in rooms(base) if r.abort is None]
-    pair = start_pair(tmp_path, p_tp=p_tp, d_tp=d_tp, mla=mla, prefill=requests, decode=requests, **hybrid)
-    try:
-        decode = [pair.results(("decode", r)) for r in range(d_tp)]
-        prefill = [pair.results(("prefill", r)) for r in range(p_tp)]
-    finally:
-        pair.close()
-    for side, ranks in (("decode", decode), ("prefill", prefill)):
-        for results, untouched in ranks:
-            assert untouched
-            for req in requests:
-                r = results[req.room]
-                assert r.state == SUCCESS and (side == "prefill" or (r.mismatches == 0 and r.checked_bytes > 0
-                                                                     and (not hybrid or r.state_bytes > 0))), r
+    _, prefill, decode = run_pair(tmp_path, p_tp, d_tp, requests, mla=mla, **hybrid)
+    for side, _, r in room_results(requests, prefill, decode):
+        assert r.state == SUCCESS and (side == "prefill" or (r.mismatches == 0 and r.checked_bytes > 0
+                                                             and (not hybrid or r.state_bytes > 0))), r
     paths = [r.paths for results, _ in prefill for r in results.values()]
     want = "direct" if mla else "staged"  # (an MLA latent goes whole to every decode rank: one run a page)
     window = "swa" in hybrid  # (the window pool's own writes move sliced: a named window is never staged)

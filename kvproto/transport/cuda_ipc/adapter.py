@@ -146,7 +146,9 @@ class CudaIpcTransport(LaunchPlanner, AdapterKit):
         """Kernel writes not yet seen finished, in launch order (see ``_advance``)."""
         self._tags = TagChannel()
         self._unadded: dict[str, bytes] = {}
-        """Mapped peers not yet added to the fallback: their fallback metadata (``_fallback_peer``)."""
+        """Mapped peers whose newest fallback metadata the fallback has not loaded (``_fallback_peer``)."""
+        self._in_fallback: set[str] = set()
+        """Peers the fallback holds (every unmapped one; a mapped one once something went through it)."""
         self._fallback_poll_s = fallback_poll_s
         self._fallback_drained = 0.0
         self._fallback_busy_until = 0.0
@@ -225,6 +227,7 @@ class CudaIpcTransport(LaunchPlanner, AdapterKit):
         if name != agent:
             self._fallback.remove_peer(name)
             raise TransportError(f"add_peer: metadata of {agent!r} carries agent {name!r}")
+        self._in_fallback.add(name)
         self._routes[name] = Route(name=self.fallback_name, pattern=False)
         log.info("peer %s goes through %s: %s", name, self.fallback_name, why)
         return name
@@ -238,6 +241,7 @@ class CudaIpcTransport(LaunchPlanner, AdapterKit):
         if name != peer:
             self._fallback.remove_peer(name)
             raise TransportError(f"{self.fallback_name}: metadata of {peer!r} carries agent {name!r}")
+        self._in_fallback.add(name)
 
     def _map(self, name: str, doc: dict[str, Any], regions: list[tuple[int, int, int]]) -> tuple[_Peer | None, str]:
         """The peer as a mapped peer, or (None, why not)."""
@@ -317,7 +321,9 @@ class CudaIpcTransport(LaunchPlanner, AdapterKit):
 
     def remove_peer(self, peer: str) -> None:
         self._check_open()
-        if self._unadded.pop(peer, None) is None:
+        self._unadded.pop(peer, None)
+        if peer in self._in_fallback or peer not in self._peers:  # (an unknown peer: the fallback says so)
+            self._in_fallback.discard(peer)
             self._fallback.remove_peer(peer)
         self._forget_peer(peer, f"peer {peer!r} was removed")
         self._routes.pop(peer, None)
