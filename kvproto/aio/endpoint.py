@@ -163,6 +163,11 @@ class EndpointConfig:
     warm_up: bool = True
     """``start()`` returns once the staging kernels this rank will launch are compiled (GPU caches
     with Triton), so that no room waits for compilation."""
+    ready_thread: bool = True
+    """A prefill rank waits for the engine's readiness events (``send(ready=...)``) in a thread of
+    its own, which wakes its loop as each fires (``kvproto.aio.ready``: one CPU core spinning in
+    CUDA's wait while a forward computes); False: the loop polls them every ``transfer_poll_s``
+    (which its selector rounds up to a millisecond)."""
     clock: Callable[[], float] | None = None
     """Where the core's time comes from (default: the event loop's clock). Tests jump it."""
     control_faults: ControlFaults | None = None

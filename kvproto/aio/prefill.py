@@ -49,8 +49,9 @@ from kvproto.aio.memory import KVCache
 from kvproto.aio.paths import LocalLists, Posted
 from kvproto.aio.prefill_links import PrefillLinks, _DecodeLink
 from kvproto.aio import trace
+from kvproto.aio.ready import ReadyWaiter
 from kvproto.aio.room import SenderRoomHandle
-from kvproto.aio.staging import CacheKernels, Copies, Piece, StagingBuffer, Stager, warm_kernels
+from kvproto.aio.staging import CacheKernels, Copies, Piece, StagingBuffer, Stager, warm_kernels, warm_rows_kernels
 from kvproto.core import PostAux, PostGroups, PostStaged, PostWrite, RoomState, SenderCore
 from kvproto.transport import TransportError, XferState
 from kvproto.wire import (
@@ -133,8 +134,12 @@ class PrefillEndpoint(PrefillLinks, EndpointBase):
         self.address = ""
         self._links: dict[bytes, _DecodeLink] = {}
         self._pending: dict[Any, _Pending] = {}
-        self._held: list[Any] = []
-        """Writes waiting for the readiness events of the layers they carry (layer-wise chunks)."""
+        self._held: dict[tuple[int, ...], list[Any]] = {}
+        """Writes waiting for the readiness events of the layers they carry (layer-wise chunks), by
+        the identity of those events: the rooms of one forward share a layer's event, which is
+        then queried once a pass for all of them (``_release_held``), in the order they were held."""
+        self._ready: ReadyWaiter | None = None
+        """Wakes the loop as the held writes' events fire (``kvproto.aio.ready``)."""
         self._local: LocalLists | None = None
         self._rank_table: dict[int, RankAddress] = {}
         self._auth: KeyAuthenticator | None = None
@@ -193,6 +198,10 @@ class PrefillEndpoint(PrefillLinks, EndpointBase):
             warming = warm_kernels(self.kv, self._kernels, self._staging, gather=True)
             if warming is not None and self.config.warm_up:
                 await asyncio.to_thread(warming.join)
+        if self.config.warm_up and hasattr(self.transport, "post_plan"):  # the kernel path's rows kernels
+            rows = warm_rows_kernels(self.kv)
+            if rows is not None:
+                await asyncio.to_thread(rows.join)
         advertised = self.config.advertise_host or self.config.host
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 500)
@@ -220,6 +229,8 @@ class PrefillEndpoint(PrefillLinks, EndpointBase):
             self._spawn(self._announce_loop(), "announce")
 
     def _close_io(self) -> None:
+        if self._ready is not None:
+            self._ready.close()
         for link in list(self._links.values()):
             self._close_link(link)
         if self._router is not None:
@@ -345,26 +356,41 @@ class PrefillEndpoint(PrefillLinks, EndpointBase):
     def _perform(self, out: Any) -> None:
         if not isinstance(out, (PostWrite, PostAux, PostStaged, PostGroups)):
             raise TypeError(f"unexpected output {out!r}")
-        if getattr(out, "ready", ()) and not _fired(out.ready):
-            self._held.append(out)  # its layers are not written yet: posted once the events fire
+        ready = getattr(out, "ready", ())
+        if ready and not _fired(ready):  # its layers are not written yet: posted once the events fire
+            self._held.setdefault(tuple(map(id, ready)), []).append(out)
+            if self.config.ready_thread:
+                if self._ready is None:
+                    assert self._loop is not None
+                    self._ready = ReadyWaiter(self._loop, self._kick)
+                self._ready.watch(ready)
             return
         self._post(out)
 
     def _release_held(self) -> int:
-        """Post the held writes whose readiness events have fired; a held write whose room has
-        ended is reported failed (nothing was posted), so that the room's drain completes."""
+        """Post the held writes whose readiness events have fired (each distinct set of events
+        queried once); a held write whose room has ended is reported failed (nothing was
+        posted), so that the room's drain completes."""
         if not self._held:
             return 0
         released = 0
-        for out in list(self._held):
-            if self.core.room_state(out.room_id) in (None, RoomState.FAILED, RoomState.SUCCESS):
-                self._held.remove(out)
-                self.core.write_failed(out.room_id, out.link, out.seq, "the room ended before its KV was ready",
-                                       self._now(), tag=out.tag)
-            elif _fired(out.ready):
-                self._held.remove(out)
-                self._post(out)
-                released += 1
+        ended = (None, RoomState.FAILED, RoomState.SUCCESS)
+        for key, outs in list(self._held.items()):
+            fired = _fired(outs[0].ready)
+            kept = []
+            for out in outs:
+                if self.core.room_state(out.room_id) in ended:
+                    self.core.write_failed(out.room_id, out.link, out.seq, "the room ended before its KV was ready",
+                                           self._now(), tag=out.tag)
+                elif fired:
+                    self._post(out)
+                    released += 1
+                else:
+                    kept.append(out)
+            if kept:
+                self._held[key] = kept
+            else:
+                del self._held[key]
         return released
 
     def _post(self, out: Any) -> None:

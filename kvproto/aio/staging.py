@@ -325,6 +325,47 @@ def warm_kernels(kv: KVCache, kernels_: CacheKernels, buf: StagingBuffer, *, gat
     return thread
 
 
+def warm_rows_kernels(kv: KVCache) -> threading.Thread | None:
+    """Compile, in a background thread, the kernel path's rows kernels (``kvproto.kernels.paged``)
+    that this prefill rank will launch into a decode rank of the same model at any TP size of
+    ``WARM_PEER_TP`` (the cache's own block size and layout on both sides): for each pair, the
+    variant of long rooms and that of short ones and single layers (the kernel's rows per
+    program, ``ROWS``, is the one constexpr that follows a write's size), each alone and batched.
+    So the first room of a new link loads nothing; a pair of other block sizes or layouts
+    compiles at its first room. None where the cache is not on a GPU or Triton is missing."""
+    if not kv.tensors or kv.tensors[0].device.type != "cuda" or not kernels._have_triton():
+        return None
+    import dataclasses
+
+    from kvproto.kernels import paged
+    from kvproto.kernels.pattern import plan_rows
+
+    own = kv.geometry
+    regions = len(kv.region_addresses)
+    plans = []
+    for tp in WARM_PEER_TP:
+        for rank in range(tp):
+            try:
+                pair = plan_pair(own, dataclasses.replace(own, tp_size=tp, tp_rank=rank))
+                if pair.head_count == 0:
+                    continue
+                long = plan_rows(pair, 0, 4096, regions=regions)
+            except Exception:  # noqa: BLE001 - a TP size this model cannot pair with
+                continue
+            plans += [long, dataclasses.replace(long, constants={**long.constants, "ROWS": 1})]
+    device = kv.tensors[0].device
+
+    def run() -> None:
+        try:
+            paged.warm_up_rows(plans, device)
+        except Exception:  # noqa: BLE001 - a failed warm-up only means the first room compiles
+            log.warning("rows kernel warm-up failed; the first room of a link will compile", exc_info=True)
+
+    thread = threading.Thread(target=run, name="kvproto-rows-warm-up", daemon=True)
+    thread.start()
+    return thread
+
+
 def state_launches(kernels_: CacheKernels, own: CacheGeometry, buf: StagingBuffer, *, gather: bool
                    ) -> list[tuple[Any, int, bool]]:
     """The launches that carry a state block which this rank's pieces make (``gather``: as the

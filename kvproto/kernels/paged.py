@@ -23,6 +23,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
@@ -82,9 +83,9 @@ def copy_pattern(plan: Any, src_table: torch.Tensor, dst_table: torch.Tensor, ti
 
 
 # --- paged-to-paged rows (the kernel path's conversions: ``kvproto.kernels.pattern.plan_rows``) --------
-def _copy_paged(src_table, dst_table, src_pages, dst_pages, lists, start_token, num_rows, num_regions, word_ptr,
-                slot_tiles, num_slot_tiles, slot_base, slot_word_ptr, src_slot, dst_slot,
-                LISTS: tl.constexpr, SLOTS: tl.constexpr, S_TILE_WORDS: tl.constexpr, S_VEC: tl.constexpr,
+def _copy_paged(src_table, dst_table, src_pages, dst_pages, lists, batch, start_token, num_rows, num_regions,
+                word_ptr, slot_tiles, num_slot_tiles, slot_base, slot_word_ptr, src_slot, dst_slot,
+                LISTS: tl.constexpr, SLOTS: tl.constexpr, BATCH: tl.constexpr, S_TILE_WORDS: tl.constexpr, S_VEC: tl.constexpr,
                 S_ALIGN: tl.constexpr, HEAD_COUNT: tl.constexpr, HEAD_WORDS: tl.constexpr, ROW_WORDS: tl.constexpr,
                 ROW_BLOCK: tl.constexpr, ROWS: tl.constexpr, ALIGN: tl.constexpr,
                 SRC_BLOCK: tl.constexpr, SRC_HEADS: tl.constexpr, SRC_HEAD0: tl.constexpr,
@@ -94,6 +95,15 @@ def _copy_paged(src_table, dst_table, src_pages, dst_pages, lists, start_token, 
     region = tl.program_id(1)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     limit = num_rows
+    if BATCH:  # several writes of one shape in one launch (``PagedBatch``): the grid's second axis is
+        # writes x regions; write w reads its token range and where its two page lists start (from
+        # ``src_pages``, which is the batch's table) in entry w of ``batch``
+        entry = batch + (region // num_regions).to(tl.int64) * 4
+        region = region % num_regions
+        start_token = tl.load(entry)
+        limit = tl.load(entry + 1)
+        dst_pages += tl.load(entry + 3)
+        src_pages += tl.load(entry + 2)
     if SLOTS:  # the grid's first rows copy a state slot's tiles (``copy_paged``), the regions' rows
         # follow (as ``_copy_rows``); a tile moves ``src_slot`` / ``dst_slot`` of its row's strides
         slot_rows = (num_slot_tiles + tl.num_programs(0) - 1) // tl.num_programs(0)
@@ -184,7 +194,7 @@ class PagedLaunch:
         device = src_table.device
         interpret = device.type != "cuda"
         constants = dict(plan.constants)
-        constants.update(LISTS=int(lists is not None), SLOTS=int(slots is not None))
+        constants.update(LISTS=int(lists is not None), SLOTS=int(slots is not None), BATCH=0)
         programs, regions = plan.programs_x, plan.regions
         word = _word_tensor(plan.word, device)
         if slots is None:
@@ -263,11 +273,94 @@ class PagedLaunch:
             _jit(kernel, self.grid, self._args(src_pages, dst_pages, src_slot, dst_slot), self.constants, stream)
         else:  # the launcher takes addresses (``addresses``): the page lists are ours, on the device
             head_at, mid_at, lists_at = self.addresses
-            _call(known, self.grid, (*head_at, src, dst, src if lists_at is None else lists_at, *mid_at, src_slot,
-                                     dst_slot), device, stream)
+            _call(known, self.grid, (*head_at, src, dst, src if lists_at is None else lists_at, src, *mid_at,
+                                     src_slot, dst_slot), device, stream)
 
     def _args(self, src_pages: Any, dst_pages: Any, src_slot: int, dst_slot: int) -> tuple[Any, ...]:
         """The launch's arguments as objects (the JIT's, and the first launch of a specialisation)."""
         head, mid = self.args
-        return (*head, src_pages, dst_pages, src_pages if self.lists is None else self.lists, *mid, src_slot,
-                dst_slot)
+        return (*head, src_pages, dst_pages, src_pages if self.lists is None else self.lists, src_pages, *mid,
+                src_slot, dst_slot)
+
+
+class PagedBatch:
+    """Several writes of one rows shape as one ``copy_paged`` launch (``BATCH``).
+
+    Rooms that become ready together (one forward pass, one layer's event, one progress pass)
+    write into one peer with the same plan but their own pages and token ranges. Launching them
+    one by one pays the launch's host cost per room; here they go as one launch whose second grid
+    axis is writes x regions. Its one table holds a four-word entry per write (first token, rows,
+    where its source and destination page lists start in the table) followed by the writes' own
+    tables (``batch_table``); the plan's constexprs (``ROWS`` with them) are those of every write in
+    the batch. Made per shape (the region tables, the lists' offsets, the constexprs) and called
+    with the table and the grid."""
+
+    __slots__ = ("kernel", "constants", "regions", "rows_per_program", "args")
+
+    def __init__(self, plan: Any, src_table: torch.Tensor, dst_table: Any, lists: Any = None) -> None:
+        device = src_table.device
+        interpret = device.type != "cuda"
+        self.kernel = _paged_kernel(interpret)
+        self.constants = dict(plan.constants, LISTS=int(lists is not None), SLOTS=0, BATCH=1,
+                              S_TILE_WORDS=1, S_VEC=1, S_ALIGN=1)
+        if not interpret:
+            self.constants["num_warps"] = NUM_WARPS
+        self.regions, self.rows_per_program = plan.regions, plan.rows_per_program
+        word = _word_tensor(plan.word, device)
+        self.args = (src_table, dst_table, lists, word)
+
+    def __call__(self, table: Any, entries: np.ndarray, stream: Any = None) -> None:
+        """Launch the writes of ``entries`` (``batch_table``'s second answer) reading ``table``
+        (its first, where the kernel reads it), on the current stream or ``stream``."""
+        src_table, dst_table, lists, word = self.args
+        programs = max(1, -(-int(entries[:, 1].max()) // self.rows_per_program))
+        args = (src_table, dst_table, table, table, table if lists is None else lists, table, 0, 0, self.regions,
+                word, src_table, 0, src_table, word, 0, 0)
+        _launch(self.kernel, (programs, len(entries) * self.regions), args, self.constants, stream)
+
+
+def batch_table(writes: Iterable[tuple[int, int, int, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """The one table of a ``PagedBatch`` launch, and its entries, from each write's (first token,
+    rows, where its destination lists start in its own table, that table): an ``(N, 4)`` int64
+    entry per write (first token, rows, source and destination lists' offsets in the batch's
+    table), then the writes' tables one after another."""
+    writes = list(writes)
+    head = 4 * len(writes)
+    entries = np.empty((len(writes), 4), dtype=np.int64)
+    at = head
+    for i, (start, rows, split, table) in enumerate(writes):
+        entries[i] = start, rows, at, at + split
+        at += len(table)
+    return np.concatenate([entries.reshape(-1), *(w[3] for w in writes)]), entries
+
+
+def warm_up_rows(plans: Iterable[Any], device: torch.device) -> int:
+    """Compile the rows kernels of ``plans`` (``RowsPlan``s; one per distinct set of constexprs),
+    each as one write's launch (``PagedLaunch``) and as a batch's (``PagedBatch``), by running
+    them with no rows over one region of dummy tables: every program is masked, nothing is read
+    or written but those tables. Meant for a background thread when a rank starts, so that no
+    room waits for Triton (a process's first compile also hashes Triton's own sources: about
+    0.4 s). Returns how many variants ran."""
+    import dataclasses
+
+    table = torch.zeros(8, dtype=torch.int64, device=device)
+    entry = np.zeros((1, 4), dtype=np.int64)
+    entry[0, 2:] = 4  # the (empty) lists after the entry
+    seen: set[tuple[Any, ...]] = set()
+    ran = 0
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        for plan in plans:
+            key = (plan.word, *plan.constants.items())
+            if key in seen:
+                continue
+            seen.add(key)
+            empty = dataclasses.replace(plan, num_rows=0, regions=1)
+            alone = PagedLaunch(empty, table, table)
+            alone.grid = (1, 1)
+            alone(table, table)
+            PagedBatch(empty, table, table)(table, entry)
+            ran += 2
+    stream.synchronize()
+    return ran
+

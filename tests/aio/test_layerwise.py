@@ -4,6 +4,7 @@ never for a synchronization, and the room lands byte-exact on every adapter."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -21,18 +22,34 @@ BLOCK = 4
 
 class Event:
     """A readiness handle the test fires by hand, as a CUDA event fires when the engine's stream
-    reaches it. ``synchronize`` (or any wait) would hang an engine: it fails the test instead."""
+    reaches it. Waiting for it on the endpoint's loop (``synchronize`` there) would stall every
+    room: it fails the test instead. Another thread (``kvproto.aio.ready``) may wait, as for a
+    CUDA event: until it fires."""
 
     def __init__(self) -> None:
-        self.fired = False
+        self._set = threading.Event()
         self.queries = 0
+        self.waits = 0
+        self.loop_thread = threading.get_ident()
+
+    @property
+    def fired(self) -> bool:
+        return self._set.is_set()
+
+    @fired.setter
+    def fired(self, value: bool) -> None:
+        assert value, "an event fires once"
+        self._set.set()
 
     def query(self) -> bool:
         self.queries += 1
         return self.fired
 
     def synchronize(self) -> None:
-        raise AssertionError("kvproto waited on the engine's event")
+        if threading.get_ident() == self.loop_thread:
+            raise AssertionError("kvproto waited on the engine's event in its event loop")
+        self.waits += 1
+        self._set.wait(30)
 
     wait = synchronize
 
@@ -146,3 +163,34 @@ def test_layerwise_sync_facade_sends_layer_by_layer() -> None:
             assert dst.aux[1].equal(src.aux[3])
     finally:
         loop.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("thread", [True, False], ids=["ready-thread", "polled"])
+async def test_layerwise_a_fired_event_wakes_the_loop_at_once(thread: bool) -> None:
+    """With the loop polling held writes only every 2 s (``transfer_poll_s``), the ready thread
+    (``kvproto.aio.ready``) still posts a layer as soon as its event fires: the room ends well
+    within the polling interval; without it the write waits for the next poll. Both wait for
+    the event in one thread, once for the two rooms that share it, never on the loop."""
+    src, dst = make_cache(seed=1), make_cache(seed=2)
+    slow = config("loopback", staging_bytes=0, transfer_poll_s=2.0, ready_thread=thread)
+    async with PrefillEndpoint(src.kv, config=slow) as prefill, \
+            DecodeEndpoint(dst.kv, config=config("loopback", staging_bytes=0)) as decode:
+        event = Event()
+        rooms = []
+        for room, (sp, dp) in enumerate([([7], [12]), ([3], [40])], start=1):
+            d = decode.open_room(room, prefill.bootstrap_address, pages=dp, num_tokens=BLOCK)
+            p = prefill.open_room(room)
+            p.send(sp, BLOCK, last=True, ready=event)
+            rooms += [d, p]
+        await asyncio.sleep(2.5)  # every request in, the writes held, the loop in its long wait
+        assert not event.fired and all(r.poll() is RoomState.TRANSFERRING for r in rooms[::2])
+        began = time.monotonic()
+        event.fired = True
+        await asyncio.wait_for(asyncio.gather(*(r.wait() for r in rooms)), 10)
+        took = time.monotonic() - began
+        assert all(layer_landed(src, dst, layer, sp, dp) for layer in (0, 1) for sp, dp in (([7], [12]), ([3], [40])))
+        if thread:
+            assert took < 1.0 and event.waits == 1
+        else:
+            assert event.waits == 0

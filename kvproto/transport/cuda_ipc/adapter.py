@@ -102,6 +102,8 @@ class KernelXfer:
     error: str | None = None
     finished: bool = False
     """The kernel has run; the write is DONE once its tag has left."""
+    owner: bool = False
+    """The last write of its launch: it hands the launch's event back to the lane."""
 
 
 class CudaIpcTransport(LaunchPlanner, AdapterKit):
@@ -144,6 +146,11 @@ class CudaIpcTransport(LaunchPlanner, AdapterKit):
         self._uploads = Uploads()
         self._running: collections.deque[KernelXfer] = collections.deque()
         """Kernel writes not yet seen finished, in launch order (see ``_advance``)."""
+        self._deferred: list[tuple[_Launch, KernelXfer]] = []
+        """Writes posted and not yet launched, in posting order (``_flush``)."""
+        self.launches = 0
+        """Kernels this agent launched (a batch of writes counts once): ``stats.writes / launches``
+        is how many writes a launch carried."""
         self._tags = TagChannel()
         self._unadded: dict[str, bytes] = {}
         """Mapped peers whose newest fallback metadata the fallback has not loaded (``_fallback_peer``)."""
@@ -329,6 +336,8 @@ class CudaIpcTransport(LaunchPlanner, AdapterKit):
         self._routes.pop(peer, None)
 
     def _forget_peer(self, peer: str, why: str) -> None:
+        if peer in self._peers:
+            self._flush()
         mapped = self._peers.pop(peer, None)
         if mapped is None:
             return
@@ -460,36 +469,126 @@ class CudaIpcTransport(LaunchPlanner, AdapterKit):
 
 
     def _run(self, mapped: _Peer, launches: Sequence[_Launch], tag: bytes) -> KernelXfer:
-        """Launch every kernel of one write on this agent's stream (after the work queued on the
-        caller's current stream; on CPU memory: at once, in the interpreter), then the one event
-        that ``poll`` waits for before it sends the tag. On the GPU the stream is a ``Lane``: its
-        wait, the tables' uploads, the launches and the event are driver calls on raw handles
-        (``kvproto.kernels.lane``); where the lane has no driver binding, or the caller's current
-        device is another, the same calls go through torch with the lane's stream made current."""
-        import torch
-
+        """Post one write's kernels: a write of one rows launch, smaller than ``BATCH_BYTES``, waits
+        in ``_deferred`` for the others of its pass (``_flush``, which every poll, drain and removal
+        calls first); any other write runs at once, after the waiting ones (launch order is
+        completion order).
+        On the GPU the write follows the work already queued on the caller's current stream, as
+        of this call (``Lane.follow``), whenever its kernel launches."""
         nbytes = sum(launch.nbytes for launch in launches)
         descriptors = sum(launch.descriptors for launch in launches)
         device = launches[0].bases.table.device
-        if device.type == "cpu":
-            for launch in launches:
-                launch.go(torch.from_numpy(launch.table), *launch.slots)
-            return self._record(mapped, tag, _Done(), (), nbytes, descriptors)
-        lane = self._own_lane(device)
-        lane.follow()
-        keep, slots = [], []
-        raw = lane.raw and torch.cuda.current_device() == lane.index
-        stream = lane.stream if raw else None  # raw: named to each launch; else made current
-        with contextlib.nullcontext() if raw else torch.cuda.stream(lane.stream):
-            for launch in launches:
-                table, slot = self._uploads.put(launch.table, device, lane if raw else None)
-                launch.go(table, *launch.slots, stream=stream)
-                keep.append(table)
-                slots.append(slot)
-        event = lane.record()
-        for slot in slots:
-            self._uploads.used(slot, event)
-        return self._record(mapped, tag, event, tuple(keep), nbytes, descriptors)
+        if device.type == "cuda":
+            self._own_lane(device).follow()
+        xfer = self._record(mapped, tag, None, (), nbytes, descriptors)
+        if len(launches) == 1 and launches[0].rows is not None and nbytes < self.BATCH_BYTES:
+            self._deferred.append((launches[0], xfer))
+            return xfer
+        self._flush()
+        self._launch(launches, [xfer])
+        return xfer
+
+    def flush(self) -> None:
+        """Launch the writes posted since the last flush (``Transport.flush``)."""
+        self._check_open()
+        self._flush()
+
+    def _flush(self) -> None:
+        """Launch the waiting writes in posting order, each run of consecutive writes whose
+        recipes share a ``batch_key`` as one kernel (``kvproto.kernels.paged.PagedBatch``): the rooms
+        of one pass to one shape cost one table upload, one launch and one event. A launch that
+        fails fails its writes (they poll ERROR with the cause), not the caller."""
+        if not self._deferred:
+            return
+        deferred, self._deferred = self._deferred, []
+        runs: list[tuple[list[_Launch], list[KernelXfer]]] = []
+        key, size = None, 0
+        for launch, xfer in deferred:
+            assert launch.rows is not None
+            size += launch.nbytes
+            if runs and launch.rows.batch_key == key and size <= self.BATCH_BYTES and len(runs[-1][1]) < self.BATCH:
+                runs[-1][0].append(launch)
+                runs[-1][1].append(xfer)
+            else:
+                key, size = launch.rows.batch_key, launch.nbytes
+                runs.append(([launch], [xfer]))
+        for launches, xfers in runs:
+            self._launch(launches, xfers)
+
+    BATCH = 256
+    """The most writes in one batched launch."""
+    BATCH_BYTES = 32 << 20
+    """The most bytes in one batched launch (a write of more goes alone). Every write of a batch
+    completes with its last byte, so a batch delays its first rooms' ends by the others' time on
+    the link, and a pipeline of big rooms would run in convoys (the GPU idle while the host ends
+    and posts a whole batch); a launch's host cost matters only beside a small room's link time."""
+
+    def _launch(self, launches: Sequence[_Launch], xfers: Sequence[KernelXfer]) -> None:
+        """Run one write's launches (``xfers`` its one write), or the one rows launch of each of
+        several writes as one kernel (``xfers`` those writes), on this agent's lane (on CPU
+        memory: at once, in the interpreter), then the one event they wait for: every run of a
+        flush its own event, so a room ends as soon as its own kernel has. On the GPU the lane
+        makes the tables' uploads, the launches and the event as driver calls on raw handles
+        (``kvproto.kernels.lane``); where it has no driver binding, or the caller's current device
+        is another, the same calls go through torch with the lane's stream made current. A launch
+        that raises fails these writes (they poll ERROR with the cause), nothing else."""
+        import torch
+
+        device = launches[0].bases.table.device
+        batch = len(xfers) > 1
+        keep: list[Any] = []
+        try:
+            if device.type == "cpu":
+                if batch:
+                    table, entries = self._batch_table(launches)
+                    launches[0].rows.batched()(torch.from_numpy(table), entries)
+                else:
+                    for launch in launches:
+                        launch.go(torch.from_numpy(launch.table), *launch.slots)
+                event: Any = _Done()
+            else:
+                lane = self._own_lane(device)
+                slots = []
+                raw = lane.raw and torch.cuda.current_device() == lane.index
+                stream = lane.stream if raw else None  # raw: named to each launch; else made current
+                with contextlib.nullcontext() if raw else torch.cuda.stream(lane.stream):
+                    if batch:
+                        table, entries = self._batch_table(launches)
+                        upload, slot = self._uploads.put(table, device, lane if raw else None)
+                        launches[0].rows.batched()(upload, entries, stream=stream)
+                        keep.append(upload)
+                        slots.append(slot)
+                    else:
+                        for launch in launches:
+                            upload, slot = self._uploads.put(launch.table, device, lane if raw else None)
+                            launch.go(upload, *launch.slots, stream=stream)
+                            keep.append(upload)
+                            slots.append(slot)
+                event = lane.record()
+                for slot in slots:
+                    self._uploads.used(slot, event)
+        except Exception as exc:  # noqa: BLE001 - nothing of these writes is known to have run
+            if self._lane is not None and device.type == "cuda":
+                self._uploads.seal(self._lane.record())
+            why = f"the kernel launch failed: {type(exc).__name__}: {exc}"
+            log.warning("kernel path: %s (%d writes fail)", why, len(xfers))
+            for xfer in xfers:
+                xfer.event, xfer.finished = _Done(), True
+                xfer.state, xfer.error = XferState.ERROR, why
+            return
+        self.launches += 1 if batch else len(launches)
+        held = tuple(keep)
+        for xfer in xfers:
+            xfer.event, xfer.keep = event, held
+            self._running.append(xfer)
+        xfers[-1].owner = True
+
+    @staticmethod
+    def _batch_table(launches: Sequence[_Launch]) -> tuple[np.ndarray, np.ndarray]:
+        from kvproto.kernels.paged import batch_table
+
+        return batch_table((launch.rows.shape.rows.start, launch.rows.shape.rows.num_rows, launch.rows.shape.split,
+                            launch.table) for launch in launches)
 
     def _record(self, mapped: _Peer, tag: bytes, event: Any, keep: tuple[Any, ...], nbytes: int,
                 descriptors: int) -> KernelXfer:
@@ -498,7 +597,6 @@ class CudaIpcTransport(LaunchPlanner, AdapterKit):
         self._stats.bytes += nbytes
         xfer = KernelXfer(mapped.name, bytes(tag), event, keep)
         self._xfers.add(xfer)
-        self._running.append(xfer)
         return xfer
 
 
@@ -517,6 +615,8 @@ class CudaIpcTransport(LaunchPlanner, AdapterKit):
         if xfer.released:
             raise TransportError("poll: the write was released")
         if xfer.state is XferState.PENDING:
+            if xfer.event is None:
+                self._flush()
             if not xfer.finished and self._running and self._running[0] is xfer:
                 self._advance()
             elif xfer.finished:
@@ -534,7 +634,7 @@ class CudaIpcTransport(LaunchPlanner, AdapterKit):
             xfer = running.popleft()
             xfer.keep = ()
             xfer.finished = True
-            if self._lane is not None:
+            if self._lane is not None and xfer.owner:
                 self._lane.recycle(xfer.event)
             if xfer.state is not XferState.PENDING:
                 continue  # its peer was removed meanwhile
@@ -598,6 +698,7 @@ class CudaIpcTransport(LaunchPlanner, AdapterKit):
     def drain_notifications(self) -> list[Notification]:
         """Tags from this agent's channel, then the fallback's (see ``fallback_poll_s``)."""
         self._check_open()
+        self._flush()
         self._advance()
         notes = self._tags.drain()
         now = time.monotonic()
@@ -625,6 +726,7 @@ class CudaIpcTransport(LaunchPlanner, AdapterKit):
             return
         self._closed = True
         try:
+            self._flush()
             for xfer in self._xfers:
                 if xfer.state is XferState.PENDING:
                     xfer.event.synchronize()

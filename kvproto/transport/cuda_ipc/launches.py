@@ -73,6 +73,9 @@ class _Launch:
     descriptors: int
     slots: tuple[int, ...] = ()
     """What ``go`` takes after the table: a fused state slot's two numbers (``_RowsRecipe``)."""
+    rows: _RowsRecipe | None = None
+    """A rows launch without a state slot: its recipe, whose ``batch_key`` says which other
+    launches may join it in one (``CudaIpcTransport._flush``)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -146,7 +149,7 @@ class _RowsRecipe:
     layout, the region tables' halves, the slot's tiles) is taken apart here, once."""
 
     __slots__ = ("lists", "shape", "start", "end", "slot", "zero", "device", "tables", "slot_tiles", "whole",
-                 "shared", "cuda", "bound")
+                 "shared", "cuda", "bound", "batch_key", "_batched")
 
     def __init__(self, which: tuple[int, ...], shape: _RowsShape, start: int, end: int,
                  slot: tuple[int, _SlotPlan] | None, zero: Any) -> None:
@@ -176,6 +179,11 @@ class _RowsRecipe:
         not ``launch_rows``, ``copy_paged`` and the binding's lookup again."""
         self.slot_tiles: Any = None
         """With a slot: the ``SlotTiles`` of this launch's slot plan (a write names its two slots)."""
+        rows = shape.rows
+        self.batch_key = (id(bases), id(shape.lists), rows.regions, rows.word, *rows.constants.values())
+        """Launches of recipes with one key run as one (``kvproto.kernels.paged.PagedBatch``): the
+        same region tables and lists' offsets, the same constexprs; only pages and token ranges differ."""
+        self._batched: Any = None
         if slot is not None:
             from kvproto.kernels import paged
 
@@ -204,7 +212,7 @@ class _RowsRecipe:
             else:  # a few pages per list: one conversion
                 table = np.array([p for piece in pieces for p in piece], dtype=np.int64)
         if recipe.slot is None:
-            return _Launch(shape.bases, table, recipe._go, shape.rows.nbytes, 0)
+            return _Launch(shape.bases, table, recipe._go, shape.rows.nbytes, 0, (), recipe)
         at, plan = recipe.slot
         named = values[at]
         src_slot, dst_slot = named[-2], named[-1]
@@ -212,6 +220,14 @@ class _RowsRecipe:
             plan.check(src_slot, dst_slot)  # raises, naming the slots
         return _Launch(shape.bases, table, recipe._go_fused, shape.rows.nbytes + plan.nbytes, plan.descriptors,
                        (src_slot, dst_slot))
+
+    def batched(self) -> Any:
+        """This recipe's ``PagedBatch`` (its shape's launch for several writes), made on first use."""
+        if self._batched is None:
+            from kvproto.kernels import paged
+
+            self._batched = paged.PagedBatch(self.shape.rows, *self.tables, self.shape.lists)
+        return self._batched
 
     def _bind(self, slots: Any) -> Any:
         """``bound``, made (the GPU's launch of this recipe, with ``slots`` or none)."""
