@@ -501,6 +501,7 @@ async def send_rooms(order: list[tuple[_Rank, Case, int]], in_flight: int) -> li
     live: set[Any] = set()
     changed = asyncio.Event()
     began, cpu, threads = time.monotonic(), time.process_time(), thread_cpu()
+    counted = {id(rank): _launch_counts(rank) for rank in ranks}
 
     def finished(handle: Any, mine: dict[str, Any], i: int, task: Any) -> None:
         live.discard(task)
@@ -530,7 +531,22 @@ async def send_rooms(order: list[tuple[_Rank, Case, int]], in_flight: int) -> li
     split = {name: seconds / len(order) * 1e6 for name, seconds in cpu_by_thread(threads, thread_cpu()).items()}
     return [{"paths": sorted(stats[id(rank)]["paths"]), "descriptors": stats[id(rank)]["descriptors"],
              "cpu": used / max(1e-9, time.monotonic() - began), "cpu_us_per_room": used / len(order) * 1e6,
-             "threads_us_per_room": split} for rank in ranks]
+             "threads_us_per_room": split, "writes_per_launch": _per_launch(counted[id(rank)], _launch_counts(rank))}
+            for rank in ranks]
+
+
+def _launch_counts(rank: _Rank) -> tuple[int, int] | None:
+    """(writes, kernel launches) of a rank's kernel-path agent so far; None for other adapters."""
+    transport = getattr(rank.endpoint, "transport", None)
+    launches = getattr(transport, "launches", None)
+    return None if launches is None else (transport._stats.writes, launches)
+
+
+def _per_launch(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """Writes a kernel launch carried between two ``_launch_counts`` (None: not the kernel path)."""
+    if before is None or after is None or after[1] == before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
 
 
 def quiet_gc(threshold: int = GC_THRESHOLD) -> None:

@@ -242,3 +242,41 @@ def test_rows_warm_up_compiles_what_rooms_then_launch(monkeypatch) -> None:
         assert pair.exact()
     finally:
         pair.close()
+
+
+def test_writes_alternating_between_two_peers_batch_per_peer_in_order() -> None:
+    """A prefill rank writing every room to two decode ranks (TP 1 -> 2) posts to peers b and c in
+    turn: one launch per peer, each peer's tags in posting order, every byte where it belongs."""
+    pair = _Pair(_geometry(1, 0, 4, "NHD"), _geometry(2, 0, 4, "NHD"))
+    c = load_transport("cuda-ipc", "c", fallback="loopback", cpu_kernels=True)
+    try:
+        plan_c = plan_pair(_geometry(1, 0, 4, "NHD"), _geometry(2, 1, 4, "NHD"))
+        dst_c = [torch.zeros_like(d) for d in pair.dst]
+        c.register([MemoryRegion(x.data_ptr(), x.numel(), 0, DRAM) for x in dst_c])
+        pair.a.add_peer(c.metadata())
+        want_c = [torch.zeros(d.numel(), dtype=torch.uint8) for d in dst_c]
+        rng = np.random.default_rng(11)
+        xfers, free_c = [], list(range(BLOCKS))
+        for room in range(4):
+            src_pages = rng.permutation(BLOCKS)[:4].tolist()
+            xfers.append(pair.post(src_pages, pair.pages(rng, 4), 0, 16, f"b{room}".encode()))
+            dst_pages, free_c = free_c[:4], free_c[4:]
+            kernels.copy_reference(kernels.pair_extents(dataclasses.replace(plan_c, direct=False), src_pages,
+                                                        dst_pages, 0, 16), pair.host, want_c)
+            xfers.append(pair.a.post_plan("c", plan_c, pair.bases[0], DRAM, [x.data_ptr() for x in dst_c], DRAM,
+                                          src_pages, dst_pages, 0, 16, f"c{room}".encode()))
+        pair.a.flush()
+        assert pair.a.launches == 2
+        tags_c: list[bytes] = []
+        for _ in range(100):
+            states = [pair.a.poll(x) for x in xfers]
+            tags_c += [n.tag for n in c.drain_notifications()]
+            if XferState.PENDING not in states:
+                break
+        assert states == [XferState.DONE] * 8
+        assert [n.tag for n in pair.b.drain_notifications()] == [b"b0", b"b1", b"b2", b"b3"]
+        assert tags_c == [b"c0", b"c1", b"c2", b"c3"]
+        assert pair.exact() and all(torch.equal(d, w) for d, w in zip(dst_c, want_c, strict=True))
+    finally:
+        c.close()
+        pair.close()

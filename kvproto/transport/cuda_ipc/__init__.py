@@ -27,6 +27,12 @@ What it guarantees (beyond ``kvproto.transport.base``):
   (``kvproto.kernels.pattern.plan_rows``): head slices, block sizes and layouts convert in the
   kernel, and the host does no work per token. ``post_pattern`` moves given extents in every
   region pair; ``post_descs``/``post_prepared`` take rows, as for any adapter.
+* **Writes of one pass go together.** A write of one rows launch under ``BATCH_BYTES`` (32 MiB)
+  launches when the pass that posted it ends (the next ``poll``, ``drain_notifications`` or
+  ``flush``), and consecutive such writes of one shape — the rooms of a forward, a layer's
+  writes released by one event — go as one kernel, each its own pages and token range
+  (``kvproto.transport.cuda_ipc.writes``). Each launch has its own event, so a room still ends
+  with its own kernel, and launch order stays posting order.
 * **Tags after bytes.** A kernel write runs on this agent's own CUDA stream (after the work
   already queued on the caller's current stream) and records an event; that stream is a
   ``kvproto.kernels.lane.Lane``, which makes those calls and the table's upload on the driver
@@ -56,7 +62,8 @@ metadata on the adapter kit, the writes' entry points, running a write's launche
 completions and tags); ``planner`` checks and plans a write's launches once per link and shape
 (region bases, rows shapes, a state slot's plan: what does not depend on the pages);
 ``launches`` is a planned write (``PreparedParts`` and its recipes) and what it checks per write
-(page lists, slot numbers).
+(page lists, slot numbers); ``writes`` runs posted writes (waiting for their pass, launched alone
+or batched, finished in launch order, their tags sent).
 """
 
 from kvproto.transport.cuda_ipc.adapter import CudaIpcTransport, KernelXfer

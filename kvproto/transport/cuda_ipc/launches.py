@@ -29,7 +29,8 @@ from kvproto.transport.base import TransportError
 from kvproto.transport.cuda import Pointer
 
 if TYPE_CHECKING:
-    from kvproto.transport.cuda_ipc.adapter import CudaIpcTransport, KernelXfer, _Peer
+    from kvproto.transport.cuda_ipc.adapter import CudaIpcTransport, _Peer
+    from kvproto.transport.cuda_ipc.writes import KernelXfer
     from kvproto.transport.base import MemKind
 
 log = logging.getLogger("kvproto.transport")
