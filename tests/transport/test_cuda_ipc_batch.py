@@ -280,3 +280,52 @@ def test_writes_alternating_between_two_peers_batch_per_peer_in_order() -> None:
     finally:
         c.close()
         pair.close()
+
+
+def test_rooms_of_two_joined_groups_batch_each_group_reading_its_own_lists() -> None:
+    """Rooms of a hybrid cache whose two groups share one rows launch (pools of 8 and 5 pages, each
+    region reading its own group's page lists): three rooms posted in one pass are one kernel, and
+    every byte of both groups lands where each room's own lists say."""
+    from kvproto.aio.paths import Part
+
+    src_a, dst_a = _geometry(1, 0, 4, "NHD"), _geometry(2, 1, 4, "NHD")
+    src_b, dst_b = (dataclasses.replace(g, num_blocks=5) for g in (src_a, dst_a))
+    a = load_transport("cuda-ipc", "a", fallback="loopback", cpu_kernels=True)
+    b = load_transport("cuda-ipc", "b", fallback="loopback", cpu_kernels=True)
+    try:
+        groups = []
+        for i, (sg, dg, n) in enumerate(((src_a, dst_a, 2), (src_b, dst_b, 3))):
+            host = [torch.from_numpy(pattern(sg.num_blocks * sg.page_bytes, seed=20 + 5 * i + r)) for r in range(n)]
+            dst = [torch.zeros(dg.num_blocks * dg.page_bytes, dtype=torch.uint8) for _ in range(n)]
+            a.register([MemoryRegion(x.data_ptr(), x.numel(), 0, DRAM) for x in host])
+            b.register([MemoryRegion(x.data_ptr(), x.numel(), 0, DRAM) for x in dst])
+            bases = (np.array([x.data_ptr() for x in host]), np.array([x.data_ptr() for x in dst]))  # a link's, kept
+            groups.append((plan_pair(sg, dg), host, dst, [torch.zeros_like(d) for d in dst], sg.num_blocks, bases))
+        a.add_peer(b.metadata())
+        rng = np.random.default_rng(5)
+        free = [list(range(8)), list(range(5))]
+        xfers = []
+        for room in range(3):
+            parts = []
+            for g, (plan, host, dst, want, blocks, bases) in enumerate(groups):
+                sp = rng.permutation(blocks)[:1].tolist()
+                dp, free[g] = free[g][:1], free[g][1:]  # one page a room: rooms never share one
+                kernels.copy_reference(kernels.pair_extents(dataclasses.replace(plan, direct=False), sp, dp, 0, 4),
+                                       host, want)
+                parts.append(Part(4 * plan.head_count * src_a.head_bytes * len(host), DRAM, DRAM,
+                                  plan=(plan, bases[0], DRAM, bases[1], DRAM, sp, dp, 0, 4)))
+            xfers.append(a.post_parts("b", parts, f"room{room}".encode()))
+        a.flush()
+        assert a.launches == 1
+        got: list[bytes] = []
+        for _ in range(100):
+            states = [a.poll(x) for x in xfers]
+            got += [n.tag for n in b.drain_notifications()]
+            if XferState.PENDING not in states:
+                break
+        assert states == [XferState.DONE] * 3 and got == [b"room0", b"room1", b"room2"]
+        for _plan, _host, dst, want, _blocks, _bases in groups:
+            assert all(torch.equal(d, w) for d, w in zip(dst, want, strict=True))
+    finally:
+        a.close()
+        b.close()
