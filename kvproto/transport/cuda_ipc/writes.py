@@ -8,14 +8,14 @@ mixin of it, runs it. Rooms of one forward pass, or of one progress pass, reach 
 upload, the launcher, the event) where a room of a few MiB costs the link about as much. So a
 write of one rows launch (the common one: a room's or a layer's pages) does not launch at once:
 it waits in ``_deferred`` until the pass ends — the next ``poll``, ``drain_notifications``,
-``flush``, removal or close — and ``_flush`` then launches each run of consecutive waiting
-writes whose recipes share a ``batch_key`` as one kernel (``kvproto.kernels.paged.PagedBatch``:
+``flush``, removal or close — and ``_flush`` then launches each run of a peer's consecutive
+waiting writes whose recipes share a ``batch_key`` as one kernel (``kvproto.kernels.paged.PagedBatch``:
 its grid's second axis is writes x regions, each write reading its own pages and token range).
 Every launch, batched or not, records its own event, and the writes finish in launch order
 (``_advance``: one event query per pass), each sending its tag in order per peer
 (``_send_tags``). What bounds a batch: ``BATCH_BYTES`` (its rooms end together, with its last
-byte) and ``BATCH`` writes. Writes of other shapes (several launches, descriptor rows,
-patterns) launch at once, after the waiting ones, so launch order stays posting order.
+byte), ``BATCH`` writes and the grid. Writes of other shapes (several launches, descriptor rows,
+patterns) launch at once, after the waiting ones, so each peer's launches keep posting order.
 """
 
 from __future__ import annotations
@@ -148,13 +148,15 @@ class WriteRunner:
         batch = len(xfers) > 1
         keep: list[Any] = []
         try:
+            if batch:  # one table and one kernel for all of them
+                table, entries = self._batch_table(launches)
+                run = launches[0].rows.batched()
+                calls = [(table, lambda t, stream=None: run(t, entries, stream), ())]
+            else:
+                calls = [(launch.table, launch.go, launch.slots) for launch in launches]
             if device.type == "cpu":
-                if batch:
-                    table, entries = self._batch_table(launches)
-                    launches[0].rows.batched()(torch.from_numpy(table), entries)
-                else:
-                    for launch in launches:
-                        launch.go(torch.from_numpy(launch.table), *launch.slots)
+                for table, go, extra in calls:
+                    go(torch.from_numpy(table), *extra)
                 event: Any = _Done()
             else:
                 lane = self._own_lane(device)
@@ -162,18 +164,11 @@ class WriteRunner:
                 raw = lane.raw and torch.cuda.current_device() == lane.index
                 stream = lane.stream if raw else None  # raw: named to each launch; else made current
                 with contextlib.nullcontext() if raw else torch.cuda.stream(lane.stream):
-                    if batch:
-                        table, entries = self._batch_table(launches)
+                    for table, go, extra in calls:
                         upload, slot = self._uploads.put(table, device, lane if raw else None)
-                        launches[0].rows.batched()(upload, entries, stream=stream)
+                        go(upload, *extra, stream=stream)
                         keep.append(upload)
                         slots.append(slot)
-                    else:
-                        for launch in launches:
-                            upload, slot = self._uploads.put(launch.table, device, lane if raw else None)
-                            launch.go(upload, *launch.slots, stream=stream)
-                            keep.append(upload)
-                            slots.append(slot)
                 event = lane.record()
                 for slot in slots:
                     self._uploads.used(slot, event)
@@ -186,7 +181,7 @@ class WriteRunner:
                 xfer.event, xfer.finished = _Done(), True
                 xfer.state, xfer.error = XferState.ERROR, why
             return
-        self.launches += 1 if batch else len(launches)
+        self.launches += len(calls)
         held = tuple(keep)
         for xfer in xfers:
             xfer.event, xfer.keep = event, held
