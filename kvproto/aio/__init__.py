@@ -1,6 +1,6 @@
 """The asyncio drivers: endpoints, room handles, memory descriptions."""
 
-from kvproto.aio.decode import DecodeEndpoint
+from kvproto.aio.decode import ConnectFailed, DecodeEndpoint
 from kvproto.aio.endpoint import CurveAuth, EndpointClosed, EndpointConfig
 from kvproto.aio.memory import AuxBuffer, KVCache, StateCache
 from kvproto.aio.prefill import PrefillEndpoint

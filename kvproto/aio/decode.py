@@ -8,7 +8,9 @@ rank has announced), connect one DEALER to each prefill rank that pairs with thi
 geometry: the pairing depends only on the two TP sizes and the head count), REGISTER with each
 (geometry, memory table, transport metadata, a fresh ``link_id``), and wait for every accept.
 Then ``ReceiverCore.cluster_ready`` releases the waiting rooms; a reject or the bootstrap
-deadline fails them with the code. A later room for a failed address bootstraps again. A room
+deadline fails them with the code. A later room for a failed address bootstraps again.
+``connect(address)`` runs the same bootstrap ahead of any room (a decode rank that knows its
+prefill instances links to them at start), so that no room pays for a link's setup. A room
 that ends while its address still bootstraps leaves its ABORT with the core, which sends it
 once the links register (``ReceiverCore``: "Ends that no link can carry yet"); ``close()``
 gives such bootstraps a short grace to finish so that those ABORTs go out.
@@ -135,6 +137,19 @@ class _BootstrapFailed(Exception):
         self.reason = reason
 
 
+class ConnectFailed(Exception):
+    """``DecodeEndpoint.connect`` could not link to a prefill instance. ``code`` says why (an
+    ``ErrorCode``, or an int from a newer peer); the rooms that were waiting for the same
+    bootstrap failed with it too."""
+
+    def __init__(self, bootstrap: str, code: ErrorCode | int, reason: str) -> None:
+        name = code.name if isinstance(code, ErrorCode) else str(code)
+        super().__init__(f"linking to prefill instance {bootstrap} failed: {name}: {reason}")
+        self.bootstrap = bootstrap
+        self.code = code
+        self.reason = reason
+
+
 class DecodeEndpoint(EndpointBase):
     """One decode rank."""
 
@@ -203,6 +218,33 @@ class DecodeEndpoint(EndpointBase):
         self._flush()
         self._kick()
         return handle
+
+    async def connect(self, bootstrap: str) -> None:
+        """Link to the prefill instance at ``bootstrap`` now, ahead of its first room: query its
+        rank table, connect to and register with each prefill rank that pairs with this rank
+        (which maps or loads this rank's memory into their transports). Returns once every link
+        is registered, at once if they already are; a room opened for ``bootstrap`` meanwhile
+        waits for the same bootstrap. Raises ``ConnectFailed`` with the code and cause where the
+        bootstrap fails (the rooms waiting for it fail with the same code); a later call or room
+        tries again. Optional: ``open_room`` links on its own, its first room then paying for it."""
+        self._check_open()
+        if self.core.cluster_status(bootstrap) in ("unknown", "failed"):
+            self._start_bootstrap(bootstrap)
+            self._kick()
+        task = self._bootstraps.get(bootstrap)
+        if task is not None:
+            try:
+                await asyncio.shield(task)  # a cancelled caller leaves the bootstrap to the endpoint
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if not task.cancelled() or (current is not None and current.cancelling()):
+                    raise  # the caller was cancelled, not the bootstrap (close() cancels that)
+        state = self.core.clusters.get(bootstrap)
+        if state is not None and state.ready:
+            return
+        code, reason = state.failure if state is not None and state.failure is not None else (
+            ErrorCode.ENDPOINT_CLOSED, "the endpoint closed while linking")
+        raise ConnectFailed(bootstrap, code, reason)
 
     def _set_destination(self, room_id: int, pages: Sequence[int], num_tokens: int, prefix_tokens: int,
                          aux_slot: int | None, group_pages: Any = None, state_slots: Any = None) -> None:

@@ -35,10 +35,12 @@ prefill and decode endpoints in one process on the CPU), so what the collector w
 is freed by reference counts anyway.
 
 A *case* is one (prefill TP → decode TP, room size, page order, path, rooms in
-flight); for each the parent starts fresh endpoints, so the first room also pays for the new
-link (bootstrap, descriptor lists, kernels), and reports:
+flight); for each the parent starts fresh endpoints, each decode rank links to the prefill
+instance ahead of its rooms (``DecodeEndpoint.connect``: bootstrap, registration, the peer's
+memory mapped or loaded), and the case reports:
 
-* the first room's latency, alone, and a warm room's latency, alone;
+* how long that link took (``link ms``: what a first room would pay without ``connect``), the
+  first room's latency on the new link, alone, and a warm room's latency, alone;
 * then ``rooms`` rooms with ``in flight`` open at a time on every decode rank: the bytes of all
   of them over the wall-clock span from the first open to the last completion on any decode
   rank (GB/s), beside the *raw* reference: ``in flight`` concurrent one-descriptor WRITEs of
@@ -152,6 +154,8 @@ class Row:
     raw_gbps: float
     ratio: float
     descriptors_per_room: float
+    link_ms: float
+    """The decode ranks' ``connect`` to the prefill instance (the slowest rank's)."""
     first_room_ms: float
     warm_room_ms: float
     first_minus_warm_ms: float
@@ -311,7 +315,8 @@ def _row(case: Case, shape: Shape, raw_gbps: float, gbps: float, p_results: list
         pages=case.pages, path=case.path, in_flight=case.in_flight, rooms=case.rooms, gbps=gbps,
         raw_gbps=raw_gbps, ratio=gbps / raw_gbps if raw_gbps else 0.0,
         descriptors_per_room=statistics.mean(descriptors) if descriptors else 0.0,
-        first_room_ms=first * 1e3, warm_room_ms=warm * 1e3, first_minus_warm_ms=(first - warm) * 1e3,
+        link_ms=max(r["link"] for r in d_results) * 1e3, first_room_ms=first * 1e3, warm_room_ms=warm * 1e3,
+        first_minus_warm_ms=(first - warm) * 1e3,
         room_p50_ms=latencies[len(latencies) // 2] * 1e3 if latencies else 0.0,
         room_p99_ms=latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1e3 if latencies else 0.0,
         bad_bytes=sum(r["bad"] for r in d_results), paths=sorted({p for r in p_results for p in r["paths"]}),
@@ -385,7 +390,7 @@ def descriptor_cost(group: _Group, size: int, pieces: int) -> float:
 
 
 HEADER = (f"{'tp':>5} {'MiB':>7} {'pages':>10} {'path':>7} {'cache':>6} {'took':>20} {'in fl':>5} {'GB/s':>7} "
-          f"{'raw':>7} {'ratio':>6} {'vs one':>6} {'desc/room':>9} {'first ms':>9} {'warm ms':>8} {'p50 ms':>7} "
+          f"{'raw':>7} {'ratio':>6} {'vs one':>6} {'desc/room':>9} {'link ms':>8} {'first ms':>9} {'warm ms':>8} {'p50 ms':>7} "
           f"{'p99 ms':>7} {'cpu p/d %':>9} {'p us/room':>9} {'bytes':>6}")
 
 
@@ -394,7 +399,8 @@ def _print(row: Row) -> None:
     vs = f"{row.vs_one:.2f}" if row.vs_one else "-"
     print(f"{row.tp:>5} {row.size_mib:>7.1f} {row.pages:>10} {row.path:>7} {row.groups:>6} {took:>20} "
           f"{row.in_flight:>5} {row.gbps:>7.1f} {row.raw_gbps:>7.1f} {row.ratio:>6.2f} {vs:>6} {row.descriptors_per_room:>9.0f} "
-          f"{row.first_room_ms:>9.1f} {row.warm_room_ms:>8.2f} {row.room_p50_ms:>7.2f} {row.room_p99_ms:>7.2f} "
+          f"{row.link_ms:>8.1f} {row.first_room_ms:>9.1f} {row.warm_room_ms:>8.2f} {row.room_p50_ms:>7.2f} "
+          f"{row.room_p99_ms:>7.2f} "
           f"{f'{row.prefill_cpu * 100:.0f}/{row.decode_cpu * 100:.0f}':>9} {row.prefill_us_per_room:>9.0f} "
           f"{'OK' if row.bad_bytes == 0 else row.bad_bytes:>6}"
           + ("  runs " + " ".join(f"{g:.1f}" for g in row.gbps_runs) if len(row.gbps_runs) > 1 else "")

@@ -481,6 +481,12 @@ class ProcessDecode(_ProcessFacade):
                  start_timeout: float = 120.0) -> None:
         super().__init__(kv, config=config, loop_factory=loop_factory, start_timeout=start_timeout)
 
+    def connect(self, bootstrap: str) -> None:
+        """Start linking to the prefill instance at ``bootstrap`` ahead of its first room (as
+        ``DecodeEndpoint.connect``); returns at once. A failure is logged by the child and
+        fails the rooms that were waiting for it; a later room links again."""
+        self._call(("connect", bootstrap))
+
     def receiver(self, room_id: int, bootstrap: str, *, pages: Sequence[int] | None = None,
                  num_tokens: int | None = None, prefix_tokens: int = 0, aux_slot: int | None = None,
                  group_pages: Mapping[str, Sequence[int]] | None = None,
@@ -656,6 +662,9 @@ def _perform(role: str, facade: Any, rooms: dict[int, Any], batch: list[tuple[An
         kind = message[0]
         if kind == "close":
             return False
+        if kind == "connect":
+            facade.connect(message[1], wait=False)
+            continue
         room = rooms.get(message[1])
         if kind == "open":
             room_id = message[1]

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -43,6 +44,8 @@ from kvproto.aio import DecodeEndpoint, EndpointConfig, KVCache, PrefillEndpoint
 from kvproto.core import RoomState
 from kvproto.sync.calls import KVPoll, FinishedRooms, group_lists, slot_dict
 from kvproto.wire import ErrorCode, LocalProtocolError
+
+log = logging.getLogger("kvproto.sync")
 
 __all__ = ["EngineLoop", "KVPoll", "KVReceiver", "KVSender", "SyncDecode", "SyncPrefill"]
 
@@ -325,12 +328,36 @@ class SyncPrefill(_Facade):
         return room
 
 
+def _log_connect(task: asyncio.Future[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("%s", task.exception())
+
+
 class SyncDecode(_Facade):
     """A decode rank for a synchronous scheduler (see the module docstring)."""
 
     def __init__(self, kv: KVCache, *, config: EndpointConfig | None = None, loop: EngineLoop | None = None) -> None:
         super().__init__(loop)
         self._start(DecodeEndpoint(kv, config=config))
+
+    def connect(self, bootstrap: str, *, wait: bool = True, timeout: float | None = 60.0) -> None:
+        """Link to the prefill instance at ``bootstrap`` now, ahead of its first room (as
+        ``DecodeEndpoint.connect``). With ``wait``, block until every link is registered: raises
+        ``ConnectFailed`` naming the cause, ``TimeoutError`` after ``timeout`` seconds (the link
+        goes on being made: a room opened later waits for it). Without, return at once: a
+        failure is logged and fails the rooms waiting for it; a later room links again."""
+        if self._closed:
+            raise LocalProtocolError("the endpoint is closed", ErrorCode.ENDPOINT_CLOSED)
+        if wait:
+            self.loop.run(self._endpoint.connect(bootstrap), timeout)
+            return
+        endpoint = self._endpoint
+
+        def start() -> None:
+            task = asyncio.ensure_future(endpoint.connect(bootstrap))
+            task.add_done_callback(_log_connect)
+
+        self._post(start)
 
     def receiver(self, room_id: int, bootstrap: str, *, pages: Sequence[int] | None = None,
                  num_tokens: int | None = None, prefix_tokens: int = 0, aux_slot: int | None = None,

@@ -76,6 +76,26 @@ def test_rooms_land_byte_exact_in_the_engines_own_tensors_and_end_once(loop: str
             assert torch.equal(a, b), rid
 
 
+def test_connect_links_the_child_before_any_room() -> None:
+    """ProcessDecode.connect returns at once; the child links to the prefill instance with no
+    room open (the prefill rank registers it), and a room then lands over that link."""
+    src, skv = cache(5)
+    dst, dkv = cache(6)
+    with SyncPrefill(skv, config=config()) as prefill, ProcessDecode(dkv, config=config()) as decode:
+        decode.connect(prefill.bootstrap_address)
+        deadline = time.monotonic() + 20
+        while not prefill._endpoint._links:
+            assert time.monotonic() < deadline, "the child did not link"
+            time.sleep(0.005)
+        assert not prefill._endpoint.core.rooms
+        rx = decode.receiver(3, prefill.bootstrap_address, pages=[9, 4], num_tokens=7)
+        tx = prefill.sender(3)
+        tx.init(7)
+        tx.send([1, 2], 7)
+        assert wait(rx) is RoomState.SUCCESS and len(prefill._endpoint._links) == 1
+    assert all(torch.equal(a, b) for a, b in zip(tokens(src, [1, 2], 7), tokens(dst, [9, 4], 7)))
+
+
 def test_destination_given_later_waiting_for_input_is_seen() -> None:
     src, skv = cache(3)
     dst, dkv = cache(4)
