@@ -53,6 +53,7 @@ from kvproto.metrics import EndpointMetrics, room_phases
 from kvproto.transport import Transport, load_transport
 from kvproto.transport.base import wakeup_fd
 from kvproto.wire import ErrorCode, LocalProtocolError, Message, encode
+from kvproto.wire.messages import compile_messages
 
 log = logging.getLogger("kvproto")
 
@@ -220,6 +221,7 @@ class EndpointBase:
             return
         self._loop = asyncio.get_running_loop()
         self._thread = threading.get_ident()
+        compile_messages()  # the codec's per-type code, here rather than in the first room
         self.transport = load_transport(self.config.transport, self.agent_name, **self.config.transport_options)
         self._registration = self.transport.register(self.kv.memory_regions())
         self._ctx = zmq.asyncio.Context()

@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from kvproto.wire.codec import Body, Header, MAJOR, MINOR, decode_body, decode_header, encode_frame
+from kvproto.wire.codec import Body, Header, MAJOR, MINOR, compile_bodies, decode_body, decode_header, encode_frame
 from kvproto.wire.errors import MalformedFrame
 
 NO_SLOT = 0xFFFFFFFF
@@ -434,6 +434,11 @@ MESSAGE_TYPES: dict[int, type[Message]] = {
         RoomHold,
     )
 }
+
+
+def compile_messages() -> None:
+    """Compile every message type's encoder and decoder now (``codec.compile_bodies``)."""
+    compile_bodies(MESSAGE_TYPES.values())
 
 
 def encode(msg: Message, *, minor: int = MINOR) -> bytes:
