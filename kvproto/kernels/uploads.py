@@ -78,6 +78,15 @@ class Uploads:
         """[start, end, event] of every slot in use, oldest first; event None: its kernel is not
         launched yet (a write of several kernels holds several slots before its one event)."""
 
+    def prepare(self, device: Any) -> None:
+        """Allocate the ring and its mirror on ``device`` now (else the first ``put`` does)."""
+        if self._host is None:
+            self._host = torch.empty(self.ENTRIES, dtype=torch.int64, pin_memory=True)
+            self._words = self._host.numpy()
+        if self._mirror is None:
+            self._mirror = torch.empty(self.ENTRIES, dtype=torch.int64, device=device)
+            self._addresses = self._mirror.data_ptr(), self._host.data_ptr()
+
     def put(self, table: np.ndarray, device: Any, lane: Any = None) -> tuple[Any, Any]:
         """``table`` where a kernel on ``device`` reads it (call on the stream of that kernel's
         launch, or name it: ``lane``, a ``kvproto.kernels.lane.Lane`` that drives the driver, whose

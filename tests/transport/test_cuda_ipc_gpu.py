@@ -105,20 +105,24 @@ def _drive(agent: Any, xfers: list[Any], timeout: float = 30.0) -> list[XferStat
 
 @pytest.mark.parametrize("peer_gpu", PEER_GPUS, ids=lambda g: f"peer-cuda{g}")
 def test_cuda_ipc_gpu_pattern_write_into_another_process_lands_byte_exact(peer_gpu: int) -> None:
-    """The peer in another process (on this GPU, or on the other one) is mapped (route "kernel");
-    one pattern write of random pages lands byte-exact in its memory and its tag arrives after
+    """The peer in another process (on this GPU, or on the other one) is mapped (route "kernel"),
+    and the agent's lane and upload ring are made then, before any write; one pattern write of random pages lands byte-exact in its memory and its tag arrives after
     the bytes; a write past its region is refused before launch."""
     pages = 64
     proc, conn, meta, remote = _spawn(pages * PAGE, peer_gpu)
     src, agent = _source(pages)
     try:
+        assert agent._lane is None
         peer = agent.add_peer(meta)
         assert route_of(agent, peer).name == "kernel"
+        lane = agent._lane  # made when the peer was mapped, so that no first write pays for it
+        assert lane is not None and agent._uploads._mirror is not None
         rng = np.random.default_rng(0)
         src_pages, dst_pages = rng.permutation(pages)[:40], rng.permutation(pages)[:40]
         extents = np.stack([src_pages * PAGE, dst_pages * PAGE, np.full(40, PAGE)], 1).astype(np.int64)
         xfer = agent.post_pattern(peer, [src.data_ptr()], VRAM, [remote], VRAM, extents, b"done")
         assert _drive(agent, [xfer]) == [XferState.DONE]
+        assert agent._lane is lane
         assert _until(conn, "tag", agent=agent) == b"done"
         conn.send("digest")
         digest = _until(conn, "digest")

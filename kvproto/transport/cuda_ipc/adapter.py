@@ -166,6 +166,19 @@ class CudaIpcTransport(WriteRunner, LaunchPlanner, AdapterKit):
         self._regions = None
         return _Registration(inner, regions)
 
+    def _ready_lane(self) -> None:
+        """Make the lane and the tables' upload ring when the first peer is mapped (a link's
+        registration), not at the first room's launch: a stream, the driver binding and 4 MiB of
+        pinned memory took that launch about 3 ms. Where it fails, the first launch tries again."""
+        try:
+            import torch
+
+            device = torch.device("cuda", self._device_ordinal())
+            self._own_lane(device)
+            self._uploads.prepare(device)
+        except Exception as exc:  # noqa: BLE001 - only the first launch's cost is at stake
+            log.debug("kernel path: lane not made at registration: %s", exc)
+
     def _deregister(self, registration: _Registration) -> None:
         self._regions = None
         self._fallback.deregister(registration.inner)
@@ -212,6 +225,8 @@ class CudaIpcTransport(WriteRunner, LaunchPlanner, AdapterKit):
             self._unadded[agent] = inner
             self._peers[agent] = peer
             self._routes[agent] = Route(name="kernel", pattern=True)
+            if self._lane is None:
+                self._ready_lane()
             return agent
         name = self._fallback.add_peer(inner)
         if name != agent:
