@@ -260,6 +260,10 @@ def run_case(group: _Group, case: Case, shape: Shape, raw_gbps: float) -> Row:
         group.call(conn, "start", case, address)
     for conn in decodes:
         group.call(conn, "start", case, None)
+    for conn in decodes:  # every decode rank linked before any opens a room
+        conn.send(("connect", address))
+    for conn in decodes:
+        group.result(conn)
     for conn in prefills + decodes:
         conn.send(("rooms", case, address))
     p_results = [group.result(conn) for conn in prefills]
@@ -283,6 +287,10 @@ def run_interleaved(group: _Group, cases: list[Case], shape: Shape, raw_gbps: fl
             group.call(conn, "as", k, "start", case, address)
         for conn in decodes:
             group.call(conn, "as", k, "start", case, None)
+        for conn in decodes:  # every decode rank linked before any opens a room
+            conn.send(("as", k, "connect", address))
+        for conn in decodes:
+            group.result(conn)
         addresses.append(address)
     for conn in prefills + decodes:
         conn.send(("alternate", cases, addresses, segment))

@@ -160,6 +160,8 @@ class _Rank:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # this rank's kernels, events and transport agent
         self.transport = transport
+        self.link_s: float | None = None
+        """How long this decode rank's ``connect`` of the current case took (None: not yet)."""
         self.endpoint: Any = None
         self.local_heads = shape.heads // tp
         self.big: Any = None
@@ -249,6 +251,7 @@ class _Rank:
         return getattr(self.endpoint, "address", "")
 
     async def stop(self) -> None:
+        self.link_s = None
         if self.endpoint is not None:
             await self.endpoint.close()
             self.endpoint = None
@@ -265,7 +268,7 @@ class _Rank:
         if self.role == "prefill":
             return (await send_rooms([(self, case, i) for i in range(case.rooms + 2)], case.in_flight))[0]
         schedule = [room_pages(case, self.shape, i) for i in range(case.rooms + 2)]
-        link = await self._connect(bootstrap)
+        link = self.link_s if self.link_s is not None else await self.connect(bootstrap)
         first = await self._room(case, bootstrap, schedule, 0)
         warm = await self._room(case, bootstrap, schedule, 1)
         latencies: list[float] = []
@@ -275,12 +278,15 @@ class _Rank:
         return {"link": link, "first": first, "warm": warm, "start": start, "end": end, "latencies": latencies,
                 "bad": self._verify(case, schedule), "cpu": cpu / max(1e-9, end - start)}
 
-    async def _connect(self, bootstrap: str) -> float:
+    async def connect(self, bootstrap: str) -> float:
         """Link this decode rank to the prefill instance ahead of its first room (``connect``):
-        the seconds it took, which a first room would otherwise pay."""
+        the seconds it took, which a first room would otherwise pay. The parent has every decode
+        rank connect before any opens a room, so that the first room of a rank does not wait for
+        another rank still linking (a room of TP 1 -> 2 needs both decode ranks' requests)."""
         t0 = time.monotonic()
         await self.endpoint.connect(bootstrap)
-        return time.monotonic() - t0
+        self.link_s = time.monotonic() - t0
+        return self.link_s
 
     async def _room(self, case: Case, bootstrap: str, schedule: list[tuple[list[int], list[int]]], i: int) -> float:
         """Open decode room ``i`` of ``case`` and wait for it: its latency."""
@@ -601,7 +607,7 @@ async def alternate(ranks: list[_Rank], cases: list[Case], addresses: list[str],
     schedules = [[room_pages(case, rank.shape, i) for i in range(case.rooms + 2)] for rank, case in zip(ranks, cases)]
     out: list[dict[str, Any]] = []
     for rank, case, address, schedule in zip(ranks, cases, addresses, schedules):
-        link = await rank._connect(address)
+        link = rank.link_s if rank.link_s is not None else await rank.connect(address)
         first = await rank._room(case, address, schedule, 0)
         out.append({"link": link, "first": first, "warm": await rank._room(case, address, schedule, 1), "latencies": [],
                     "segments": []})
