@@ -35,9 +35,10 @@ prefill and decode endpoints in one process on the CPU), so what the collector w
 is freed by reference counts anyway.
 
 A *case* is one (prefill TP → decode TP, room size, page order, path, rooms in
-flight); for each the parent starts fresh endpoints, each decode rank links to the prefill
-instance ahead of its rooms (``DecodeEndpoint.connect``: bootstrap, registration, the peer's
-memory mapped or loaded), and the case reports:
+flight); for each the parent starts fresh endpoints and readies every rank before any room
+opens (each decode rank links to the prefill instance, ``DecodeEndpoint.connect``: bootstrap,
+registration, the peer's memory mapped or loaded; every rank makes its one full collection,
+``quiet_gc``), and the case reports:
 
 * how long that link took (``link ms``: what a first room would pay without ``connect``), the
   first room's latency on the new link, alone, and a warm room's latency, alone;
@@ -260,9 +261,9 @@ def run_case(group: _Group, case: Case, shape: Shape, raw_gbps: float) -> Row:
         group.call(conn, "start", case, address)
     for conn in decodes:
         group.call(conn, "start", case, None)
-    for conn in decodes:  # every decode rank linked before any opens a room
-        conn.send(("connect", address))
-    for conn in decodes:
+    for conn in prefills + decodes:  # every rank ready (decode ranks linked) before any room opens
+        conn.send(("ready", case, address))
+    for conn in prefills + decodes:
         group.result(conn)
     for conn in prefills + decodes:
         conn.send(("rooms", case, address))
@@ -287,9 +288,9 @@ def run_interleaved(group: _Group, cases: list[Case], shape: Shape, raw_gbps: fl
             group.call(conn, "as", k, "start", case, address)
         for conn in decodes:
             group.call(conn, "as", k, "start", case, None)
-        for conn in decodes:  # every decode rank linked before any opens a room
-            conn.send(("as", k, "connect", address))
-        for conn in decodes:
+        for conn in prefills + decodes:  # every rank ready (decode ranks linked) before any room opens
+            conn.send(("as", k, "ready", case, address))
+        for conn in prefills + decodes:
             group.result(conn)
         addresses.append(address)
     for conn in prefills + decodes:

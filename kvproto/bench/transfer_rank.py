@@ -162,6 +162,8 @@ class _Rank:
         self.transport = transport
         self.link_s: float | None = None
         """How long this decode rank's ``connect`` of the current case took (None: not yet)."""
+        self.quiet = False
+        """``ready`` quieted the collector for the current case."""
         self.endpoint: Any = None
         self.local_heads = shape.heads // tp
         self.big: Any = None
@@ -251,7 +253,7 @@ class _Rank:
         return getattr(self.endpoint, "address", "")
 
     async def stop(self) -> None:
-        self.link_s = None
+        self.link_s, self.quiet = None, False
         if self.endpoint is not None:
             await self.endpoint.close()
             self.endpoint = None
@@ -263,8 +265,18 @@ class _Rank:
         if self.device.type == "cuda":
             self.torch.cuda.empty_cache()
 
-    async def rooms(self, case: Case, bootstrap: str) -> dict[str, Any]:
+    async def ready(self, case: Case, bootstrap: str) -> float:
+        """Before a case's rooms, on every rank at once: the collector quieted (``quiet_gc``: a full
+        collection, tens of milliseconds) and, on a decode rank, the link made (``connect``), so
+        that no rank's first room waits for another rank still doing either. Returns the link's
+        seconds (0 on a prefill rank)."""
         quiet_gc(case.gc_threshold)
+        self.quiet = True
+        return await self.connect(bootstrap) if self.role == "decode" else 0.0
+
+    async def rooms(self, case: Case, bootstrap: str) -> dict[str, Any]:
+        if not self.quiet:
+            quiet_gc(case.gc_threshold)
         if self.role == "prefill":
             return (await send_rooms([(self, case, i) for i in range(case.rooms + 2)], case.in_flight))[0]
         schedule = [room_pages(case, self.shape, i) for i in range(case.rooms + 2)]
@@ -280,9 +292,7 @@ class _Rank:
 
     async def connect(self, bootstrap: str) -> float:
         """Link this decode rank to the prefill instance ahead of its first room (``connect``):
-        the seconds it took, which a first room would otherwise pay. The parent has every decode
-        rank connect before any opens a room, so that the first room of a rank does not wait for
-        another rank still linking (a room of TP 1 -> 2 needs both decode ranks' requests)."""
+        the seconds it took, which a first room would otherwise pay."""
         t0 = time.monotonic()
         await self.endpoint.connect(bootstrap)
         self.link_s = time.monotonic() - t0
@@ -599,7 +609,8 @@ async def alternate(ranks: list[_Rank], cases: list[Case], addresses: list[str],
     as it ends, untimed). Per kind: what ``_Rank.rooms`` returns, and ``segments`` ((start, end)
     of each of its segments)."""
     plan = segment_rooms(cases[0].rooms, segment)
-    quiet_gc(cases[0].gc_threshold)
+    if not ranks[0].quiet:
+        quiet_gc(cases[0].gc_threshold)
     if ranks[0].role == "prefill":
         order = [(ranks[k], cases[k], i) for k in (0, 1) for i in (0, 1)]
         order += [(ranks[k], cases[k], i) for k, rooms in plan for i in rooms]
