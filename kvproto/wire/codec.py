@@ -652,12 +652,19 @@ class _Fast:
 
 
 def compile_bodies(bodies: Iterable[type[Body]]) -> None:
-    """Compile now what encoding and decoding each of ``bodies`` needs (its steps and its fast
-    reader and writer), which would otherwise be built at the first frame of each type: an
-    endpoint does it when it starts, so that its first room compiles no code."""
-    for body in bodies:
+    """Compile now what encoding and decoding each of ``bodies`` and of the records inside them
+    needs (its steps and its fast reader and writer), which would otherwise be built at the
+    first frame of each type: an endpoint does it when it starts, so that its first room
+    compiles no code."""
+    todo = list(bodies)
+    while todo:
+        body = todo.pop()
         _steps(body)
         _Fast.of(body)
+        for _, kind in body.FIELDS:  # the records inside it, alone or listed
+            inner = kind[0] if isinstance(kind, list) else kind
+            if isinstance(inner, type) and issubclass(inner, Body):
+                todo.append(inner)
 
 
 def encode_frame(header: Header, body: Body) -> bytes:

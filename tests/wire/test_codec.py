@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+from pathlib import Path
 
 import pytest
 
@@ -553,3 +554,33 @@ def test_codec_a_repeated_request_body_decodes_to_the_kept_lists() -> None:
     with pytest.raises(MalformedFrame):
         decode(bytes(frame))
     assert len(codec._RECENT) == kept
+
+
+def test_compile_messages_leaves_no_code_to_compile_at_the_first_frame() -> None:
+    """In a fresh interpreter, after ``compile_messages()`` (what an endpoint does when it starts),
+    decoding and re-encoding every message vector of the spec compiles nothing: the first room
+    of an endpoint pays for no code generation."""
+    import subprocess
+    import sys
+
+    script = (
+        "import builtins, json, pathlib\n"
+        "from kvproto.wire.codec import encode_frame\n"
+        "from kvproto.wire.messages import compile_messages, decode_frame\n"
+        "compile_messages()\n"
+        "def refuse(*a, **k):\n"
+        "    raise AssertionError('compiled at a frame')\n"
+        "builtins.compile = refuse\n"
+        f"root = pathlib.Path({str(Path(__file__).resolve().parents[2] / 'spec' / 'v1' / 'vectors')!r})\n"
+        "n = 0\n"
+        "for entry in json.loads((root / 'index.json').read_text())['vectors']:\n"
+        "    if entry['kind'] != 'frame' or entry['check'] != 'both': continue\n"
+        "    frame = bytes.fromhex(''.join((root / entry['file']).read_text().split()))\n"
+        "    header, msg = decode_frame(frame)\n"
+        "    assert encode_frame(header, msg) == frame, entry['file']\n"
+        "    n += 1\n"
+        "print(n)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) >= len(MESSAGE_TYPES)
