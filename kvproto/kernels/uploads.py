@@ -79,7 +79,8 @@ class Uploads:
         launched yet (a write of several kernels holds several slots before its one event)."""
 
     def prepare(self, device: Any) -> None:
-        """Allocate the ring and its mirror on ``device`` now (else the first ``put`` does)."""
+        """Allocate the ring and its mirror on ``device`` (the first ``put`` does, unless called
+        before: a link's registration, ``CudaIpcTransport._ready_lane``)."""
         if self._host is None:
             self._host = torch.empty(self.ENTRIES, dtype=torch.int64, pin_memory=True)
             self._words = self._host.numpy()
@@ -92,9 +93,8 @@ class Uploads:
         launch, or name it: ``lane``, a ``kvproto.kernels.lane.Lane`` that drives the driver, whose
         stream then copies it); returns (tensor-like, slot)."""
         n = table.size
-        if self._host is None:
-            self._host = torch.empty(self.ENTRIES, dtype=torch.int64, pin_memory=True)
-            self._words = self._host.numpy()
+        if self._mirror is None:
+            self.prepare(device)
         start = self._reserve(n + (n & 1))  # slots start 16-byte aligned
         if start is None:
             flat = torch.from_numpy(np.ascontiguousarray(table, dtype=np.int64).reshape(-1))
@@ -102,9 +102,6 @@ class Uploads:
                 return flat.pin_memory().to(device, non_blocking=True), None
         assert self._words is not None
         self._words[start:start + n] = table.reshape(-1)
-        if self._mirror is None:
-            self._mirror = torch.empty(self.ENTRIES, dtype=torch.int64, device=device)
-            self._addresses = self._mirror.data_ptr(), self._host.data_ptr()
         # on the launch's stream, before the launch that reads it; the slot's event covers both
         if lane is not None:
             mirror, host = self._addresses
