@@ -161,9 +161,7 @@ class _Rank:
             torch.cuda.set_device(self.device)  # this rank's kernels, events and transport agent
         self.transport = transport
         self.link_s: float | None = None
-        """How long this decode rank's ``connect`` of the current case took (None: not yet)."""
-        self.quiet = False
-        """``ready`` quieted the collector for the current case."""
+        """How long this decode rank's ``connect`` of the current case took (``ready``)."""
         self.endpoint: Any = None
         self.local_heads = shape.heads // tp
         self.big: Any = None
@@ -253,7 +251,7 @@ class _Rank:
         return getattr(self.endpoint, "address", "")
 
     async def stop(self) -> None:
-        self.link_s, self.quiet = None, False
+        self.link_s = None
         if self.endpoint is not None:
             await self.endpoint.close()
             self.endpoint = None
@@ -271,23 +269,20 @@ class _Rank:
         that no rank's first room waits for another rank still doing either. Returns the link's
         seconds (0 on a prefill rank)."""
         quiet_gc(case.gc_threshold)
-        self.quiet = True
         return await self.connect(bootstrap) if self.role == "decode" else 0.0
 
     async def rooms(self, case: Case, bootstrap: str) -> dict[str, Any]:
-        if not self.quiet:
-            quiet_gc(case.gc_threshold)
+        """This rank's side of a case's rooms (after ``ready``)."""
         if self.role == "prefill":
             return (await send_rooms([(self, case, i) for i in range(case.rooms + 2)], case.in_flight))[0]
         schedule = [room_pages(case, self.shape, i) for i in range(case.rooms + 2)]
-        link = self.link_s if self.link_s is not None else await self.connect(bootstrap)
         first = await self._room(case, bootstrap, schedule, 0)
         warm = await self._room(case, bootstrap, schedule, 1)
         latencies: list[float] = []
         start, cpu = time.monotonic(), time.process_time()
         await self._windowed(case, bootstrap, schedule, range(2, case.rooms + 2), latencies)
         end, cpu = time.monotonic(), time.process_time() - cpu
-        return {"link": link, "first": first, "warm": warm, "start": start, "end": end, "latencies": latencies,
+        return {"link": self.link_s, "first": first, "warm": warm, "start": start, "end": end, "latencies": latencies,
                 "bad": self._verify(case, schedule), "cpu": cpu / max(1e-9, end - start)}
 
     async def connect(self, bootstrap: str) -> float:
@@ -609,8 +604,6 @@ async def alternate(ranks: list[_Rank], cases: list[Case], addresses: list[str],
     as it ends, untimed). Per kind: what ``_Rank.rooms`` returns, and ``segments`` ((start, end)
     of each of its segments)."""
     plan = segment_rooms(cases[0].rooms, segment)
-    if not ranks[0].quiet:
-        quiet_gc(cases[0].gc_threshold)
     if ranks[0].role == "prefill":
         order = [(ranks[k], cases[k], i) for k in (0, 1) for i in (0, 1)]
         order += [(ranks[k], cases[k], i) for k, rooms in plan for i in rooms]
@@ -618,9 +611,8 @@ async def alternate(ranks: list[_Rank], cases: list[Case], addresses: list[str],
     schedules = [[room_pages(case, rank.shape, i) for i in range(case.rooms + 2)] for rank, case in zip(ranks, cases)]
     out: list[dict[str, Any]] = []
     for rank, case, address, schedule in zip(ranks, cases, addresses, schedules):
-        link = rank.link_s if rank.link_s is not None else await rank.connect(address)
         first = await rank._room(case, address, schedule, 0)
-        out.append({"link": link, "first": first, "warm": await rank._room(case, address, schedule, 1), "latencies": [],
+        out.append({"link": rank.link_s, "first": first, "warm": await rank._room(case, address, schedule, 1), "latencies": [],
                     "segments": []})
     cpu, timed, bad = 0.0, 0.0, [0, 0]
     for k, rooms in plan:

@@ -106,8 +106,9 @@ def _drive(agent: Any, xfers: list[Any], timeout: float = 30.0) -> list[XferStat
 @pytest.mark.parametrize("peer_gpu", PEER_GPUS, ids=lambda g: f"peer-cuda{g}")
 def test_cuda_ipc_gpu_pattern_write_into_another_process_lands_byte_exact(peer_gpu: int) -> None:
     """The peer in another process (on this GPU, or on the other one) is mapped (route "kernel"),
-    and the agent's lane and upload ring are made then, before any write; one pattern write of random pages lands byte-exact in its memory and its tag arrives after
-    the bytes; a write past its region is refused before launch."""
+    and the agent's lane and upload ring are made then, before any write; one pattern write of
+    random pages lands byte-exact in its memory and its tag arrives after the bytes; a write past
+    its region is refused before launch."""
     pages = 64
     proc, conn, meta, remote = _spawn(pages * PAGE, peer_gpu)
     src, agent = _source(pages)
