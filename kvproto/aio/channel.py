@@ -16,8 +16,12 @@ channel therefore checks ``EVENTS`` after every send and reschedules its drain w
 waiting; a drain that empties the socket has consumed the edge, and the next message fires it
 again.
 
-Sends never block: a full queue drops the frame with a warning (the protocol's deadlines turn a
-lost frame into a failed room, never a hang). Every call happens on the loop's thread.
+Sends never block. Control sockets are made by ``control_socket``, with no high-water mark:
+ZMQ's default of 1,000 messages per peer dropped frames when a decode rank opened a thousand
+rooms at once (their requests and holds queued behind the link), and a room whose request was
+dropped waited for its transfer deadline. Frames are small, so they queue in memory instead. A
+send ZMQ still refuses drops the frame with a warning (the protocol's deadlines turn a lost
+frame into a failed room, never a hang). Every call happens on the loop's thread.
 """
 
 from __future__ import annotations
@@ -32,6 +36,16 @@ log = logging.getLogger("kvproto")
 
 BATCH = 64
 """Messages one reader callback handles before yielding to the loop."""
+
+
+def control_socket(ctx: zmq.Context, kind: int, linger: int) -> zmq.Socket:
+    """A control socket of ``kind`` (ROUTER, DEALER) whose queues never drop a frame (module
+    docstring); made before it binds or connects, where the marks take effect."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, linger)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    return sock
 
 
 class Channel:

@@ -46,7 +46,7 @@ import zmq
 import zmq.asyncio
 import zmq.utils.monitor
 
-from kvproto.aio.channel import Channel
+from kvproto.aio.channel import Channel, control_socket
 from kvproto.aio.endpoint import EndpointBase, EndpointConfig
 from kvproto.aio.memory import (LAYOUT_MINOR, KVCache, geometry_from_wire, geometry_to_wire, groups_from_wire,
                                 older_peer_refusal)
@@ -301,8 +301,7 @@ class DecodeEndpoint(EndpointBase):
 
     def _connect(self, cluster: str, prefill_rank: int, endpoint: str) -> _Link:
         assert self._ctx is not None
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
+        sock = control_socket(self._ctx, zmq.DEALER, linger=0)
         monitor = None
         try:
             if self.config.curve is not None:

@@ -43,7 +43,7 @@ import zmq
 import zmq.asyncio
 
 from kvproto.aio.auth import KeyAuthenticator
-from kvproto.aio.channel import Channel
+from kvproto.aio.channel import Channel, control_socket
 from kvproto.aio.endpoint import EndpointBase, EndpointConfig
 from kvproto.aio.memory import KVCache
 from kvproto.aio.paths import LocalLists, Posted
@@ -203,8 +203,7 @@ class PrefillEndpoint(PrefillLinks, EndpointBase):
             if rows is not None:
                 await asyncio.to_thread(rows.join)
         advertised = self.config.advertise_host or self.config.host
-        router = self._ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 500)
+        router = control_socket(self._ctx, zmq.ROUTER, linger=500)
         curve = self.config.curve
         if curve is not None:
             self._auth = KeyAuthenticator(allowed=curve.allowed | {curve.public_key})
@@ -220,8 +219,7 @@ class PrefillEndpoint(PrefillLinks, EndpointBase):
         g = self.kv.geometry
         self._rank_table[g.tp_rank] = RankAddress(tp_rank=g.tp_rank, endpoint=self.address, boot_id=self.boot_id)
         if g.tp_rank != 0:
-            announcer = self._ctx.socket(zmq.DEALER)
-            announcer.setsockopt(zmq.LINGER, 0)
+            announcer = control_socket(self._ctx, zmq.DEALER, linger=0)
             if curve is not None:
                 curve.client(announcer, curve.server_key or curve.public_key)
             announcer.connect(self._bootstrap_target)  # type: ignore[arg-type]
