@@ -31,7 +31,6 @@ import json
 import multiprocessing as mp
 import os
 import random
-import socket
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -131,12 +130,6 @@ def model_dir(root: Path, config: dict[str, Any]) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config))
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_args(model: Path, mode: str, *, tp: int = 1, port: int = 30000, bootstrap_port: int = 8998,
@@ -764,6 +757,7 @@ def start_pair(tmp: Path, *, p_tp: int, d_tp: int, mla: bool, prefill: list[Requ
                dsa: bool = False) -> Pair:
     """Start the bootstrap registry here and every rank process (module docstring)."""
     from kvproto.integrations.sglang.bootstrap import KVProtoBootstrapServer
+    from kvproto.testing.ports import free_port
 
     model = model_dir(tmp, STATE_MODELS[mamba].config if mamba else TINY_MODEL)
     bport, port = free_port(), free_port()

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import json
-import socket
 import threading
 import time
 from collections import deque
@@ -51,6 +50,7 @@ from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvproto.integrations.vllm import KVProtoMetadata, KVProtoStats, plan_groups
 from kvproto.integrations.vllm.worker import Worker
+from kvproto.testing.ports import free_port
 
 LAYERS, KV_HEADS, HEAD = 4, 4, 16
 WINDOW = 32
@@ -124,12 +124,6 @@ def cache_groups(model: str, block: int, tp: int) -> list[KVCacheGroupSpec]:
         specs = {name: spec for a, i in zip(ATTN, INDEXER) for name, spec in ((a, latent), (i, index))}
         return [KVCacheGroupSpec(list(specs), UniformTypeKVCacheSpecs.from_specs(specs))]
     raise ValueError(model)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- KV as a pure function of what it holds ----------------------------------------------------
