@@ -168,7 +168,13 @@ class EndpointConfig:
     """A prefill rank waits for the engine's readiness events (``send(ready=...)``) in a thread of
     its own, which wakes its loop as each fires (``kvproto.aio.ready``: one CPU core spinning in
     CUDA's wait while a forward computes); False: the loop polls them every ``transfer_poll_s``
-    (which its selector rounds up to a millisecond)."""
+    (which its selector rounds up to a millisecond). With it, a prefill rank whose writes are in
+    flight waits for them in a second thread once ``busy_spin_s`` passed with nothing to do
+    (adapters that offer an event to wait for: the kernel path), instead of polling in a spin."""
+    busy_spin_s: float = 50e-6
+    """How long the progress task keeps polling, pass after pass, after the last pass that found
+    work while writes are in flight, before it waits for them in a thread (``ready_thread``): a
+    write about to end is noticed at once, a long one costs no core while it runs."""
     clock: Callable[[], float] | None = None
     """Where the core's time comes from (default: the event loop's clock). Tests jump it."""
     control_faults: ControlFaults | None = None
@@ -407,11 +413,13 @@ class EndpointBase:
     async def _progress_loop(self) -> None:
         """Spin (yielding to the loop between passes) while the data plane is active or work this
         endpoint drives is in flight (``_busy``: writes to poll, copies to finish, staged writes
-        or tags known to be on their way); otherwise back off (50 us doubling to
-        ``idle_poll_s``), so a rank waiting for its peer's compute leaves the CPU to it. Every
-        control message wakes it at once (``_kick``), so an ending announced on the control
+        or tags known to be on their way), but sleep once ``busy_spin_s`` passed without work where
+        a thread waits for that work and wakes it (``_wait_in_thread``); otherwise back off (50 us
+        doubling to ``idle_poll_s``), so a rank waiting for its peer's compute leaves the CPU to it.
+        Every control message wakes it at once (``_kick``), so an ending announced on the control
         plane is acted on without back-off latency."""
         delay = 0.0
+        quiet_from = 0.0
         while True:
             active = False
             try:
@@ -425,16 +433,22 @@ class EndpointBase:
             self._flush()
             if active or self._busy():
                 delay = 0.0
-                await asyncio.sleep(0)
-                continue
-            if self._transferring():
-                idle = self.config.transfer_poll_s
-            elif self.core.rooms:
-                idle = self.config.idle_poll_s
-            else:  # no room at all: wake for deadlines, heartbeats and control messages only
-                idle = min(self.config.heartbeat_interval / 4, 0.05)
-            delay = min(idle, max(50e-6, delay * 2))
-            wait = delay
+                if active or self._wake.is_set():  # work found, or new work since (a message, a post)
+                    self._wake.clear()
+                    quiet_from = time.perf_counter() + self.config.busy_spin_s
+                if active or time.perf_counter() < quiet_from or not self._wait_in_thread():
+                    await asyncio.sleep(0)
+                    continue
+                wait = self.config.idle_poll_s  # the waiting thread wakes the loop: this bounds a late one
+            else:
+                if self._transferring():
+                    idle = self.config.transfer_poll_s
+                elif self.core.rooms:
+                    idle = self.config.idle_poll_s
+                else:  # no room at all: wake for deadlines, heartbeats and control messages only
+                    idle = min(self.config.heartbeat_interval / 4, 0.05)
+                delay = min(idle, max(50e-6, delay * 2))
+                wait = delay
             deadline = self.core.next_deadline()
             if deadline is not None:
                 wait = max(0.0, min(wait, deadline - self._now()))
@@ -478,6 +492,12 @@ class EndpointBase:
 
     def _busy(self) -> bool:
         """Work in flight that this endpoint must drive to completion (see ``_progress_loop``)."""
+        return False
+
+    def _wait_in_thread(self) -> bool:
+        """Whether a thread now waits for this endpoint's work in flight and will wake the loop
+        when it may have progressed (``kvproto.aio.ready``), so that the progress task may sleep
+        instead of spinning; False: keep polling."""
         return False
 
     def _transferring(self) -> bool:

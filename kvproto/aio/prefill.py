@@ -54,6 +54,7 @@ from kvproto.aio.room import SenderRoomHandle
 from kvproto.aio.staging import CacheKernels, Copies, Piece, StagingBuffer, Stager, warm_kernels, warm_rows_kernels
 from kvproto.core import PostAux, PostGroups, PostStaged, PostWrite, RoomState, SenderCore
 from kvproto.transport import TransportError, XferState
+from kvproto.transport.base import completion_event
 from kvproto.wire import (
     MINOR,
     Abort,
@@ -139,6 +140,8 @@ class PrefillEndpoint(PrefillLinks, EndpointBase):
         the identity of those events: the rooms of one forward share a layer's event, which is
         then queried once a pass for all of them (``_release_held``), in the order they were held."""
         self._ready: ReadyWaiter | None = None
+        self._written: ReadyWaiter | None = None
+        """Waits for the oldest write in flight, while the loop sleeps (``_wait_in_thread``)."""
         """Wakes the loop as the held writes' events fire (``kvproto.aio.ready``)."""
         self._local: LocalLists | None = None
         self._rank_table: dict[int, RankAddress] = {}
@@ -227,8 +230,9 @@ class PrefillEndpoint(PrefillLinks, EndpointBase):
             self._spawn(self._announce_loop(), "announce")
 
     def _close_io(self) -> None:
-        if self._ready is not None:
-            self._ready.close()
+        for waiter in (self._ready, self._written):
+            if waiter is not None:
+                waiter.close()
         for link in list(self._links.values()):
             self._close_link(link)
         if self._router is not None:
@@ -264,6 +268,8 @@ class PrefillEndpoint(PrefillLinks, EndpointBase):
     def _send(self, link: Any, message: Message) -> None:
         assert self._router is not None
         self._send_frame(self._router, [link, self._encode(message)])
+        if trace.ENABLED and getattr(message, 'room_id', 0):
+            trace.mark(f"sent_{type(message).__name__}", message.room_id, 0)
 
     # --- incoming frames -----------------------------------------------------------------------
     def _on_frame(self, ident: bytes, frame: bytes) -> None:
@@ -532,6 +538,20 @@ class PrefillEndpoint(PrefillLinks, EndpointBase):
 
     def _busy(self) -> bool:
         return bool(self._pending) or (self._staging is not None and len(self._copies) > 0)
+
+    def _wait_in_thread(self) -> bool:
+        """Writes in flight and nothing else to drive: wait for the oldest in a thread where the
+        adapter offers its event (``kvproto.aio.ready``, ``completion_event``)."""
+        if not self.config.ready_thread or (self._staging is not None and len(self._copies) > 0):
+            return False
+        event = completion_event(self.transport)
+        if event is None:
+            return False
+        if self._written is None:
+            assert self._loop is not None
+            self._written = ReadyWaiter(self._loop, self._kick, name="kvproto-written")
+        self._written.watch((event,))
+        return True
 
     def _transferring(self) -> bool:
         """Writes wait for the engine's events: poll them at ``transfer_poll_s``, not spinning

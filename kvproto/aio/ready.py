@@ -21,6 +21,15 @@ correctness. An event is watched once however many writes it holds. Objects with
 Cost: while the engine computes a forward, the thread sits in ``cudaEventSynchronize``; under
 CUDA's default scheduling that wait spins one CPU core (an engine process whose device was set
 to blocking sync sleeps there instead). ``EndpointConfig.ready_thread=False`` turns it off.
+
+A second ``ReadyWaiter`` of a prefill rank (``kvproto-written``) waits for its own writes: while
+writes are in flight and a progress pass found nothing to do, the loop spun (``sleep(0)`` pass
+after pass), a core busy for as long as the link was, and the interpreter's lock taken from the
+engine's threads each pass. Past ``EndpointConfig.busy_spin_s`` after the last pass that found
+work, a rank whose adapter offers the event of its oldest write still running
+(``kvproto.transport.base.completion_event``: the kernel path, whose events are made with
+blocking sync, so this wait sleeps) watches that event here and sleeps until it fires, a control
+message arrives or a deadline is due. The loop still polls every write itself when it wakes.
 """
 
 from __future__ import annotations
@@ -38,8 +47,8 @@ log = logging.getLogger("kvproto.aio")
 class ReadyWaiter:
     """Wakes ``wake`` on ``loop`` as each watched event completes (module docstring)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, wake: Callable[[], None]) -> None:
-        self._loop, self._wake = loop, wake
+    def __init__(self, loop: asyncio.AbstractEventLoop, wake: Callable[[], None], name: str = "kvproto-ready") -> None:
+        self._loop, self._wake, self._name = loop, wake, name
         self._queue: collections.deque[Any] = collections.deque()
         self._watched: set[int] = set()
         """ids of the events queued or being waited for (each watched once)."""
@@ -61,7 +70,7 @@ class ReadyWaiter:
             if not added:
                 return
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="kvproto-ready", daemon=True)
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
             self._cv.notify()
 

@@ -22,7 +22,9 @@ current stream. One mechanism, three calls:
 * ``record()``: an event after everything launched on the lane so far (``LaneEvent``: ``query``,
   ``synchronize``). Events are reused once ``recycle`` hands them back (their write is known to
   be over). Recording a reused event again only moves the point it marks later, so a holder of
-  an old reference who queries it waits longer, never less.
+  an old reference who queries it waits longer, never less. Events are made with blocking sync:
+  a thread waiting in ``synchronize()`` (an endpoint waiting for its writes, ``kvproto.aio.ready``)
+  sleeps until the device signals, instead of spinning a core in CUDA's default wait.
 
 Without the driver binding, ``follow`` and ``record`` go through torch, and callers launch and
 upload with the lane's stream made torch's current one (``raw`` says which): slower, the same
@@ -129,7 +131,7 @@ class Lane:
         if self._cu is None:
             import torch
 
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)
             event.record(self.stream)
             return event
         event = self._free.pop() if self._free else LaneEvent(self._event(), self._cu)
@@ -152,7 +154,8 @@ class Lane:
 
     def _event(self) -> Any:
         cu = self._cu
-        handle = self._check("cuEventCreate", cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+        flags = int(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING) | int(cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC)
+        handle = self._check("cuEventCreate", cu.cuEventCreate(flags))
         self._made.append(handle)
         return handle
 

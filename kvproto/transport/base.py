@@ -48,7 +48,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -337,6 +337,17 @@ def wakeup_fd(transport: Transport) -> int | None:
     be waiting, which an endpoint adds to its event loop so that a waiting rank wakes at once
     rather than at its next poll (None: the adapter has none; endpoints poll as always)."""
     fn = getattr(transport, "wakeup_fd", None)
+    return None if fn is None else fn()
+
+
+def completion_event(transport: Transport) -> Any | None:
+    """The adapter's optional ``completion_event()``: an object whose ``synchronize()`` waits, with
+    the GIL released, until the oldest of the adapter's writes in flight has run, offered only
+    while that is all those writes wait for (no write waiting for a pass, a tag or another
+    engine's progress). An endpoint whose writes are in flight and that has nothing else to do
+    waits for it in a thread (``kvproto.aio.ready``) instead of polling in a spin. None: the
+    adapter has none now (or none at all); endpoints poll as always."""
+    fn = getattr(transport, "completion_event", None)
     return None if fn is None else fn()
 
 

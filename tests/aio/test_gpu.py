@@ -119,3 +119,46 @@ async def test_gpu_layerwise_send_never_waits_for_the_engine_stream(transport: s
         want = token_heads(src[r], src_pages, n, Layout.NHD)
         assert torch.equal(want, token_heads(dst[r], dst_pages, n, Layout.NHD).to(want.device))
 
+
+
+SLOW_POLLS = dict(transfer_poll_s=0.005, idle_poll_s=0.005)
+"""The decode's polls, 5 ms apart: under uvloop a pause under a millisecond is a timer of 0 ms,
+so the default 0.2 ms of a decode waiting for its room would spin this process's loop (the
+adapter's tag descriptor wakes it when the bytes land)."""
+
+
+@pytest.mark.parametrize("ready_thread", [True, False], ids=["waits-in-thread", "polls"])
+async def test_gpu_a_write_queued_behind_the_engine_costs_no_core_while_it_waits(ready_thread: bool) -> None:
+    """A room sent while ~0.3 s of the engine's work is still queued on its stream: the kernel-path
+    write follows that work, so it is in flight for 0.3 s. With the waiting thread (the default)
+    the prefill's loop sleeps through it (this process's CPU well under the wall time; the decode
+    polls for its room every 5 ms); with ``ready_thread=False`` it polls in a spin, a core busy all
+    along. The room lands byte-exact either way."""
+    src_kv, src = cuda_cache(8, 1, 0, Layout.NHD, 16, seed=1)
+    dst_kv, dst = cuda_cache(8, 1, 0, Layout.NHD, 16, seed=2)
+    n, src_pages, dst_pages = 32, [9, 3], [12, 40]
+    async with PrefillEndpoint(src_kv, config=config("cuda-ipc", staging_bytes=0, ready_thread=ready_thread)) as prefill, \
+            DecodeEndpoint(dst_kv, config=config("cuda-ipc", staging_bytes=0, **SLOW_POLLS)) as decode:
+        warm = decode.open_room(1, prefill.address, pages=[1], num_tokens=16)
+        first = prefill.open_room(1)
+        first.send([1], 16)
+        await asyncio.wait_for(asyncio.gather(first.wait(), warm.wait()), 30)  # linked, compiled
+        d = decode.open_room(2, prefill.address, pages=dst_pages, num_tokens=n)
+        while d.poll() is not RoomState.TRANSFERRING:
+            await asyncio.sleep(0.001)
+        room = prefill.open_room(2)
+        torch.cuda._sleep(600_000_000)  # ~0.3 s of GPU cycles on the engine's (current) stream
+        wall, cpu = time.monotonic(), time.process_time()
+        room.send(src_pages, n)
+        await asyncio.wait_for(asyncio.gather(room.wait(), d.wait()), 30)
+        wall, cpu = time.monotonic() - wall, time.process_time() - cpu
+    print(f"ready_thread={ready_thread}: {cpu * 1e3:.0f} ms of CPU over {wall * 1e3:.0f} ms in flight")
+    assert wall > 0.1, f"the write was in flight {wall:.3f} s only: the engine's work did not hold it"
+    if ready_thread:
+        assert cpu < 0.5 * wall, f"{cpu:.3f} s of CPU over {wall:.3f} s: the loop spun while the write waited"
+    else:
+        assert cpu > 0.7 * wall, f"{cpu:.3f} s of CPU over {wall:.3f} s: the polling loop did not spin"
+    torch.cuda.synchronize()
+    for r in range(4):
+        want = token_heads(src[r], src_pages, n, Layout.NHD)
+        assert torch.equal(want, token_heads(dst[r], dst_pages, n, Layout.NHD))

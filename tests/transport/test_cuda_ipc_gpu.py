@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -107,8 +108,9 @@ def _drive(agent: Any, xfers: list[Any], timeout: float = 30.0) -> list[XferStat
 def test_cuda_ipc_gpu_pattern_write_into_another_process_lands_byte_exact(peer_gpu: int) -> None:
     """The peer in another process (on this GPU, or on the other one) is mapped (route "kernel"),
     and the agent's lane and upload ring are made then, before any write; one pattern write of
-    random pages lands byte-exact in its memory and its tag arrives after the bytes; a write past
-    its region is refused before launch."""
+    random pages lands byte-exact in its memory and its tag arrives after the bytes; while it runs,
+    the agent offers its kernel's event (``completion_event``), which a thread can wait for; a
+    write past its region is refused before launch."""
     pages = 64
     proc, conn, meta, remote = _spawn(pages * PAGE, peer_gpu)
     src, agent = _source(pages)
@@ -122,7 +124,14 @@ def test_cuda_ipc_gpu_pattern_write_into_another_process_lands_byte_exact(peer_g
         src_pages, dst_pages = rng.permutation(pages)[:40], rng.permutation(pages)[:40]
         extents = np.stack([src_pages * PAGE, dst_pages * PAGE, np.full(40, PAGE)], 1).astype(np.int64)
         xfer = agent.post_pattern(peer, [src.data_ptr()], VRAM, [remote], VRAM, extents, b"done")
+        event = agent.completion_event()  # the kernel's event, while it is all the write waits for
+        assert event is not None and event is xfer.event
+        waiter = threading.Thread(target=event.synchronize)  # what an endpoint's waiting thread does
+        waiter.start()
+        waiter.join(10)
+        assert not waiter.is_alive()
         assert _drive(agent, [xfer]) == [XferState.DONE]
+        assert agent.completion_event() is None  # nothing in flight
         assert agent._lane is lane
         assert _until(conn, "tag", agent=agent) == b"done"
         conn.send("digest")

@@ -533,6 +533,18 @@ class CudaIpcTransport(WriteRunner, LaunchPlanner, AdapterKit):
     def _fallback_busy(self) -> None:
         self._fallback_busy_until = time.monotonic() + 1.0
 
+    def completion_event(self) -> Any | None:
+        """The event of the oldest kernel still running (``kvproto.transport.base.completion_event``),
+        while that is all this agent's writes wait for: none waiting for its pass (``_deferred``),
+        for its tag to leave, or for the fallback's progress; and not on CPU memory, where kernels
+        ran when launched."""
+        if self._closed or self._deferred or not self._running or time.monotonic() < self._fallback_busy_until:
+            return None
+        if any(mapped.queue for mapped in self._peers.values()):
+            return None
+        event = self._running[0].event
+        return None if isinstance(event, _Done) else event
+
     def wakeup_fd(self) -> int | None:
         """A file descriptor that turns readable when a tag arrives on this agent's channel (an
         endpoint adds it to its event loop, so that a waiting rank wakes at once); None without one."""
