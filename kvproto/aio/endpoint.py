@@ -142,7 +142,9 @@ class EndpointConfig:
     transfer_poll_s: float = 0.0002
     """Longest pause while this rank has rooms TRANSFERRING (a decode rank waiting for writes it
     cannot see yet: transports such as UCX over shared memory advance a write only while its
-    target polls)."""
+    target polls). The progress task's pauses last a millisecond at least, under asyncio (whose
+    epoll counts whole milliseconds, rounded up) and uvloop alike (which would make a timer of
+    0.2 ms one of 0 ms: a loop spinning a core while its rooms wait)."""
     curve: CurveAuth | None = None
     """Authenticate and encrypt the control plane with CURVE (see ``CurveAuth``)."""
     path: str = "auto"
@@ -452,6 +454,8 @@ class EndpointBase:
             deadline = self.core.next_deadline()
             if deadline is not None:
                 wait = max(0.0, min(wait, deadline - self._now()))
+            if 0.0 < wait < 1e-3:  # a pause is a millisecond at least, on every loop: asyncio's epoll
+                wait = 1e-3  # rounds it up to one, uvloop rounded 0.2 ms down to 0 (a spin of a core)
             self._wake.clear()
             try:
                 async with asyncio.timeout(wait):

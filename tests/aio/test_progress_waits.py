@@ -1,6 +1,8 @@
-"""A prefill rank whose writes are in flight waits for them in a thread instead of spinning its
-loop (``EndpointConfig.busy_spin_s``, ``kvproto.transport.base.completion_event``), and that
-thread wakes the loop the moment they may have ended.
+"""How an endpoint's progress task waits. A prefill rank whose writes are in flight waits for
+them in a thread instead of spinning its loop (``EndpointConfig.busy_spin_s``,
+``kvproto.transport.base.completion_event``), and that thread wakes the loop the moment they may
+have ended. A decode rank waiting for a room's bytes pauses a millisecond between polls on
+asyncio's loop and on uvloop alike (uvloop once made its 0.2 ms pause a spin).
 
 The adapter here is the loopback one with a stand-in device: its writes run only once the
 device is released, and it offers the device as the event to wait for (``synchronize()``
@@ -131,3 +133,34 @@ async def test_a_long_spin_keeps_polling(monkeypatch: pytest.MonkeyPatch) -> Non
     """``busy_spin_s`` longer than the write: the loop polls all along, as before this wait."""
     passes, _took, device = await one_room_in_flight(monkeypatch, busy_spin_s=60.0)
     assert passes > 200 and device.waits == 0
+
+
+@pytest.mark.asyncio
+async def test_a_decode_waiting_for_bytes_does_not_spin() -> None:
+    """A decode room TRANSFERRING whose prefill has not sent yet: its loop polls about once a
+    millisecond (``transfer_poll_s`` of 0.2 ms is a millisecond's pause), on both loops; under
+    uvloop a 0.2 ms timer used to be one of 0 ms, some hundred thousand passes a second."""
+    src, dst = make_cache(seed=1), make_cache(seed=2)
+    async with PrefillEndpoint(src.kv, config=config("loopback")) as prefill, \
+            DecodeEndpoint(dst.kv, config=config("loopback")) as decode:
+        rx = decode.open_room(1, prefill.bootstrap_address, pages=[5], num_tokens=4)
+        tx = prefill.open_room(1)
+        deadline = time.monotonic() + 10
+        while decode.core.transferring == 0:
+            assert time.monotonic() < deadline, "the room never reached TRANSFERRING"
+            await asyncio.sleep(0.01)
+        passes = 0
+        progress_once = decode._progress_once
+
+        def counted() -> bool:
+            nonlocal passes
+            passes += 1
+            return progress_once()
+
+        decode._progress_once = counted  # type: ignore[method-assign]
+        began = time.monotonic()
+        await asyncio.sleep(0.3)
+        seconds = time.monotonic() - began
+        assert passes <= 3000 * seconds, f"{passes} progress passes in {seconds:.2f} s: the loop spun"
+        tx.send([2], 4, last=True)
+        await asyncio.wait_for(asyncio.gather(rx.wait(), tx.wait()), 10)
