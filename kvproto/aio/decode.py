@@ -360,7 +360,7 @@ class DecodeEndpoint(EndpointBase):
         target = self._links.get(link)
         if target is not None and target.channel is not None:
             self._send_frame(target.channel, [self._encode(message)])
-            if trace.ENABLED and getattr(message, 'room_id', 0):
+            if trace.ENABLED and getattr(message, "room_id", 0):
                 trace.mark(f"sent_{type(message).__name__}", message.room_id, 0)
 
     # --- incoming frames --------------------------------------------------------------------------

@@ -140,9 +140,9 @@ class PrefillEndpoint(PrefillLinks, EndpointBase):
         the identity of those events: the rooms of one forward share a layer's event, which is
         then queried once a pass for all of them (``_release_held``), in the order they were held."""
         self._ready: ReadyWaiter | None = None
+        """Wakes the loop as the held writes' events fire (``kvproto.aio.ready``)."""
         self._written: ReadyWaiter | None = None
         """Waits for the oldest write in flight, while the loop sleeps (``_wait_in_thread``)."""
-        """Wakes the loop as the held writes' events fire (``kvproto.aio.ready``)."""
         self._local: LocalLists | None = None
         self._rank_table: dict[int, RankAddress] = {}
         self._auth: KeyAuthenticator | None = None
@@ -268,7 +268,7 @@ class PrefillEndpoint(PrefillLinks, EndpointBase):
     def _send(self, link: Any, message: Message) -> None:
         assert self._router is not None
         self._send_frame(self._router, [link, self._encode(message)])
-        if trace.ENABLED and getattr(message, 'room_id', 0):
+        if trace.ENABLED and getattr(message, "room_id", 0):
             trace.mark(f"sent_{type(message).__name__}", message.room_id, 0)
 
     # --- incoming frames -----------------------------------------------------------------------
