@@ -256,3 +256,31 @@ def test_the_ratio_interval_holds_the_ratio_and_narrows_with_more_runs() -> None
     assert ratio_interval(one, other) == (low, high)  # seeded
     low3, high3 = ratio_interval(one * 3, other * 3)
     assert low <= low3 and high3 <= high and high3 - low3 < high - low
+
+
+def test_thread_cpu_counts_a_millisecond_of_work_to_the_thread_that_did_it() -> None:
+    """``thread_cpu`` (the transfer bench's per-thread column) resolves a few milliseconds of one
+    thread's work, and only to that thread (the kernel's per-thread ``schedstat`` in nanoseconds,
+    where ``stat``'s clock ticks are 10 ms)."""
+    import os
+    import threading
+    import time
+
+    from kvproto.bench.transfer_rank import cpu_by_thread, thread_cpu
+
+    if not os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat"):
+        pytest.skip("the kernel keeps no schedstat here")
+    done = threading.Event()
+    idle = threading.Thread(target=done.wait, name="idle-thread")
+    idle.start()
+    try:
+        before = thread_cpu()
+        end = time.thread_time() + 0.003
+        while time.thread_time() < end:  # 3 ms of this thread's CPU
+            pass
+        spent = cpu_by_thread(before, thread_cpu())
+    finally:
+        done.set()
+        idle.join()
+    assert 0.002 <= spent[threading.current_thread().name] < 0.5
+    assert spent.get("idle-thread", 0.0) < 0.002
