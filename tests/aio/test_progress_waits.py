@@ -63,6 +63,23 @@ def gated(device: Device) -> Any:
     return load
 
 
+class PassCounter:
+    """Counts an endpoint's progress passes (``count``, from 0 again at ``reset``)."""
+
+    def __init__(self, endpoint: Any) -> None:
+        self.count = 0
+        progress_once = endpoint._progress_once
+
+        def counted() -> bool:
+            self.count += 1
+            return progress_once()
+
+        endpoint._progress_once = counted
+
+    def reset(self) -> None:
+        self.count = 0
+
+
 def quiet_config(**overrides: Any) -> Any:
     return config("loopback", idle_poll_s=SLOW, heartbeat_interval=SLOW, heartbeat_timeout=60,
                   timeouts=Timeouts(bootstrap=30, waiting=30, transfer=30, parked=30), **overrides)
@@ -76,15 +93,7 @@ async def one_room_in_flight(monkeypatch: pytest.MonkeyPatch, **prefill_override
     src, dst = make_cache(seed=1), make_cache(seed=2)
     async with PrefillEndpoint(src.kv, config=quiet_config(**prefill_overrides)) as prefill, \
             DecodeEndpoint(dst.kv, config=quiet_config()) as decode:
-        passes = 0
-        progress_once = prefill._progress_once
-
-        def counted() -> bool:
-            nonlocal passes
-            passes += 1
-            return progress_once()
-
-        prefill._progress_once = counted  # type: ignore[method-assign]
+        passes = PassCounter(prefill)
         rx = decode.open_room(1, prefill.bootstrap_address, pages=[5, 9], num_tokens=8)
         tx = prefill.open_room(1)
         tx.send([2, 7], 8, last=True)
@@ -93,9 +102,9 @@ async def one_room_in_flight(monkeypatch: pytest.MonkeyPatch, **prefill_override
             assert time.monotonic() < deadline, "the write was never posted"
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.05)
-        passes = 0
+        passes.reset()
         await asyncio.sleep(0.3)
-        in_flight = passes
+        in_flight = passes.count
         released = time.monotonic()
         device.ran.set()
         await asyncio.wait_for(asyncio.gather(rx.wait(), tx.wait()), 2 * SLOW)
@@ -149,18 +158,10 @@ async def test_a_decode_waiting_for_bytes_does_not_spin() -> None:
         while decode.core.transferring == 0:
             assert time.monotonic() < deadline, "the room never reached TRANSFERRING"
             await asyncio.sleep(0.01)
-        passes = 0
-        progress_once = decode._progress_once
-
-        def counted() -> bool:
-            nonlocal passes
-            passes += 1
-            return progress_once()
-
-        decode._progress_once = counted  # type: ignore[method-assign]
+        passes = PassCounter(decode)
         began = time.monotonic()
         await asyncio.sleep(0.3)
         seconds = time.monotonic() - began
-        assert passes <= 3000 * seconds, f"{passes} progress passes in {seconds:.2f} s: the loop spun"
+        assert passes.count <= 3000 * seconds, f"{passes.count} progress passes in {seconds:.2f} s: the loop spun"
         tx.send([2], 4, last=True)
         await asyncio.wait_for(asyncio.gather(rx.wait(), tx.wait()), 10)
