@@ -16,8 +16,11 @@ event per layer, and then:
   queued, so layer ``l`` moves while layer ``l + 1`` computes;
 * ``room``: sends every room whole once the last layer's event has fired.
 
-The figure is the **tail**: from the last layer's event firing (prefill process) to the last room
-of the batch reaching SUCCESS (decode process), on one clock (``time.monotonic``: one host). The
+The figure is the **tail**: from the last layer's event firing (prefill process, seen by a thread
+waiting on it; on the CPU, where there is no event, the end of the last layer's compute, before the
+sends: a stamp taken by the event loop after a transport's posts that copy before they return would
+hide those copies from the tail) to the last room of the batch reaching
+SUCCESS (decode process), on one clock (``time.monotonic``: one host). The
 first batch of each mode is reported on its own (a new link pays its kernels, descriptor lists and
 registrations there), then the median and p99 over ``--batches`` batches. A second table moves the
 same batches back to back with no compute, per layer and whole: throughput of layer-wise sending
@@ -87,9 +90,11 @@ def _config(args: argparse.Namespace, transport: str) -> Any:
                           timeouts=Timeouts(bootstrap=t, waiting=t, transfer=t, parked=t))
 
 
-async def _fired(event: Any) -> float:
-    while event is not None and not event.query():
-        await asyncio.sleep(0)
+def _fired_at(event: Any) -> float:
+    """When ``event`` completed, seen from a thread of its own: the event loop may be inside a
+    transport's post when it does (a post that copies before it returns), and a stamp taken there
+    would start the tail late."""
+    event.synchronize()
     return time.monotonic()
 
 
@@ -109,14 +114,17 @@ async def _prefill(args: argparse.Namespace, device: Any, transport: str, conn: 
         while (msg := await asyncio.to_thread(conn.recv)) is not None:
             first_room, mode, compute = msg
             rooms = [prefill.open_room(first_room + i) for i in range(args.batch)]
-            event = None
+            event, ready = None, 0.0
             for layer in range(args.layers):
                 event = await engine.compute() if compute else None
+                ready = time.monotonic()  # the layer's KV exists now (on the CPU: the compute was a sleep)
                 if mode == "layer":
                     for i, room in enumerate(rooms):
                         room.send(_pages(args, i, False) if layer == 0 else [], args.tokens, last=True,
                                   layers=range(layer, layer + 1), ready=event)
-            last = await _fired(event)
+            # the tail starts when the last layer is ready: its event's firing, or (no event: the CPU)
+            # the end of its compute, before the sends, whose posts may do the copying on the CPU
+            last = await asyncio.to_thread(_fired_at, event) if event is not None else ready
             if mode == "room":
                 for i, room in enumerate(rooms):
                     room.send(_pages(args, i, False), args.tokens, last=True, ready=event)
