@@ -9,7 +9,9 @@ remembers the socket as refused (``kvproto.core.holds``). An accepted rank becom
 the pair's writers decided from the two geometries, the path its writes take (direct, sliced or
 staged: ``_choose_path``, by ``EndpointConfig.path``, the transport's route and what both staging
 buffers hold), one path per group beyond the first (``_group_paths``), the staged pieces' shape
-(``_piece``), and the core's ``SenderLink``; then this rank's CACHE_GROUPS and REGISTER_ACCEPT.
+(``_piece``), and the core's ``SenderLink``; then this rank's CACHE_GROUPS and REGISTER_ACCEPT. A
+decode rank of minor 6 or later reads notification lists (spec/v1/tags.md), so the transport is told
+it may batch the writes of one pass to it (``batch_writes``).
 A registration that fails half-way leaves nothing behind (the link, its pieces, the peer).
 
 ``PrefillLinks`` is a mixin of ``PrefillEndpoint``; it runs once per link, never per room.
@@ -31,8 +33,11 @@ from kvproto.core import DEVICE_COST, HOST_COST, LinkGroup, SenderLink
 from kvproto.geometry import plan_pair, writers
 from kvproto.geometry.groups import PagedGroup, StateGroup, link_roles, paired_ranks_of_prefill_cache, plan_state
 from kvproto.transport import MemKind, TransportError
-from kvproto.transport.base import Route, route_of
+from kvproto.transport.base import Route, batch_writes, route_of
 from kvproto.wire import MINOR, CacheGroups, ErrorCode, Register, RegisterAccept, RegisterReject
+
+LIST_MINOR = 6
+"""The first minor whose decode ranks read notification lists (several writes' tags in one)."""
 
 log = logging.getLogger("kvproto")
 
@@ -138,6 +143,8 @@ class PrefillLinks:
         piece = self._piece(plan, remote, minor)
         unit = piece.unit if piece is not None else 0
         route = route_of(self.transport, agent)
+        if minor >= LIST_MINOR:
+            batch_writes(self.transport, agent)
         kind, can_stage = self._choose_path(plan, unit, piece.tail if piece is not None else 0, remote, minor, route)
         path = LinkPath(
             transport=self.transport, local=self._local, peer=agent, plan=plan, remote=decode_g,

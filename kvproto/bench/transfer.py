@@ -181,10 +181,12 @@ class Row:
     """With ``--interleave``: the hybrid's GB/s over the one-group's in every pair of adjacent
     segments (JSON only); ``vs_one`` is their median."""
     prefill_threads: dict[str, float] = field(default_factory=dict)
-    writes_per_launch: float | None = None
-    """Kernel-path writes per kernel launch on the busiest prefill rank (batched launches)."""
     """The busiest prefill rank's ``prefill_us_per_room`` split by thread name (Linux; printed
     under the table): the event loop's (``MainThread``), the transport's, the driver's own."""
+    writes_per_launch: float | None = None
+    """Writes per kernel launch (kernel path) or per NIXL transfer (writes of one pass batched) on
+    the busiest prefill rank; ``batched_by`` says which."""
+    batched_by: str = ""
     prefill_us_runs: list[float] = field(default_factory=list)
     """With ``--repeat``: ``prefill_us_per_room`` of every run, in order (JSON only): a slow run
     whose prefill spent more CPU per room had a slower host; one that spent less waited."""
@@ -332,7 +334,8 @@ def _row(case: Case, shape: Shape, raw_gbps: float, gbps: float, p_results: list
         groups="hybrid" if case.hybrid else "one", prefill_cpu=max(r["cpu"] for r in p_results),
         decode_cpu=max(r["cpu"] for r in d_results), prefill_us_per_room=max(r["cpu_us_per_room"] for r in p_results),
         prefill_threads=max(p_results, key=lambda r: r["cpu_us_per_room"]).get("threads_us_per_room", {}),
-        writes_per_launch=max(p_results, key=lambda r: r["cpu_us_per_room"]).get("writes_per_launch"))
+        writes_per_launch=max(p_results, key=lambda r: r["cpu_us_per_room"]).get("writes_per_launch"),
+        batched_by=max(p_results, key=lambda r: r["cpu_us_per_room"]).get("batched_by", ""))
 
 
 def median_run(runs: list[Row]) -> Row:
@@ -418,7 +421,8 @@ def _print(row: Row) -> None:
     if row.prefill_threads:
         split = sorted(row.prefill_threads.items(), key=lambda kv: -kv[1])
         print(f"{'':>5} p us/room by thread: " + ", ".join(f"{name} {us:.0f}" for name, us in split[:6])
-              + (f"; kernel writes per launch {row.writes_per_launch:.1f}" if row.writes_per_launch else ""), flush=True)
+              + (f"; writes per {row.batched_by} {row.writes_per_launch:.1f}" if row.writes_per_launch else ""),
+              flush=True)
 
 
 def memory_needed(case: Case, shape: Shape, devices: tuple[str, str]) -> dict[str, int]:

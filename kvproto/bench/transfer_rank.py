@@ -556,19 +556,30 @@ async def send_rooms(order: list[tuple[_Rank, Case, int]], in_flight: int) -> li
     split = {name: seconds / len(order) * 1e6 for name, seconds in cpu_by_thread(threads, thread_cpu()).items()}
     return [{"paths": sorted(stats[id(rank)]["paths"]), "descriptors": stats[id(rank)]["descriptors"],
              "cpu": used / max(1e-9, time.monotonic() - began), "cpu_us_per_room": used / len(order) * 1e6,
-             "threads_us_per_room": split, "writes_per_launch": _per_launch(counted[id(rank)], _launch_counts(rank))}
+             "threads_us_per_room": split, "writes_per_launch": _per_launch(counted[id(rank)], _launch_counts(rank)),
+             "batched_by": _batched_by(rank)}
             for rank in ranks]
 
 
+def _batched_by(rank: _Rank) -> str:
+    """What carries several writes of a rank's agent: a kernel launch or a NIXL transfer."""
+    transport = getattr(rank.endpoint, "transport", None)
+    return "kernel launch" if hasattr(transport, "launches") else "NIXL transfer"
+
+
 def _launch_counts(rank: _Rank) -> tuple[int, int] | None:
-    """(writes, kernel launches) of a rank's kernel-path agent so far; None for other adapters."""
+    """(writes, kernel launches) of a rank's kernel-path agent, or (writes, transfers) of its NIXL
+    agent, so far; None for other adapters."""
     transport = getattr(rank.endpoint, "transport", None)
     launches = getattr(transport, "launches", None)
-    return None if launches is None else (transport._stats.writes, launches)
+    if launches is not None:
+        return transport._stats.writes, launches
+    transfers = getattr(transport, "transfers", None)
+    return None if transfers is None else (transport.stats.writes, transfers)
 
 
 def _per_launch(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
-    """Writes a kernel launch carried between two ``_launch_counts`` (None: not the kernel path)."""
+    """Writes a launch (or transfer) carried between two ``_launch_counts`` (None: neither)."""
     if before is None or after is None or after[1] == before[1]:
         return None
     return (after[0] - before[0]) / (after[1] - before[1])

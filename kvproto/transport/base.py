@@ -40,12 +40,14 @@ Failures raise ``TransportError``; a write that fails after posting polls as ``X
 Optional methods, which the endpoints use where an adapter has them (``route_of``,
 ``wakeup_fd``): ``route(peer)`` says how writes to a peer move, and with ``Route.pattern`` the
 adapter takes whole patterns through ``post_pattern`` (the kernel path); ``wakeup_fd()`` gives a
-descriptor that turns readable when tags arrive.
+descriptor that turns readable when tags arrive; ``batch_writes(peer)`` (``batch_writes``) says
+that the peer reads notification lists, so that the writes of one pass to it may share a transfer.
 """
 
 from __future__ import annotations
 
 import enum
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -161,22 +163,29 @@ def as_descs(rows: np.ndarray | Sequence[tuple[int, int, int]]) -> np.ndarray:
 
 def take_rows(rows: np.ndarray, idx: np.ndarray | Sequence[int], side: str) -> np.ndarray:
     """``rows[idx]``; raises ``TransportError`` naming the first index out of range."""
-    arr = np.asarray(idx)
+    arr = idx if type(idx) is np.ndarray else np.asarray(idx)
     if arr.size == 0:
         return rows[:0]
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise TransportError(
             f"{side} indices must be a 1-D integer array, got {arr.dtype} of shape {arr.shape}"
         )
-    bad = np.flatnonzero((arr < 0) | (arr >= len(rows)))
-    if bad.size:
-        i = int(bad[0])
+    # a write of a few pages is most writes: its bounds in plain integers cost a third of the
+    # array operations
+    small = arr.tolist() if arr.size <= _SMALL else None
+    lo, hi = (min(small), max(small)) if small is not None else (int(arr.min()), int(arr.max()))
+    if lo < 0 or hi >= len(rows):
+        i = int(np.flatnonzero((arr < 0) | (arr >= len(rows)))[0])
         raise TransportError(
             f"{side} index {int(arr[i])} at position {i} is out of range"
             f" for a list of {len(rows)} rows"
         )
     picked: np.ndarray = rows[arr]
     return picked
+
+
+_SMALL = 64
+"""Rows up to which ``take_rows`` and ``check_pairs`` check with plain integers."""
 
 
 def check_pairs(local: np.ndarray, remote: np.ndarray) -> int:
@@ -187,14 +196,17 @@ def check_pairs(local: np.ndarray, remote: np.ndarray) -> int:
         raise TransportError(
             f"a write pairs {len(local)} local rows with {len(remote)} remote rows"
         )
-    bad = np.flatnonzero(local[:, 1] != remote[:, 1])
-    if bad.size:
-        i = int(bad[0])
-        raise TransportError(
-            f"pair {i}: local length {int(local[i, 1])}"
-            f" differs from remote length {int(remote[i, 1])}"
-        )
-    return int(local[:, 1].sum())
+    if len(local) <= _SMALL:
+        lengths = local[:, 1].tolist()
+        if lengths == remote[:, 1].tolist():
+            return sum(lengths)
+    elif np.array_equal(local[:, 1], remote[:, 1]):
+        return int(local[:, 1].sum())
+    i = int(np.flatnonzero(local[:, 1] != remote[:, 1])[0])
+    raise TransportError(
+        f"pair {i}: local length {int(local[i, 1])}"
+        f" differs from remote length {int(remote[i, 1])}"
+    )
 
 
 def region_index(rows: np.ndarray, regions: np.ndarray) -> np.ndarray:
@@ -349,6 +361,60 @@ def completion_event(transport: Transport) -> Any | None:
     adapter has none now (or none at all); endpoints poll as always."""
     fn = getattr(transport, "completion_event", None)
     return None if fn is None else fn()
+
+
+def batch_writes(transport: Transport, peer: str) -> bool:
+    """Call the adapter's optional ``batch_writes(peer)``, which says that ``peer``'s adapter reads
+    notification lists (``pack_tags``; kvproto 1.6 and later): the writes an endpoint posts to that
+    peer in one pass may then share one transfer and one notification. False: the adapter has no
+    such method (every write stays a transfer of its own)."""
+    fn = getattr(transport, "batch_writes", None)
+    if fn is None:
+        return False
+    fn(peer)
+    return True
+
+
+# --- notification lists (spec/v1/tags.md, "Notification lists"): one notification, several tags --------
+LIST_MAGIC = b"KL"
+LIST_VERSION = 1
+_LIST_HEAD = struct.Struct("<2sBBH")  # magic, version, reserved (0), count
+_LIST_LEN = struct.Struct("<H")
+MAX_LIST = 0xFFFF
+
+
+def pack_tags(tags: Sequence[bytes]) -> bytes:
+    """The tags of several writes that travel as one transfer, as the one notification it sends:
+    ``"KL" %x01 %x00 count`` then, per tag, its length (u16) and its bytes."""
+    if not 2 <= len(tags) <= MAX_LIST:
+        raise TransportError(f"a notification list holds 2 to {MAX_LIST} tags, not {len(tags)}")
+    out = [_LIST_HEAD.pack(LIST_MAGIC, LIST_VERSION, 0, len(tags))]
+    for tag in tags:
+        if not 0 < len(tag) <= 0xFFFF:
+            raise TransportError(f"a listed tag is 1 to 65535 bytes, not {len(tag)}")
+        out += (_LIST_LEN.pack(len(tag)), tag)
+    return b"".join(out)
+
+
+def unpack_tags(data: bytes) -> list[bytes] | None:
+    """The tags of a notification list, or None where ``data`` is not a well-formed one (a tag of
+    its own, which the receiver checks as it checks every tag)."""
+    if len(data) < _LIST_HEAD.size or data[:2] != LIST_MAGIC:
+        return None
+    _, version, reserved, count = _LIST_HEAD.unpack_from(data)
+    if version != LIST_VERSION or reserved != 0 or count < 2:
+        return None
+    tags, at = [], _LIST_HEAD.size
+    for _ in range(count):
+        if at + 2 > len(data):
+            return None
+        (n,) = _LIST_LEN.unpack_from(data, at)
+        at += 2
+        if n == 0 or at + n > len(data):
+            return None
+        tags.append(data[at:at + n])
+        at += n
+    return tags if at == len(data) else None
 
 
 def route_of(transport: Transport, peer: str) -> Route | None:

@@ -17,6 +17,20 @@ memory is contiguous on both sides and whose rows have equal length. ``post_desc
 ``initialize_xfer``, which posts the rows unmerged. Per-request telemetry is on, so the number
 of descriptors a write really used is added to ``stats.descriptors`` when it polls DONE.
 
+*Writes of one pass share a transfer* (``batch_writes``). Each NIXL transfer costs the host its
+own request, post, polls, telemetry and release, and each notification its own message: tens of
+microseconds, where a room of a few pages costs the link a few. So a write to a peer that reads
+notification lists (the endpoint says so with ``batch_writes(peer)``: kvproto 1.6) posted through
+``post_prepared`` does not post at once: it waits in ``_waiting`` until the pass ends — the next
+``poll``, ``drain_notifications``, ``flush``, ``release_prepared``, removal or close — and
+``_post_waiting`` then posts each peer's waiting writes over the same two lists as one transfer
+(up to ``BATCH`` writes and ``BATCH_BYTES``), its indices those of the writes one after another
+and its notification the list of their tags (``pack_tags``). Every write of a transfer polls its
+state; the transfer is released with its last write. A transfer that fails fails every write it
+carries, and only those. ``drain_notifications`` turns a list back into its tags, so that the
+endpoint above sees one notification per write as before. Checks stay at ``post_prepared``: a bad
+index still raises there, for the one write.
+
 Regions of one ``register`` call that overlap are registered once, as their union
 (``merge_regions``): NIXL 1.5.1 accepts overlapping registrations but then looks a descriptor up in
 one of them only, refusing (``NIXL_ERR_NOT_FOUND``) a row that lies in the union but not in that
@@ -47,7 +61,17 @@ from typing import Any
 
 import numpy as np
 
-from kvproto.transport.base import MemKind, MemoryRegion, Notification, TransportError, XferState, as_descs
+from kvproto.transport.base import (
+    LIST_MAGIC,
+    MemKind,
+    MemoryRegion,
+    Notification,
+    TransportError,
+    XferState,
+    as_descs,
+    pack_tags,
+    unpack_tags,
+)
 from kvproto.transport.kit import AdapterKit, TrackedList, TrackedLists
 
 
@@ -107,15 +131,40 @@ class NixlDescList(TrackedList):
 
 
 @dataclass(eq=False, slots=True)
+class _Transfer:
+    """One NIXL transfer: its handle, the state last seen, and the writes riding in it that are not
+    released yet (one, or a pass's writes to one peer)."""
+
+    handle: Any
+    state: XferState
+    riders: int
+    error: str | None = None
+
+
+@dataclass(eq=False, slots=True)
 class NixlXfer:
-    """One posted write: NIXL's handle and the state last seen."""
+    """One posted write: the transfer it rides in (None while it waits for its pass, or where its
+    transfer could not be posted) and the state last seen."""
 
     peer: str
-    handle: Any
+    transfer: _Transfer | None
     state: XferState
     error: str | None = None
     """Why the write polled ERROR."""
     released: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class _Waiting:
+    """A write waiting for its pass to end (``_post_waiting``)."""
+
+    xfer: NixlXfer
+    local: NixlDescList
+    local_idx: np.ndarray
+    remote: NixlDescList
+    remote_idx: np.ndarray
+    tag: bytes
+    nbytes: int
 
 
 class NixlTransport(TrackedLists, AdapterKit):
@@ -137,7 +186,28 @@ class NixlTransport(TrackedLists, AdapterKit):
             raise TransportError(f"create agent: NIXL has no {_BACKEND} backend plugin")
         super().__init__(name)
         self._lists: set[NixlDescList] = set()
-        self._xfers: set[NixlXfer] = set()
+        self._transfers: set[_Transfer] = set()
+        self._batched: set[str] = set()
+        """Peers that read notification lists (``batch_writes``)."""
+        self._waiting: list[_Waiting] = []
+        self.transfers = 0
+        """NIXL transfers posted (a batch of writes counts once; ``stats.writes`` counts writes)."""
+
+    BATCH = 64
+    """The most writes in one transfer."""
+    BATCH_BYTES = 1 << 20
+    """Writes up to this size wait for their pass; a transfer of batched writes stays within it."""
+
+    def batch_writes(self, peer: str) -> None:
+        """``peer``'s adapter reads notification lists: writes posted to it through
+        ``post_prepared`` wait for the pass to end and go as one transfer (module docstring)."""
+        self._peer(peer, "batch_writes")
+        self._batched.add(peer)
+
+    def flush(self) -> None:
+        """Post the writes waiting for their pass now."""
+        self._check_open()
+        self._post_waiting()
 
     def memory_kinds(self) -> frozenset[MemKind]:
         self._check_open()
@@ -202,19 +272,79 @@ class NixlTransport(TrackedLists, AdapterKit):
         with _nixl(f"release a list prepared for {dlist.peer or 'local memory'!r}"):
             dlist.handle.release()
 
+    def release_prepared(self, dlist: Any) -> None:
+        if self._waiting:
+            self._post_waiting()  # a waiting write may be over this list
+        super().release_prepared(dlist)
+
+    def _invalidate(self, peer: str, why: str) -> None:
+        """A peer removed or reloaded: its waiting writes fail (their lists are going) before
+        its lists are retired."""
+        if any(w.xfer.peer == peer for w in self._waiting):
+            kept = []
+            for w in self._waiting:
+                if w.xfer.peer == peer:
+                    w.xfer.state, w.xfer.error = XferState.ERROR, f"not posted: {why}"
+                else:
+                    kept.append(w)
+            self._waiting = kept
+        self._batched.discard(peer)
+        super()._invalidate(peer, why)
+
     def _post_prepared(self, peer: str, local: NixlDescList, local_idx: np.ndarray, remote: NixlDescList,
                        remote_idx: np.ndarray, tag: bytes, nbytes: int) -> NixlXfer:
-        with _nixl(f"post_prepared to {peer!r}"):
-            handle = self._agent.make_prepped_xfer(
-                "WRITE",
-                local.handle,
-                np.asarray(local_idx, dtype=np.int32),
-                remote.handle,
-                np.asarray(remote_idx, dtype=np.int32),
-                bytes(tag),
-                [_BACKEND],
-            )
-        return self._post(peer, handle, nbytes, "post_prepared")
+        if tag and peer in self._batched and nbytes <= self.BATCH_BYTES:
+            xfer = NixlXfer(peer, None, XferState.PENDING)  # indices copied: they wait beyond the call
+            self._waiting.append(_Waiting(xfer, local, np.array(local_idx, dtype=np.int32), remote,
+                                          np.array(remote_idx, dtype=np.int32), bytes(tag), nbytes))
+            self._count(0, nbytes)
+            return xfer
+        transfer = self._post(peer, self._prepped(peer, local, local_idx, remote, remote_idx, bytes(tag)), "post_prepared")
+        self._count(0, nbytes)  # its descriptors once NIXL says how many (_settle)
+        return NixlXfer(peer, transfer, transfer.state)
+
+    def _prepped(self, peer: str, local: NixlDescList, local_idx: np.ndarray, remote: NixlDescList,
+                 remote_idx: np.ndarray, tag: bytes) -> Any:
+        try:
+            return self._agent.make_prepped_xfer(
+                "WRITE", local.handle, np.asarray(local_idx, dtype=np.int32), remote.handle,
+                np.asarray(remote_idx, dtype=np.int32), tag, [_BACKEND])
+        except Exception as e:
+            raise TransportError(f"post_prepared to {peer!r}: NIXL failed: {type(e).__name__}: {e}") from e
+
+    def _post_waiting(self) -> None:
+        """Post the writes that waited for their pass: each run of a peer's writes over the same two
+        lists as one transfer whose notification lists their tags (a run of one: its own tag). A
+        transfer NIXL refuses fails the writes it would have carried, not the caller."""
+        waiting, self._waiting = self._waiting, []
+        runs: list[list[_Waiting]] = []
+        open_runs: dict[tuple[str, int, int], tuple[list[_Waiting], list[int]]] = {}
+        for w in waiting:
+            key = (w.xfer.peer, id(w.local), id(w.remote))
+            run = open_runs.get(key)
+            if run is None or len(run[0]) >= self.BATCH or run[1][0] + w.nbytes > self.BATCH_BYTES:
+                run = open_runs[key] = ([w], [w.nbytes])
+                runs.append(run[0])
+            else:
+                run[0].append(w)
+                run[1][0] += w.nbytes
+        for run in runs:
+            first = run[0]
+            try:
+                if len(run) == 1:
+                    handle = self._prepped(first.xfer.peer, first.local, first.local_idx, first.remote,
+                                           first.remote_idx, first.tag)
+                else:
+                    handle = self._prepped(first.xfer.peer, first.local, np.concatenate([w.local_idx for w in run]),
+                                           first.remote, np.concatenate([w.remote_idx for w in run]),
+                                           pack_tags([w.tag for w in run]))
+                transfer = self._post(first.xfer.peer, handle, "post_prepared", riders=len(run))
+            except TransportError as exc:
+                for w in run:
+                    w.xfer.state, w.xfer.error = XferState.ERROR, str(exc)
+                continue
+            for w in run:
+                w.xfer.transfer = transfer
 
     def _post_descs(self, peer: str, local: np.ndarray, local_kind: MemKind, remote: np.ndarray,
                     remote_kind: MemKind, tag: bytes, nbytes: int) -> NixlXfer:
@@ -227,19 +357,27 @@ class NixlTransport(TrackedLists, AdapterKit):
                 bytes(tag),
                 [_BACKEND],
             )
-        return self._post(peer, handle, nbytes, "post_descs")
+        transfer = self._post(peer, handle, "post_descs")
+        self._count(0, nbytes)
+        return NixlXfer(peer, transfer, transfer.state)
 
     def poll(self, xfer: NixlXfer) -> XferState:
         self._check_open()
         if xfer.released:
             raise TransportError("poll: the write was released")
         if xfer.state is XferState.PENDING:
-            try:
-                state = _STATES[self._agent.check_xfer_state(xfer.handle)]
-            except Exception as e:
-                xfer.error = f"check_xfer_state raised {type(e).__name__}: {e}"
-                state = XferState.ERROR
-            self._settle(xfer, state)
+            if self._waiting:
+                self._post_waiting()
+            transfer = xfer.transfer
+            if transfer is not None:
+                if transfer.state is XferState.PENDING:
+                    try:
+                        state = _STATES[self._agent.check_xfer_state(transfer.handle)]
+                    except Exception as e:
+                        transfer.error = f"check_xfer_state raised {type(e).__name__}: {e}"
+                        state = XferState.ERROR
+                    self._settle(transfer, state)
+                xfer.state, xfer.error = transfer.state, transfer.error
         return xfer.state
 
     def release(self, xfer: NixlXfer) -> None:
@@ -248,9 +386,17 @@ class NixlTransport(TrackedLists, AdapterKit):
             return
         self._check_release(xfer, xfer.peer, xfer.peer in self._peers)
         xfer.released = True
-        self._xfers.discard(xfer)
-        with _nixl("release"):
-            xfer.handle.release()
+        transfer = xfer.transfer
+        if transfer is None:  # never posted (its pass failed it, or its peer went first)
+            self._waiting = [w for w in self._waiting if w.xfer is not xfer]
+            return
+        transfer.riders -= 1
+        if transfer.riders == 0:
+            self._transfers.discard(transfer)
+            try:
+                transfer.handle.release()
+            except Exception as e:
+                raise TransportError(f"release: NIXL failed: {type(e).__name__}: {e}") from e
 
     def notify(self, peer: str, tag: bytes) -> None:
         self._peer(peer, "notify")
@@ -259,10 +405,25 @@ class NixlTransport(TrackedLists, AdapterKit):
             self._agent.send_notif(peer, bytes(tag))
 
     def drain_notifications(self) -> list[Notification]:
+        """Tags that arrived, a notification list's (``pack_tags``) one by one; a list that is
+        not well-formed is handed on whole, for the receiver to drop as the tag it is not."""
         self._check_open()
-        with _nixl("drain_notifications"):
+        if self._waiting:
+            self._post_waiting()
+        try:
             notifs = self._agent.get_new_notifs()
-        return [Notification(peer, bytes(tag)) for peer, tags in notifs.items() for tag in tags]
+        except Exception as e:
+            raise TransportError(f"drain_notifications: NIXL failed: {type(e).__name__}: {e}") from e
+        out = []
+        for peer, tags in notifs.items():
+            for tag in tags:
+                tag = bytes(tag)
+                listed = unpack_tags(tag) if tag[:2] == LIST_MAGIC else None
+                if listed is None:
+                    out.append(Notification(peer, tag))
+                else:
+                    out += (Notification(peer, one) for one in listed)
+        return out
 
     def close(self) -> None:
         """Release every handle, deregister all memory, remove all peers; then drop the agent.
@@ -280,9 +441,11 @@ class NixlTransport(TrackedLists, AdapterKit):
             except Exception as e:
                 errors.append(f"{op}: {type(e).__name__}: {e}")
 
-        for xfer in self._xfers:
-            xfer.released = True
-            attempt("release write", xfer.handle.release)
+        for w in self._waiting:
+            w.xfer.state, w.xfer.error, w.xfer.released = XferState.ERROR, "the agent was closed", True
+        self._waiting.clear()
+        for transfer in self._transfers:
+            attempt("release write", transfer.handle.release)
         for dlist in self._lists:
             dlist.invalid = "the agent was closed"
             attempt("release list", dlist.handle.release)
@@ -291,7 +454,7 @@ class NixlTransport(TrackedLists, AdapterKit):
                 attempt("deregister", self._agent.deregister_memory, rd, [_BACKEND])
         for peer in self._peers:
             attempt(f"remove peer {peer!r}", self._agent.remove_remote_agent, peer)
-        self._xfers.clear()
+        self._transfers.clear()
         self._lists.clear()
         self._registrations.clear()
         self._peers.clear()
@@ -299,27 +462,27 @@ class NixlTransport(TrackedLists, AdapterKit):
         if errors:
             raise TransportError(f"close of {self.name!r}: " + "; ".join(errors))
 
-    def _post(self, peer: str, handle: Any, nbytes: int, op: str) -> NixlXfer:
+    def _post(self, peer: str, handle: Any, op: str, riders: int = 1) -> _Transfer:
+        """Start the transfer of ``handle``, which carries ``riders`` writes."""
         try:
-            with _nixl(f"{op} to {peer!r}"):
-                state = _STATES[self._agent.transfer(handle)]
-        except TransportError:
+            state = _STATES[self._agent.transfer(handle)]
+        except Exception as e:
             handle.release()
-            raise
+            raise TransportError(f"{op} to {peer!r}: NIXL failed: {type(e).__name__}: {e}") from e
         if state is XferState.ERROR:
             handle.release()
             raise TransportError(f"{op} to {peer!r}: NIXL refused to post the write")
-        xfer = NixlXfer(peer, handle, XferState.PENDING)
-        self._xfers.add(xfer)
-        self._count(0, nbytes)  # its descriptors once NIXL says how many (_settle)
-        self._settle(xfer, state)
-        return xfer
+        transfer = _Transfer(handle, XferState.PENDING, riders)
+        self._transfers.add(transfer)
+        self.transfers += 1
+        self._settle(transfer, state)
+        return transfer
 
-    def _settle(self, xfer: NixlXfer, state: XferState) -> None:
-        """Record a write's new state; count its descriptors when it becomes DONE."""
-        xfer.state = state
+    def _settle(self, transfer: _Transfer, state: XferState) -> None:
+        """Record a transfer's new state; count its descriptors when it becomes DONE."""
+        transfer.state = state
         if state is XferState.DONE:
             with _nixl("read the telemetry of a finished write"):
-                self.stats.descriptors += self._agent.get_xfer_telemetry(xfer.handle).descCount
-        elif state is XferState.ERROR and xfer.error is None:
-            xfer.error = "NIXL reported the write failed"
+                self.stats.descriptors += self._agent.get_xfer_telemetry(transfer.handle).descCount
+        elif state is XferState.ERROR and transfer.error is None:
+            transfer.error = "NIXL reported the write failed"

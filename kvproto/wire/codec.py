@@ -83,7 +83,7 @@ from kvproto.wire.errors import FrameTooLarge, MalformedFrame, UnsupportedVersio
 
 MAGIC = b"KV"
 MAJOR = 1
-MINOR = 5
+MINOR = 6
 HEADER = struct.Struct("<2sBBBBHQII")
 HEADER_SIZE = HEADER.size  # 24
 MAX_FRAME = 16 * 1024 * 1024

@@ -61,9 +61,9 @@ GEOMETRY_BYTES = struct.pack("<HHIIIBIBBI", 2, 1, 3, 8, 128, 2, 16, 1, 0, 1000)
 
 
 def test_codec_header_constants() -> None:
-    """The header is 24 bytes; this build speaks major 1, minor 5 (version 1.5: windows the engine names)."""
+    """The header is 24 bytes; this build speaks major 1, minor 6 (version 1.6: notification lists)."""
     assert HEADER_SIZE == struct.calcsize(HEADER_FMT) == 24
-    assert (MAJOR, MINOR) == (1, 5)
+    assert (MAJOR, MINOR) == (1, 6)
 
 
 def test_codec_heartbeat_matches_hand_assembled_bytes() -> None:
@@ -255,12 +255,12 @@ def test_codec_decode_unknown_type_carries_header() -> None:
 
 
 def test_codec_decode_unknown_type_of_newer_minor_is_ignorable() -> None:
-    """Type 200 at minor 6 raises UnknownMessage carrying the header; its minor exceeds this build's
-    MINOR (5), which is what lets a receiver ignore it (README.md, versioning)."""
+    """Type 200 at minor 7 raises UnknownMessage carrying the header; its minor exceeds this build's
+    MINOR (6), which is what lets a receiver ignore it (README.md, versioning)."""
     with pytest.raises(UnknownMessage) as info:
-        decode(frame_by_hand(200, b"\x01\x02", room_id=0xC0FFEE, generation=9, minor=6, flags=0x80))
+        decode(frame_by_hand(200, b"\x01\x02", room_id=0xC0FFEE, generation=9, minor=7, flags=0x80))
     header = info.value.header
-    assert header == Header(msg_type=200, room_id=0xC0FFEE, generation=9, flags=0x80, major=1, minor=6)
+    assert header == Header(msg_type=200, room_id=0xC0FFEE, generation=9, flags=0x80, major=1, minor=7)
     assert header.minor > MINOR
     assert info.value.code is ErrorCode.MALFORMED_FRAME
     with pytest.raises(UnknownMessage) as same_minor:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 import kvproto.wire as wire
+from kvproto.transport.base import pack_tags, unpack_tags
 from kvproto.wire import (
     MESSAGE_TYPES,
     MINOR,
@@ -85,6 +86,8 @@ FRAMES_REFUSE = [e for e in ENTRIES if e["kind"] == "frame" and e["check"] == "r
 FRAMES_VALID = FRAMES_BOTH + FRAMES_REFUSE
 TAGS_BOTH = [e for e in ENTRIES if e["kind"] == "tag" and e["check"] == "both"]
 TAGS_REJECT = [e for e in ENTRIES if e["kind"] == "tag" and e["check"] == "reject"]
+LISTS_BOTH = [e for e in ENTRIES if e["kind"] == "list" and e["check"] == "both"]
+LISTS_REJECT = [e for e in ENTRIES if e["kind"] == "list" and e["check"] == "reject"]
 
 
 # --- the collection itself ----------------------------------------------------------------------
@@ -110,7 +113,7 @@ def test_vectors_files_are_lowercase_wrapped_hex() -> None:
 def test_vectors_entries_are_well_formed() -> None:
     """Every entry has a known kind and check, and the keys its check needs."""
     for e in ENTRIES:
-        assert e["kind"] in ("frame", "tag") and e["check"] in ("both", "decode", "reject", "refuse"), e["file"]
+        assert e["kind"] in ("frame", "tag", "list") and e["check"] in ("both", "decode", "reject", "refuse"), e["file"]
         assert e.get("note"), e["file"]
         if e["check"] == "reject":
             assert hasattr(wire, e["error"]) and e["code"] in ErrorCode.__members__, e["file"]
@@ -302,4 +305,31 @@ def test_vectors_reject_tag_raises_malformed_tag(entry: dict[str, Any]) -> None:
     """A reject tag vector raises MalformedTag (code MALFORMED_FRAME)."""
     with pytest.raises(getattr(wire, entry["error"])) as info:
         decode_tag(read_vector(entry["file"]))
+    assert info.value.code is ErrorCode[entry["code"]]
+
+
+# --- notification lists (minor 6) ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("entry", LISTS_BOTH, ids=ids(LISTS_BOTH))
+def test_vectors_list_both_ways(entry: dict[str, Any]) -> None:
+    """A notification list unpacks to its tags, each a well-formed tag of the listed fields, and packing
+    those tags gives the vector."""
+    data = read_vector(entry["file"])
+    tags = [Tag(kind=TagKind[t["kind"]], room_id=t["room_id"], generation=t["generation"], link_id=t["link_id"],
+                seq=t["seq"]) for t in entry["tags"]]
+    assert len(tags) >= 2
+    assert unpack_tags(data) == [t.encode() for t in tags]
+    assert [decode_tag(one) for one in unpack_tags(data)] == tags
+    assert pack_tags([t.encode() for t in tags]) == data
+
+
+@pytest.mark.parametrize("entry", LISTS_REJECT, ids=ids(LISTS_REJECT))
+def test_vectors_reject_list_is_handed_on_as_a_malformed_tag(entry: dict[str, Any]) -> None:
+    """Bytes that begin as a list but are not one do not unpack: the receiver checks them as one tag,
+    which is malformed (MalformedTag, code MALFORMED_FRAME)."""
+    data = read_vector(entry["file"])
+    assert data[:2] == b"KL" and unpack_tags(data) is None
+    with pytest.raises(getattr(wire, entry["error"])) as info:
+        decode_tag(data)
     assert info.value.code is ErrorCode[entry["code"]]

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvproto.transport.base import pack_tags
 from kvproto.wire import (
     NO_SHARD,
     NAMED_WINDOW,
@@ -161,6 +162,24 @@ def tag(file: str, t: Tag, note: str) -> Vector:
 
 def tag_reject(file: str, data: bytes, note: str) -> Vector:
     return Vector(file, data, {"file": file, "kind": "tag", "check": "reject", "error": "MalformedTag",
+                               "code": ErrorCode.MALFORMED_FRAME.name, "note": note})
+
+
+def tag_list(file: str, tags: list[Tag], note: str) -> Vector:
+    """A notification list (tags.md, minor 6): the tags of several writes that travel as one."""
+    return Vector(file, pack_tags([t.encode() for t in tags]), {
+        "file": file,
+        "kind": "list",
+        "check": "both",
+        "tags": [{"kind": t.kind.name, "room_id": t.room_id, "generation": t.generation, "link_id": t.link_id,
+                  "seq": t.seq} for t in tags],
+        "note": note,
+    })
+
+
+def list_reject(file: str, data: bytes, note: str) -> Vector:
+    """Bytes that begin as a notification list but are not one: handed on whole, a malformed tag."""
+    return Vector(file, data, {"file": file, "kind": "list", "check": "reject", "error": "MalformedTag",
                                "code": ErrorCode.MALFORMED_FRAME.name, "note": note})
 
 
@@ -699,9 +718,36 @@ def _vectors() -> list[Vector]:
                "message type 204 at minor 6: decoders raise UnknownMessage; a receiver of minor 5 or lower ignores "
                "it (newer minor)"),
     ]
+    first = Tag(kind=TagKind.KV, room_id=0x00C0FFEE, generation=1_000_001, link_id=7, seq=0)
+    pair = pack_tags([first.encode(), dataclasses.replace(first, seq=1).encode()])
+    lists = [
+        tag_list("list_two_writes.hex", [first, dataclasses.replace(first, seq=1)],
+                 "minor 6: tag_kv.hex and the next write of its link (seq 1), posted in one pass and moved as "
+                 "one transfer: the receiver takes each tag as if it had come alone"),
+        tag_list("list_rooms.hex", [Tag(kind=TagKind.KV, room_id=1, generation=2, link_id=3, seq=0),
+                                    Tag(kind=TagKind.STAGED, room_id=1, generation=2, link_id=3, seq=4),
+                                    Tag(kind=TagKind.KV, room_id=U64_MAX, generation=U32_MAX, link_id=3, seq=U32_MAX)],
+                 "minor 6: three writes of two rooms on link 3, one of them STAGED"),
+        list_reject("reject_list_one.hex", pair[:4] + b"\x01\x00"
+                    + pair[6:32], "a list of one tag (count 1): not a list; as a tag it is malformed"),
+        list_reject("reject_list_trailing.hex", pair + b"\x00", "a byte after the last listed tag"),
+        list_reject("reject_list_short.hex", pair[:-1], "the last listed tag ends past the notification"),
+        list_reject("reject_list_version.hex", pair[:2] + b"\x02" + pair[3:], "list version 2 is not defined"),
+        frame("transfer_done_minor6.hex", TRANSFER_DONE, "minor 6: transfer_done.hex as a version 1.6 prefill "
+              "rank sends it: the body is the same", minor=6),
+        decode_only("staging_grant_minor7_trailing.hex",
+                    with_trailing(encode(STAGING_GRANT, minor=7), bytes.fromhex("7a7a"), minor=7),
+                    STAGING_GRANT,
+                    "minor 7: a STAGING_GRANT with 2 bytes of fields this decoder does not know: they are ignored",
+                    twin="staging_grant.hex", minor=7),
+        reject("reject_unknown_type_minor7.hex", patched(encode(HEARTBEAT, minor=7), 4, "<B", 205),
+               "UnknownMessage", ErrorCode.MALFORMED_FRAME,
+               "message type 205 at minor 7: decoders raise UnknownMessage; a receiver of minor 6 or lower ignores "
+               "it (newer minor)"),
+    ]
     # The MAX_FRAME bound is tested in tests/wire/test_fuzz.py rather than with 16 MiB files.
     return good + tail + rejects + tags + tag_rejects + staging + duplicates + groups + state_block + exact + layouts + \
-        holds + named
+        holds + named + lists
 
 
 VECTORS = _vectors()
