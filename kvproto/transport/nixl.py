@@ -29,7 +29,12 @@ and its notification the list of their tags (``pack_tags``). Every write of a tr
 state; the transfer is released with its last write. A transfer that fails fails every write it
 carries, and only those. ``drain_notifications`` turns a list back into its tags, so that the
 endpoint above sees one notification per write as before. Checks stay at ``post_prepared``: a bad
-index still raises there, for the one write.
+index still raises there, for the one write. What does not wait: a write without a tag (nothing to
+list), a write above ``BATCH_BYTES`` (its bytes, not its fixed costs, bound it, and separate
+transfers progress side by side: on one GPU a layer of 16 rooms' 4 MiB writes as one transfer
+moved them one after another, 19.6 ms against a tail of 5 ms as 16 transfers), and ``post_descs``
+(NIXL checks those rows itself, when the transfer is made: in a batch one bad row would fail the
+other writes).
 
 Regions of one ``register`` call that overlap are registered once, as their union
 (``merge_regions``): NIXL 1.5.1 accepts overlapping registrations but then looks a descriptor up in
@@ -186,7 +191,8 @@ class NixlTransport(TrackedLists, AdapterKit):
             raise TransportError(f"create agent: NIXL has no {_BACKEND} backend plugin")
         super().__init__(name)
         self._lists: set[NixlDescList] = set()
-        self._transfers: set[_Transfer] = set()
+        self._xfers: set[_Transfer] = set()
+        """Transfers whose handles this agent still holds (released with their last write)."""
         self._batched: set[str] = set()
         """Peers that read notification lists (``batch_writes``)."""
         self._waiting: list[_Waiting] = []
@@ -392,7 +398,7 @@ class NixlTransport(TrackedLists, AdapterKit):
             return
         transfer.riders -= 1
         if transfer.riders == 0:
-            self._transfers.discard(transfer)
+            self._xfers.discard(transfer)
             try:
                 transfer.handle.release()
             except Exception as e:
@@ -444,7 +450,7 @@ class NixlTransport(TrackedLists, AdapterKit):
         for w in self._waiting:
             w.xfer.state, w.xfer.error, w.xfer.released = XferState.ERROR, "the agent was closed", True
         self._waiting.clear()
-        for transfer in self._transfers:
+        for transfer in self._xfers:
             attempt("release write", transfer.handle.release)
         for dlist in self._lists:
             dlist.invalid = "the agent was closed"
@@ -454,7 +460,7 @@ class NixlTransport(TrackedLists, AdapterKit):
                 attempt("deregister", self._agent.deregister_memory, rd, [_BACKEND])
         for peer in self._peers:
             attempt(f"remove peer {peer!r}", self._agent.remove_remote_agent, peer)
-        self._transfers.clear()
+        self._xfers.clear()
         self._lists.clear()
         self._registrations.clear()
         self._peers.clear()
@@ -473,7 +479,7 @@ class NixlTransport(TrackedLists, AdapterKit):
             handle.release()
             raise TransportError(f"{op} to {peer!r}: NIXL refused to post the write")
         transfer = _Transfer(handle, XferState.PENDING, riders)
-        self._transfers.add(transfer)
+        self._xfers.add(transfer)
         self.transfers += 1
         self._settle(transfer, state)
         return transfer
