@@ -321,6 +321,7 @@ def _row(case: Case, shape: Shape, raw_gbps: float, gbps: float, p_results: list
     first = max(r["first"] for r in d_results)
     warm = max(r["warm"] for r in d_results)
     descriptors = [sum(ds) for ds in zip(*(r["descriptors"] for r in p_results))]
+    busiest = max(p_results, key=lambda r: r["cpu_us_per_room"])
     return Row(
         tp=f"{case.prefill_tp}->{case.decode_tp}", size_mib=case.room_bytes(shape) / MIB,
         pages=case.pages, path=case.path, in_flight=case.in_flight, rooms=case.rooms, gbps=gbps,
@@ -333,9 +334,8 @@ def _row(case: Case, shape: Shape, raw_gbps: float, gbps: float, p_results: list
         bad_bytes=sum(r["bad"] for r in d_results), paths=sorted({p for r in p_results for p in r["paths"]}),
         groups="hybrid" if case.hybrid else "one", prefill_cpu=max(r["cpu"] for r in p_results),
         decode_cpu=max(r["cpu"] for r in d_results), prefill_us_per_room=max(r["cpu_us_per_room"] for r in p_results),
-        prefill_threads=max(p_results, key=lambda r: r["cpu_us_per_room"]).get("threads_us_per_room", {}),
-        writes_per_launch=max(p_results, key=lambda r: r["cpu_us_per_room"]).get("writes_per_launch"),
-        batched_by=max(p_results, key=lambda r: r["cpu_us_per_room"]).get("batched_by", ""))
+        prefill_threads=busiest.get("threads_us_per_room", {}), writes_per_launch=busiest.get("writes_per_launch"),
+        batched_by=busiest.get("batched_by", ""))
 
 
 def median_run(runs: list[Row]) -> Row:

@@ -286,14 +286,10 @@ class NixlTransport(TrackedLists, AdapterKit):
     def _invalidate(self, peer: str, why: str) -> None:
         """A peer removed or reloaded: its waiting writes fail (their lists are going) before
         its lists are retired."""
-        if any(w.xfer.peer == peer for w in self._waiting):
-            kept = []
-            for w in self._waiting:
-                if w.xfer.peer == peer:
-                    w.xfer.state, w.xfer.error = XferState.ERROR, f"not posted: {why}"
-                else:
-                    kept.append(w)
-            self._waiting = kept
+        for w in self._waiting:
+            if w.xfer.peer == peer:
+                w.xfer.state, w.xfer.error = XferState.ERROR, f"not posted: {why}"
+        self._waiting = [w for w in self._waiting if w.xfer.peer != peer]
         self._batched.discard(peer)
         super()._invalidate(peer, why)
 
@@ -324,16 +320,16 @@ class NixlTransport(TrackedLists, AdapterKit):
         transfer NIXL refuses fails the writes it would have carried, not the caller."""
         waiting, self._waiting = self._waiting, []
         runs: list[list[_Waiting]] = []
-        open_runs: dict[tuple[str, int, int], tuple[list[_Waiting], list[int]]] = {}
+        open_runs: dict[tuple[str, int, int], tuple[list[_Waiting], int]] = {}
+        """The run each (peer, local list, remote list) adds to now, and its bytes."""
         for w in waiting:
             key = (w.xfer.peer, id(w.local), id(w.remote))
-            run = open_runs.get(key)
-            if run is None or len(run[0]) >= self.BATCH or run[1][0] + w.nbytes > self.BATCH_BYTES:
-                run = open_runs[key] = ([w], [w.nbytes])
-                runs.append(run[0])
-            else:
-                run[0].append(w)
-                run[1][0] += w.nbytes
+            run, nbytes = open_runs.get(key, (None, 0))
+            if run is None or len(run) >= self.BATCH or nbytes + w.nbytes > self.BATCH_BYTES:
+                run, nbytes = [], 0
+                runs.append(run)
+            run.append(w)
+            open_runs[key] = (run, nbytes + w.nbytes)
         for run in runs:
             first = run[0]
             try:
@@ -393,8 +389,7 @@ class NixlTransport(TrackedLists, AdapterKit):
         self._check_release(xfer, xfer.peer, xfer.peer in self._peers)
         xfer.released = True
         transfer = xfer.transfer
-        if transfer is None:  # never posted (its pass failed it, or its peer went first)
-            self._waiting = [w for w in self._waiting if w.xfer is not xfer]
+        if transfer is None:  # never posted: its pass failed it, or its peer went first (_invalidate)
             return
         transfer.riders -= 1
         if transfer.riders == 0:
