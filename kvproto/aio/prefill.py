@@ -54,7 +54,7 @@ from kvproto.aio.room import SenderRoomHandle
 from kvproto.aio.staging import CacheKernels, Copies, Piece, StagingBuffer, Stager, warm_kernels, warm_rows_kernels
 from kvproto.core import PostAux, PostGroups, PostStaged, PostWrite, RoomState, SenderCore
 from kvproto.transport import TransportError, XferState
-from kvproto.transport.base import completion_event
+from kvproto.transport.base import completion_event, wait_on_device
 from kvproto.wire import (
     MINOR,
     Abort,
@@ -361,7 +361,8 @@ class PrefillEndpoint(PrefillLinks, EndpointBase):
         if not isinstance(out, (PostWrite, PostAux, PostStaged, PostGroups)):
             raise TypeError(f"unexpected output {out!r}")
         ready = getattr(out, "ready", ())
-        if ready and not _fired(ready):  # its layers are not written yet: posted once the events fire
+        if ready and not _fired(ready) and not self._waits_on_device(out, ready):
+            # its layers are not written yet: posted once the events fire
             self._held.setdefault(tuple(map(id, ready)), []).append(out)
             if self.config.ready_thread:
                 if self._ready is None:
@@ -370,6 +371,19 @@ class PrefillEndpoint(PrefillLinks, EndpointBase):
                 self._ready.watch(ready)
             return
         self._post(out)
+
+    def _waits_on_device(self, out: Any, ready: tuple[Any, ...]) -> bool:
+        """Whether ``out``, whose KV is still being computed, may be posted now because its
+        adapter orders it after ``ready`` on the device (``wait_on_device``: a kernel write of a
+        GPU cache into a mapped peer). Then its kernel is queued behind the engine's events and
+        runs the moment the layer is, where a held write waited for the loop to see the events
+        fire and post it: a layer's posts, done during its compute, leave the tail after the
+        last layer."""
+        if not isinstance(out, PostWrite) or not self.kv.tensors or self.kv.tensors[0].device.type != "cuda":
+            return False
+        link = self._links.get(out.link)  # type: ignore[arg-type]
+        assert self.transport is not None
+        return link is not None and wait_on_device(self.transport, link.path.peer, ready)
 
     def _release_held(self) -> int:
         """Post the held writes whose readiness events have fired (each distinct set of events

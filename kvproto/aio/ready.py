@@ -4,7 +4,10 @@ Theory of operation
 -------------------
 A chunk sent with ``ready=`` (layer-wise sends above all: one CUDA event per layer, shared by
 every room of the forward) is held by the prefill endpoint until those events complete, then
-posted (``PrefillEndpoint._release_held``). The progress task cannot await a CUDA event, and
+posted (``PrefillEndpoint._release_held``) — unless its adapter orders it after those events on
+the device (``kvproto.transport.base.wait_on_device``: the kernel path into a mapped peer), where
+it is posted at once, its kernel queued behind the events, and nothing is held. The progress task
+cannot await a CUDA event, and
 between passes its loop sleeps in ``epoll``, whose timeout counts whole milliseconds: polling
 the events from the loop notices a layer up to a millisecond after it is ready, which was most
 of a layer-wise transfer's tail after the last layer.

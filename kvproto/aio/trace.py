@@ -8,7 +8,9 @@ tagged, scattered) to a list in memory, with the GPU time of each copy and, thro
 which step of a slow progress pass took its time, and each endpoint writes its list to
 ``DIR/<role>-<pid>.trace`` when it closes: one line per event. Control messages of a room are
 marked as they leave (``sent_<Message>``) and arrive (``recv_<Message>``), a room's writes as
-posted and written, its end as ``ended``. ``time.monotonic`` is one clock for every process of
+posted and written, its end as ``ended``; ``kvproto bench layers --processes`` marks ``fired``
+(a batch's last layer's event seen fired by its thread, the tail's start: room = the batch's
+first room, seq = how many microseconds later the event loop got to mark it). ``time.monotonic`` is one clock for every process of
 a host, so the files of both sides merge into one timeline (``benchmarks/trace_timeline.py``
 prints where a room's time goes, hop by hop). Without the
 variable ``mark`` is a test of a module constant and nothing is kept.

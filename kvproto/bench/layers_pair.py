@@ -38,6 +38,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvproto.aio import trace
 from kvproto.bench.layers import Engine
 
 
@@ -125,6 +126,7 @@ async def _prefill(args: argparse.Namespace, device: Any, transport: str, conn: 
             # the tail starts when the last layer is ready: its event's firing, or (no event: the CPU)
             # the end of its compute, before the sends, whose posts may do the copying on the CPU
             last = await asyncio.to_thread(_fired_at, event) if event is not None else ready
+            trace.mark("fired", first_room, int((time.monotonic() - last) * 1e6))  # KVPROTO_TRACE: the tail's start
             if mode == "room":
                 for i, room in enumerate(rooms):
                     room.send(_pages(args, i, False), args.tokens, last=True, ready=event)

@@ -119,6 +119,16 @@ class Lane:
             self._check("cuEventRecord", self._cu.cuEventRecord(self._join, current))
             self._check("cuStreamWaitEvent", self._cu.cuStreamWaitEvent(self.handle, self._join, 0))
 
+    def wait_events(self, events: Any) -> None:
+        """Work launched on the lane from now on runs after each of ``events`` (CUDA events of any
+        stream: ``torch.cuda.Event``) completes; the host does not wait."""
+        for event in events:
+            if self._cu is None:
+                self.stream.wait_event(event)
+            else:
+                handle = self._cu.CUevent(int(event.cuda_event))
+                self._check("cuStreamWaitEvent", self._cu.cuStreamWaitEvent(self.handle, handle, 0))
+
     def upload(self, dst: int, src: int, nbytes: int) -> None:
         """Copy ``nbytes`` from pinned host memory at ``src`` to device memory at ``dst``, on the lane
         (asynchronously: ``src`` must stay as it is until an event recorded after it completes).

@@ -363,6 +363,16 @@ def completion_event(transport: Transport) -> Any | None:
     return None if fn is None else fn()
 
 
+def wait_on_device(transport: Transport, peer: str, events: Sequence[Any]) -> bool:
+    """Call the adapter's optional ``wait_on_device(peer, events)``: True where the adapter's next
+    write to ``peer`` will run on the device only after ``events`` (CUDA events of the engine's
+    streams) complete, so an endpoint may post a write whose KV is still being computed and the
+    write starts the moment it is ready, without the host in between (the kernel path). False:
+    the adapter cannot (or has no such method); the write must be held until the events fired."""
+    fn = getattr(transport, "wait_on_device", None)
+    return False if fn is None else bool(fn(peer, events))
+
+
 def batch_writes(transport: Transport, peer: str) -> bool:
     """Call the adapter's optional ``batch_writes(peer)``, which says that ``peer``'s adapter reads
     notification lists (``pack_tags``; kvproto 1.6 and later): the writes an endpoint posts to that

@@ -33,6 +33,12 @@ What it guarantees (beyond ``kvproto.transport.base``):
   writes released by one event — go as one kernel, each its own pages and token range
   (``kvproto.transport.cuda_ipc.writes``). Each launch has its own event, so a room still ends
   with its own kernel, and launch order stays posting order.
+* **Writes queued behind the engine.** ``wait_on_device(peer, events)`` makes the peer's next
+  write wait on the lane for the engine's CUDA events (``cuStreamWaitEvent``), so a prefill
+  endpoint posts a layer's writes while the layer still computes (a layer-wise send's ``ready``)
+  and their kernel runs the moment it is done, with no host step between; writes that wait for
+  the same events still go as one kernel. While such a write waits, every later launch of this
+  agent's lane waits too (one stream, launch order), and removing its peer waits for it.
 * **Tags after bytes.** A kernel write runs on this agent's own CUDA stream (after the work
   already queued on the caller's current stream) and records an event; that stream is a
   ``kvproto.kernels.lane.Lane``, which makes those calls and the table's upload on the driver

@@ -129,8 +129,11 @@ class CudaIpcTransport(WriteRunner, LaunchPlanner, AdapterKit):
         self._uploads = Uploads()
         self._running: collections.deque[KernelXfer] = collections.deque()
         """Kernel writes not yet seen finished, in launch order (see ``_advance``)."""
-        self._deferred: list[tuple[_Launch, KernelXfer]] = []
-        """Writes posted and not yet launched, in posting order (``_flush``)."""
+        self._deferred: list[tuple[_Launch, KernelXfer, tuple[Any, ...]]] = []
+        """Writes posted and not yet launched, in posting order, with the events each waits for
+        on the device (``_flush``)."""
+        self._after: dict[str, tuple[Any, ...]] = {}
+        """By peer: the events its next write waits for on the device (``wait_on_device``)."""
         self.launches = 0
         """Kernels this agent launched (a batch of writes counts once): ``stats.writes / launches``
         is how many writes a launch carried."""
@@ -334,6 +337,7 @@ class CudaIpcTransport(WriteRunner, LaunchPlanner, AdapterKit):
         self._routes.pop(peer, None)
 
     def _forget_peer(self, peer: str, why: str) -> None:
+        self._after.pop(peer, None)
         if peer in self._peers:
             self._flush()
         mapped = self._peers.pop(peer, None)

@@ -78,19 +78,37 @@ class WriteRunner:
         calls first); any other write runs at once, after the waiting ones (launch order is
         completion order).
         On the GPU the write follows the work already queued on the caller's current stream, as
-        of this call (``Lane.follow``), whenever its kernel launches."""
+        of this call (``Lane.follow``), whenever its kernel launches, and the events that
+        ``wait_on_device`` gave for this peer's next write (``_after``)."""
         nbytes = sum(launch.nbytes for launch in launches)
         descriptors = sum(launch.descriptors for launch in launches)
         device = launches[0].bases.table.device
+        after = self._after.pop(mapped.name, ())
         if device.type == "cuda":
             self._own_lane(device).follow()
         xfer = self._record(mapped, tag, None, (), nbytes, descriptors)
         if len(launches) == 1 and launches[0].rows is not None and nbytes < self.BATCH_BYTES:
-            self._deferred.append((launches[0], xfer))
+            self._deferred.append((launches[0], xfer, after))
             return xfer
         self._flush()
-        self._launch(launches, [xfer])
+        self._launch(launches, [xfer], after)
         return xfer
+
+    def wait_on_device(self, peer: str, events: Sequence[Any]) -> bool:
+        """``peer``'s next write runs on the device after ``events`` (the engine's CUDA events:
+        ``torch.cuda.Event``) complete, its kernel launched now, before they do: the lane waits
+        for them (``cuStreamWaitEvent``), the host does not (``kvproto.transport.base.wait_on_device``).
+        True where the peer is mapped, this agent has its GPU lane and every event is a CUDA event;
+        False (nothing changes) elsewhere: a fallback peer, no GPU, events of another kind. The
+        caller's next write to ``peer`` must be a kernel write (GPU memory): host memory goes
+        through the fallback, which cannot wait on the device."""
+        self._check_open()
+        if peer not in self._peers or self._lane is None:
+            return False
+        if not all(getattr(event, "cuda_event", None) for event in events):
+            return False
+        self._after[peer] = tuple(events)
+        return True
 
     def flush(self) -> None:
         """Launch the writes posted since the last flush (``Transport.flush``)."""
@@ -108,22 +126,24 @@ class WriteRunner:
             return
         deferred, self._deferred = self._deferred, []
         runs: list[tuple[list[_Launch], list[KernelXfer], list[Any]]] = []
-        """Each run's launches, writes, and [key, bytes] (a key names its peer's regions: one peer)."""
+        """Each run's launches, writes, and [key, bytes, events] (a key names its peer's regions:
+        one peer; events: what its writes wait for on the device, ``wait_on_device``)."""
         open_runs: dict[str, tuple[list[_Launch], list[KernelXfer], list[Any]]] = {}
-        for launch, xfer in deferred:
+        for launch, xfer, after in deferred:
             assert launch.rows is not None
             key = launch.rows.batch_key
             run = open_runs.get(xfer.peer)
             if (run is not None and run[2][0] == key and run[2][1] + launch.nbytes <= self.BATCH_BYTES
-                    and len(run[1]) < min(self.BATCH, GRID_Y // launch.rows.shape.rows.regions)):
+                    and len(run[1]) < min(self.BATCH, GRID_Y // launch.rows.shape.rows.regions)
+                    and _same(run[2][2], after)):
                 run[0].append(launch)
                 run[1].append(xfer)
                 run[2][1] += launch.nbytes
             else:
-                run = open_runs[xfer.peer] = ([launch], [xfer], [key, launch.nbytes])
+                run = open_runs[xfer.peer] = ([launch], [xfer], [key, launch.nbytes, after])
                 runs.append(run)
-        for launches, xfers, _ in runs:
-            self._launch(launches, xfers)
+        for launches, xfers, (_, _, after) in runs:
+            self._launch(launches, xfers, after)
 
     BATCH = 256
     """The most writes in one batched launch."""
@@ -133,15 +153,16 @@ class WriteRunner:
     the link, and a pipeline of big rooms would run in convoys (the GPU idle while the host ends
     and posts a whole batch); a launch's host cost matters only beside a small room's link time."""
 
-    def _launch(self, launches: Sequence[_Launch], xfers: Sequence[KernelXfer]) -> None:
+    def _launch(self, launches: Sequence[_Launch], xfers: Sequence[KernelXfer], after: Sequence[Any] = ()) -> None:
         """Run one write's launches (``xfers`` its one write), or the one rows launch of each of
         several writes as one kernel (``xfers`` those writes), on this agent's lane (on CPU
         memory: at once, in the interpreter), then the one event they wait for: every run of a
         flush its own event, so a room ends as soon as its own kernel has. On the GPU the lane
         makes the tables' uploads, the launches and the event as driver calls on raw handles
         (``kvproto.kernels.lane``); where it has no driver binding, or the caller's current device
-        is another, the same calls go through torch with the lane's stream made current. A launch
-        that raises fails these writes (they poll ERROR with the cause), nothing else."""
+        is another, the same calls go through torch with the lane's stream made current. The lane
+        first waits for ``after`` (``wait_on_device``). A launch that raises fails these writes
+        (they poll ERROR with the cause), nothing else."""
         import torch
 
         device = launches[0].bases.table.device
@@ -160,6 +181,7 @@ class WriteRunner:
                 event: Any = _Done()
             else:
                 lane = self._own_lane(device)
+                lane.wait_events(after)
                 slots = []
                 raw = lane.raw and torch.cuda.current_device() == lane.index
                 stream = lane.stream if raw else None  # raw: named to each launch; else made current
@@ -253,3 +275,8 @@ class WriteRunner:
             except TransportError as exc:
                 xfer.state, xfer.error = XferState.ERROR, f"the tag could not be sent: {exc}"
             mapped.queue.popleft()
+
+
+def _same(a: Sequence[Any], b: Sequence[Any]) -> bool:
+    """Whether two writes wait for the same events (``wait_on_device``): one launch may carry both."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
