@@ -533,11 +533,16 @@ class PrefillEndpoint(PrefillLinks, EndpointBase):
         return finished > 0
 
     def _poll_writes(self, now: float) -> int:
-        """Poll every write in flight; finish those that ended. A poll the transport refuses
+        """Poll every write in flight; finish those that ended, each one's consequences acted on
+        before the next is finished (``_flush``): a room's TRANSFER_DONE leaves as its last write
+        ends, so the decode rank ends that room while this rank finishes the others (a layer's
+        writes to a batch of rooms end together). A poll the transport refuses
         (``TransportError``) ends that write as failed: its room fails, the others go on."""
         assert self.transport is not None
         finished = 0
         for xfer, pending in list(self._pending.items()):
+            if xfer not in self._pending:  # ended meanwhile (its link dropped by a flush)
+                continue
             why = None
             try:
                 state = self.transport.poll(xfer)
@@ -548,6 +553,7 @@ class PrefillEndpoint(PrefillLinks, EndpointBase):
                 continue
             finished += 1
             self._finish(xfer, pending, state is XferState.DONE, now, why)
+            self._flush()
         return finished
 
     def _busy(self) -> bool:
