@@ -68,6 +68,9 @@ class FaultPlan:
     delay_write: float = 0.0
     """The write stays PENDING for a number of polls drawn from ``delay_polls``."""
     delay_polls: tuple[int, int] = (1, 8)
+    delay_s: float = 0.0
+    """A delayed write also stays PENDING until this many seconds after it was posted (0: its
+    polls alone): a hold whose length does not depend on how fast the machine polls."""
     drop_tag: float = 0.0
     """The bytes land, the tag never arrives."""
     duplicate_tag: float = 0.0
@@ -217,6 +220,8 @@ class SimulatedTransport(LoopbackTransport):
         if self.bandwidth:
             self._link_free = max(time.monotonic(), self._link_free) + nbytes / self.bandwidth
             xfer.due = self._link_free
+        if delay and self.faults.delay_s:
+            xfer.due = max(xfer.due or 0.0, time.monotonic() + self.faults.delay_s)
         self._outstanding.add(xfer)
         return xfer
 

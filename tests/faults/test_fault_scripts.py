@@ -119,13 +119,15 @@ async def test_endpoint_decode_clock_jump_keeps_rooms_until_writes_end_regressio
 async def test_endpoint_decode_close_with_writes_in_flight_waits_for_them_regression(path: str,
                                                                                      prefill_tp: int) -> None:
     """The decode endpoint closes while the prefill's writes into its room are in flight (held for
-    20,000 polls): the room reports FAILED (ENDPOINT_CLOSED) only once the prefill answered its
-    ABORT, which follows those writes (found by seeds 24 and 115 one run in two: close() failed the
-    room at once, on the claim that closing deregisters the memory, and the writes landed before the
-    transport closed; this script failed that way every time)."""
+    0.6 s from their post): the room reports FAILED (ENDPOINT_CLOSED) only once the prefill answered
+    its ABORT, which follows those writes (found by seeds 24 and 115 one run in two: close() failed
+    the room at once, on the claim that closing deregisters the memory, and the writes landed before
+    the transport closed; this script failed that way every time). The hold is in seconds
+    (``FaultPlan.delay_s``): a hold of 20,000 polls, as this test had, ended before the close at 0.2 s
+    on a machine whose loop polled faster."""
     script = Script(seed=9101, prefill_tp=prefill_tp, path=path, staging_bytes=1024,
                     rooms=(_room(9101001, src_pages=((3, 9),) * prefill_tp),),
-                    data=(("delay_write", 1.0),), delay_polls=(20000, 20000), close_decode=0.2)
+                    data=(("delay_write", 1.0), ("delay_s", 0.6)), delay_polls=(1, 1), close_decode=0.2)
     out = await run_script(script, summarize=False)
     assert not out.violations, out.violations
     ends = {e.side: (e.state, e.code) for e in out.ends}
