@@ -192,6 +192,23 @@ def with_trailing(data: bytes, extra: bytes, *, minor: int | None = None) -> byt
     return bytes(out)
 
 
+def newer_minor(minor: int, extra: str, msg_type: int) -> list[Vector]:
+    """The pair every minor version adds: a STAGING_GRANT of that minor carrying ``extra`` (hex),
+    bytes of fields an older decoder does not know and ignores, and message type ``msg_type`` at
+    that minor, which decoders refuse and a receiver of an older minor ignores."""
+    trailing = bytes.fromhex(extra)
+    return [
+        decode_only(f"staging_grant_minor{minor}_trailing.hex",
+                    with_trailing(encode(STAGING_GRANT, minor=minor), trailing, minor=minor), STAGING_GRANT,
+                    f"minor {minor}: a STAGING_GRANT with {len(trailing)} bytes of fields this decoder does not know: "
+                    f"they are ignored", twin="staging_grant.hex", minor=minor),
+        reject(f"reject_unknown_type_minor{minor}.hex", patched(encode(HEARTBEAT, minor=minor), 4, "<B", msg_type),
+               "UnknownMessage", ErrorCode.MALFORMED_FRAME,
+               f"message type {msg_type} at minor {minor}: decoders raise UnknownMessage; a receiver of minor "
+               f"{minor - 1} or lower ignores it (newer minor)"),
+    ]
+
+
 def patched(data: bytes, offset: int, fmt: str, value: int) -> bytes:
     out = bytearray(data)
     struct.pack_into(fmt, out, offset, value)
@@ -574,15 +591,7 @@ def _vectors() -> list[Vector]:
                              encode(TRANSFER_REQUEST_GROUPS, minor=2)[24:-2]),
                "MalformedFrame", ErrorCode.MALFORMED_FRAME,
                "minor 2: the groups field is optional, but once its count is sent its records must all be there"),
-        decode_only("staging_grant_minor3_trailing.hex",
-                    with_trailing(encode(STAGING_GRANT, minor=3), bytes.fromhex("0000000001020304"), minor=3),
-                    STAGING_GRANT,
-                    "minor 3: a STAGING_GRANT with 8 bytes of fields this decoder does not know: they are ignored",
-                    twin="staging_grant.hex", minor=3),
-        reject("reject_unknown_type_minor3.hex", patched(encode(HEARTBEAT, minor=3), 4, "<B", 201),
-               "UnknownMessage", ErrorCode.MALFORMED_FRAME,
-               "message type 201 at minor 3: decoders raise UnknownMessage; a receiver of minor 2 or lower ignores "
-               "it (newer minor)"),
+        *newer_minor(3, "0000000001020304", 201),
     ]
     state_block = [
         frame("staging_grant_last.hex",
@@ -591,15 +600,7 @@ def _vectors() -> list[Vector]:
               "minor 3: the grant of write 1, tokens [64, 100): with staging_grant.hex it covers staging_request.hex's "
               "tokens, and it ends them, so between peers of minor 3 whose prefill rank writes state into the decode "
               "rank its region holds 36 units and then the pair's state block (staging.md)", minor=3),
-        decode_only("staging_grant_minor4_trailing.hex",
-                    with_trailing(encode(STAGING_GRANT, minor=4), bytes.fromhex("0504030201"), minor=4),
-                    STAGING_GRANT,
-                    "minor 4: a STAGING_GRANT with 5 bytes of fields this decoder does not know: they are ignored",
-                    twin="staging_grant.hex", minor=4),
-        reject("reject_unknown_type_minor4.hex", patched(encode(HEARTBEAT, minor=4), 4, "<B", 202),
-               "UnknownMessage", ErrorCode.MALFORMED_FRAME,
-               "message type 202 at minor 4: decoders raise UnknownMessage; a receiver of minor 3 or lower ignores "
-               "it (newer minor)"),
+        *newer_minor(4, "0504030201", 202),
     ]
     # Version 1.3, no change to the wire format: how the text answers questions the 1.2 text left
     # open. Each answer that refuses something, and each that a reader could get wrong, has a vector.
@@ -658,15 +659,7 @@ def _vectors() -> list[Vector]:
                with_trailing(encode(CACHE_GROUPS_LAYOUTS, minor=4)[:24], encode(CACHE_GROUPS_LAYOUTS, minor=4)[24:-3]),
                "MalformedFrame", ErrorCode.MALFORMED_FRAME,
                "minor 4: the layouts field is optional, but once its count is sent its records must all be there"),
-        decode_only("staging_grant_minor5_trailing.hex",
-                    with_trailing(encode(STAGING_GRANT, minor=5), bytes.fromhex("a5a5a5"), minor=5),
-                    STAGING_GRANT,
-                    "minor 5: a STAGING_GRANT with 3 bytes of fields this decoder does not know: they are ignored",
-                    twin="staging_grant.hex", minor=5),
-        reject("reject_unknown_type_minor5.hex", patched(encode(HEARTBEAT, minor=5), 4, "<B", 203),
-               "UnknownMessage", ErrorCode.MALFORMED_FRAME,
-               "message type 203 at minor 5: decoders raise UnknownMessage; a receiver of minor 4 or lower ignores "
-               "it (newer minor)"),
+        *newer_minor(5, "a5a5a5", 203),
     ]
     room_hold = encode(ROOM_HOLD, minor=4)
     holds = [
@@ -708,15 +701,7 @@ def _vectors() -> list[Vector]:
         frame("transfer_request_named_window.hex", TRANSFER_REQUEST_NAMED,
               "minor 5: transfer_request_groups.hex's room on a link of cache_groups_named_window.hex: the decode "
               "names swa's pages from page 12 (tokens [192, 300)), where its engine's window begins", minor=5),
-        decode_only("staging_grant_minor6_trailing.hex",
-                    with_trailing(encode(STAGING_GRANT, minor=6), bytes.fromhex("5a5a"), minor=6),
-                    STAGING_GRANT,
-                    "minor 6: a STAGING_GRANT with 2 bytes of fields this decoder does not know: they are ignored",
-                    twin="staging_grant.hex", minor=6),
-        reject("reject_unknown_type_minor6.hex", patched(encode(HEARTBEAT, minor=6), 4, "<B", 204),
-               "UnknownMessage", ErrorCode.MALFORMED_FRAME,
-               "message type 204 at minor 6: decoders raise UnknownMessage; a receiver of minor 5 or lower ignores "
-               "it (newer minor)"),
+        *newer_minor(6, "5a5a", 204),
     ]
     first = Tag(kind=TagKind.KV, room_id=0x00C0FFEE, generation=1_000_001, link_id=7, seq=0)
     pair = pack_tags([first.encode(), dataclasses.replace(first, seq=1).encode()])
@@ -735,15 +720,7 @@ def _vectors() -> list[Vector]:
         list_reject("reject_list_version.hex", pair[:2] + b"\x02" + pair[3:], "list version 2 is not defined"),
         frame("transfer_done_minor6.hex", TRANSFER_DONE, "minor 6: transfer_done.hex as a version 1.6 prefill "
               "rank sends it: the body is the same", minor=6),
-        decode_only("staging_grant_minor7_trailing.hex",
-                    with_trailing(encode(STAGING_GRANT, minor=7), bytes.fromhex("7a7a"), minor=7),
-                    STAGING_GRANT,
-                    "minor 7: a STAGING_GRANT with 2 bytes of fields this decoder does not know: they are ignored",
-                    twin="staging_grant.hex", minor=7),
-        reject("reject_unknown_type_minor7.hex", patched(encode(HEARTBEAT, minor=7), 4, "<B", 205),
-               "UnknownMessage", ErrorCode.MALFORMED_FRAME,
-               "message type 205 at minor 7: decoders raise UnknownMessage; a receiver of minor 6 or lower ignores "
-               "it (newer minor)"),
+        *newer_minor(7, "7a7a", 205),
     ]
     # The MAX_FRAME bound is tested in tests/wire/test_fuzz.py rather than with 16 MiB files.
     return good + tail + rejects + tags + tag_rejects + staging + duplicates + groups + state_block + exact + layouts + \
